@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh clone: `make demo` and `make test`.
+#
+# torch: on a machine without an NVIDIA GPU we first install a CPU build ($(TORCH_CPU)), which is
+# small and fast to install; pyproject.toml only asks for `torch>=2.3`, so users are never pinned.
+# Override for your machine, e.g. `make test TORCH_CPU='torch' TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_CPU ?= torch==2.13.0
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint typecheck unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py --run-dir demo-runs
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(PY) benchmarks/save_speed.py
+
+clean:
+	rm -rf $(VENV) demo-runs .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,59 @@
+"""crashproof: PyTorch training that survives failures and resumes bit for bit.
+
+A few lines in a training loop::
+
+    import crashproof as cp
+
+    state = cp.TrainState(model=model, optimizer=opt, scheduler=sched, data=loader)
+    ckpt = cp.CheckpointManager("runs/exp1", every=cp.EverySteps(200), keep=cp.KeepLast(3))
+    start = ckpt.restore(state)
+    for step in range(start, total_steps):
+        train_step()
+        ckpt.maybe_save(step + 1, state)
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from crashproof.checkpoint import CheckpointInfo, CheckpointManager, CommitResult
+from crashproof.errors import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    CrashproofError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedStateError,
+)
+from crashproof.policy import AnyOf, EverySeconds, EverySteps, KeepAll, KeepEvery, KeepLast
+from crashproof.state import ResumableSampler, TrainState
+from crashproof.storage import LocalStorage, MemoryStorage, Storage
+
+__all__ = [
+    "AnyOf",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CommitResult",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "CrashproofError",
+    "EverySeconds",
+    "EverySteps",
+    "KeepAll",
+    "KeepEvery",
+    "KeepLast",
+    "LocalStorage",
+    "MemoryStorage",
+    "ResumableSampler",
+    "StateMismatchError",
+    "Storage",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+    "__version__",
+]

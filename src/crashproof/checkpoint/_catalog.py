@@ -1,0 +1,85 @@
+"""What is in a checkpoint root: committed checkpoints, their summary, leftovers of failed saves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crashproof.checkpoint._format import parse_step_dir
+from crashproof.checkpoint._reader import read_manifest
+from crashproof.checkpoint._writer import TMP_PREFIX
+from crashproof.errors import CorruptCheckpointError
+from crashproof.storage import Storage
+
+__all__ = ["CheckpointInfo", "committed_steps", "describe_checkpoint", "leftover_dirs"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One checkpoint as ``crashproof ls`` shows it."""
+
+    step: int
+    path: str
+    created: float | None
+    """Unix time of the commit, from the manifest (None when the manifest is unreadable)."""
+    size_bytes: int
+    kind: str
+    world_size: int
+    valid: bool
+    """Manifest valid and every file present with its listed size (``verify`` checks checksums)."""
+    problem: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "path": self.path,
+            "created": self.created,
+            "size_bytes": self.size_bytes,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "valid": self.valid,
+            "problem": self.problem,
+        }
+
+
+def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """``(step, directory)`` of every directory named like a checkpoint, newest first.
+
+    Being listed here does not make it valid: only a verified manifest does.
+    """
+    found = [(step, storage.join(root, name)) for name in storage.list(root) if (step := parse_step_dir(name)) is not None]
+    return sorted(found, reverse=True)
+
+
+def leftover_dirs(storage: Storage, root: str) -> list[str]:
+    """Temporary directories of saves that never committed, and trash of replaced ones."""
+    return [storage.join(root, n) for n in storage.list(root) if n.startswith((TMP_PREFIX, ".trash-"))]
+
+
+def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInfo:
+    """A quick look: manifest valid and files present with their sizes; no checksums read."""
+    try:
+        manifest = read_manifest(storage, path)
+        present = set(storage.list(path))
+        for name, entry in manifest.files.items():
+            if name not in present:
+                raise CorruptCheckpointError(f"{storage.describe(storage.join(path, name))}: missing")
+            stream = storage.open(storage.join(path, name))
+            try:
+                size = stream.size()
+            finally:
+                stream.close()
+            if size != entry.size:
+                raise CorruptCheckpointError(f"{storage.describe(storage.join(path, name))}: {size} bytes, manifest lists {entry.size}")
+        if manifest.step != step:
+            raise CorruptCheckpointError(f"{storage.describe(path)}: the manifest is for step {manifest.step}")
+    except (CorruptCheckpointError, OSError) as exc:
+        return CheckpointInfo(step, storage.describe(path), None, 0, "unknown", 0, False, str(exc))
+    return CheckpointInfo(
+        step=step,
+        path=storage.describe(path),
+        created=manifest.created_unix,
+        size_bytes=sum(e.size for e in manifest.files.values()),
+        kind=manifest.kind,
+        world_size=manifest.world_size,
+        valid=True,
+    )

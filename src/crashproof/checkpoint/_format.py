@@ -1,0 +1,277 @@
+"""The on-disk format: names, the manifest and the per-rank index, and their validation.
+
+A checkpoint is a directory ``step_<N>`` under the root holding, per rank ``r``:
+
+- ``rank_<r>.safetensors``: the raw bytes of every tensor of that rank, laid out as a valid
+  safetensors file (8-byte header length, JSON header, data), so standard tools can read it;
+- ``rank_<r>.json``: the rank's index: each tensor's dtype, shape, byte range and checksum, and
+  the state tree (JSON, with tensors referenced by index);
+
+and, written last, ``manifest.json``: every file with its size and checksum, the step, world size,
+kind, format, library and torch versions. A directory without a valid manifest is not a checkpoint.
+
+Everything read from a file is validated here before it is used: names must be plain file names,
+every byte range must lie inside its file, and sizes must agree with dtypes and shapes, so a
+hostile or corrupt file can cause an error but never an out-of-bounds read or a huge allocation.
+See ``docs/format.md`` for the user-facing description.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from crashproof.checkpoint._dtypes import dtype_from_name
+from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MAX_INDEX_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "FileEntry",
+    "Manifest",
+    "RankIndex",
+    "TensorEntry",
+    "checkpoint_dir_name",
+    "dumps",
+    "index_name",
+    "parse_manifest",
+    "parse_rank_index",
+    "parse_step_dir",
+    "shard_name",
+]
+
+FORMAT_NAME = "crashproof-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_INDEX_BYTES = 512 * 1024 * 1024
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 64
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+_STEP_DIR = re.compile(r"^step_(\d{1,19})$")
+_KINDS = ("full",)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed checkpoint directory's name, or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def index_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def dumps(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys; ``allow_nan=False`` because non-finite floats are tagged."""
+    return json.dumps(obj, sort_keys=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    world_size: int
+    kind: str
+    created_unix: float
+    library_version: str
+    torch_version: str
+    hash_algorithm: str
+    files: dict[str, FileEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "kind": self.kind,
+            "created_unix": self.created_unix,
+            "library_version": self.library_version,
+            "torch_version": self.torch_version,
+            "hash_algorithm": self.hash_algorithm,
+            "byte_order": "little",
+            "files": {n: {"size": e.size, "checksum": e.checksum} for n, e in self.files.items()},
+            "metadata": self.metadata,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankIndex:
+    rank: int
+    step: int
+    shard_file: str
+    tensors: list[TensorEntry]
+    state: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "rank": self.rank,
+            "step": self.step,
+            "shard_file": self.shard_file,
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                 "nbytes": t.nbytes, "checksum": t.checksum}
+                for t in self.tensors
+            ],
+            "state": self.state,
+        }  # fmt: skip
+
+
+def _load_json(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError and huge ints
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+
+
+def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise CorruptCheckpointError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise CorruptCheckpointError(f"{where}: field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _count(obj: Any, key: str, where: str, *, upper: int = 1 << 62) -> int:
+    value: int = _require(obj, key, int, where)
+    if not 0 <= value <= upper:
+        raise CorruptCheckpointError(f"{where}: field {key!r} = {value} is out of range [0, {upper}]")
+    return value
+
+
+def check_plain_name(name: Any, where: str) -> str:
+    """A file name inside a checkpoint directory: no separators, no ``..``, no absolute paths."""
+    if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
+        raise UnsafeCheckpointError(
+            f"{where}: refers to {str(name)[:100]!r}, which is not a plain file name inside the "
+            "checkpoint directory; the checkpoint was tampered with or is corrupt"
+        )
+    return name
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Validate and parse ``manifest.json``; raises :class:`CorruptCheckpointError`."""
+    obj = _load_json(data, where)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a crashproof manifest")
+    version = _require(obj, "format_version", int, where)
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where}: format version {version}, this crashproof reads version {FORMAT_VERSION}; "
+            "upgrade crashproof to read it"
+        )
+    if obj.get("byte_order", "little") != "little":
+        raise CorruptCheckpointError(f"{where}: byte order {obj.get('byte_order')!r} is not supported")
+    kind = _require(obj, "kind", str, where)
+    if kind not in _KINDS:
+        raise CorruptCheckpointError(f"{where}: unknown checkpoint kind {kind!r}")
+    created = _require(obj, "created_unix", (int, float), where)
+    if not math.isfinite(created):
+        raise CorruptCheckpointError(f"{where}: created_unix is not finite")
+    files_obj = _require(obj, "files", dict, where)
+    files: dict[str, FileEntry] = {}
+    for name, entry in files_obj.items():
+        check_plain_name(name, where)
+        files[name] = FileEntry(
+            size=_count(entry, "size", f"{where} [{name}]"),
+            checksum=_require(entry, "checksum", str, f"{where} [{name}]"),
+        )
+    metadata = obj.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(f"{where}: field 'metadata' is not an object")
+    return Manifest(
+        step=_count(obj, "step", where),
+        world_size=max(1, _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)),
+        kind=kind,
+        created_unix=float(created),
+        library_version=_require(obj, "library_version", str, where),
+        torch_version=_require(obj, "torch_version", str, where),
+        hash_algorithm=_require(obj, "hash_algorithm", str, where),
+        files=files,
+        metadata=metadata,
+    )
+
+
+def parse_rank_index(data: bytes, where: str, *, file_sizes: Mapping[str, int] | None = None) -> RankIndex:
+    """Validate and parse ``rank_<r>.json``.
+
+    With ``file_sizes`` (the manifest's sizes by file name), the shard file must be listed and
+    every tensor's byte range must lie inside it; sizes always have to match dtypes and shapes.
+    """
+    obj = _load_json(data, where)
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{where}: not a rank index")
+    if _require(obj, "format_version", int, where) != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}: unsupported rank index version {obj['format_version']}")
+    shard_file = check_plain_name(obj.get("shard_file"), where)
+    shard_size = None
+    if file_sizes is not None:
+        if shard_file not in file_sizes:
+            raise CorruptCheckpointError(f"{where}: names shard {shard_file!r}, which the manifest does not list")
+        shard_size = file_sizes[shard_file]
+    tensors_obj = _require(obj, "tensors", list, where)
+    tensors = [_parse_tensor(t, f"{where} tensor #{i}", shard_size) for i, t in enumerate(tensors_obj)]
+    return RankIndex(
+        rank=_count(obj, "rank", where, upper=MAX_WORLD_SIZE),
+        step=_count(obj, "step", where),
+        shard_file=shard_file,
+        tensors=tensors,
+        state=obj.get("state"),
+    )
+
+
+def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
+    name = _require(obj, "name", str, where)
+    dtype = _require(obj, "dtype", str, where)
+    itemsize = dtype_from_name(dtype, where=where).itemsize
+    shape_obj = _require(obj, "shape", list, where)
+    if len(shape_obj) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{where} ({name}): {len(shape_obj)} dimensions")
+    shape = tuple(_count({"dim": d}, "dim", f"{where} ({name})") for d in shape_obj)
+    offset = _count(obj, "offset", where)
+    nbytes = _count(obj, "nbytes", where)
+    expected = math.prod(shape) * itemsize
+    if nbytes != expected:
+        raise CorruptCheckpointError(
+            f"{where} ({name}): {nbytes} bytes recorded, but {dtype}{list(shape)} needs {expected}"
+        )
+    if shard_size is not None and offset + nbytes > shard_size:
+        raise UnsafeCheckpointError(
+            f"{where} ({name}): bytes {offset}..{offset + nbytes} lie outside the shard file "
+            f"of {shard_size} bytes"
+        )
+    return TensorEntry(name, dtype, shape, offset, nbytes, _require(obj, "checksum", str, where))

@@ -1,0 +1,180 @@
+"""Turn a state tree (nested dicts, lists, tuples, scalars, tensors) into JSON and back, no pickle.
+
+Tensors are taken out of the tree and replaced by ``{"$tensor": i}``, an index into a tensor table
+that the shard writer stores as raw bytes. Everything else must be representable exactly in JSON:
+
+========================  =============================================
+Python value              JSON
+========================  =============================================
+None, bool, int, str      themselves (ints of any size: Python's json is exact)
+float                     itself (``repr`` round-trips exactly); non-finite as ``{"$float": "nan"}``
+list                      a list
+tuple                     ``{"$tuple": [...]}``
+dict with plain str keys  an object (keys starting with ``$`` force the tagged form)
+any other dict            ``{"$dict": [[key, value], ...]}`` (keys encoded like values)
+bytes                     ``{"$bytes": "<base64>"}``
+torch.dtype               ``{"$dtype": "float32"}``
+numpy scalar              ``{"$npscalar": "<dtype>", "value": ...}``
+numpy array               ``{"$ndarray": i}`` (stored through the tensor table)
+========================  =============================================
+
+Anything else raises :class:`UnsupportedStateError` naming the path of the offending value, so a
+user learns at the first save, not at the first restore, that their state cannot be stored.
+Decoding never constructs any type outside this table.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
+from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
+
+__all__ = ["JSONValue", "decode_tree", "encode_tree"]
+
+JSONValue = Any  # JSON-compatible value; a precise recursive alias buys nothing for mypy here
+
+# Deeper trees than this are not real training state; refusing them keeps decoding bounded.
+MAX_DEPTH = 64
+_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$bytes", "$dtype", "$npscalar")
+
+
+def encode_tree(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str = "") -> JSONValue:
+    """Encode ``value``; tensors are appended to ``tensors`` as ``(path, tensor)``."""
+    return _encode(value, tensors, path, 0)
+
+
+def _encode(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str, depth: int) -> JSONValue:
+    if depth > MAX_DEPTH:
+        raise UnsupportedStateError(f"state nested deeper than {MAX_DEPTH} levels at {path!r}")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)  # also normalises int subclasses such as IntEnum
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"tensor at {path!r} has layout {value.layout}; only dense tensors are saved. "
+                "Convert it with .to_dense() in your state_dict()."
+            )
+        dtype_name(value.dtype, where=path)  # fail now on an unsupported dtype
+        tensors.append((path, value))
+        return {"$tensor": len(tensors) - 1}
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.object_:
+            raise UnsupportedStateError(f"numpy object array at {path!r} cannot be saved without pickle")
+        tensors.append((path, torch.from_numpy(np.ascontiguousarray(value))))
+        return {"$ndarray": len(tensors) - 1}
+    if isinstance(value, np.generic):
+        return {"$npscalar": value.dtype.str, "value": _encode(value.item(), tensors, path, depth + 1)}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value, where=path)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, tuple):  # includes torch.Size
+        return {"$tuple": [_encode(v, tensors, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: _encode(v, tensors, f"{path}/{k}", depth + 1) for k, v in value.items()}
+        return {
+            "$dict": [
+                [_encode(k, tensors, f"{path}/<key>", depth + 1), _encode(v, tensors, f"{path}/{k}", depth + 1)]
+                for k, v in value.items()
+            ]
+        }
+    raise UnsupportedStateError(
+        f"cannot save a value of type {type(value).__qualname__} at {path!r}: crashproof stores "
+        "tensors and JSON-like values only and never pickles. Give the object state_dict() and "
+        "load_state_dict() methods that return such values, or leave it out of the TrainState."
+    )
+
+
+def decode_tree(
+    node: JSONValue, load_tensor: Callable[[int], torch.Tensor], where: str, depth: int = 0
+) -> Any:
+    """Rebuild the value encoded by :func:`encode_tree`; ``load_tensor(i)`` supplies tensor ``i``.
+
+    ``where`` names the file being decoded, for error messages.
+    """
+    if depth > MAX_DEPTH:
+        raise CorruptCheckpointError(f"{where}: state tree nested deeper than {MAX_DEPTH} levels")
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [decode_tree(v, load_tensor, where, depth + 1) for v in node]
+    if not isinstance(node, dict):
+        raise CorruptCheckpointError(f"{where}: unexpected JSON value of type {type(node).__name__}")
+    tag = next((k for k in node if k.startswith("$")), None)
+    if tag is None:
+        return {k: decode_tree(v, load_tensor, where, depth + 1) for k, v in node.items()}
+    try:
+        return _decode_tagged(tag, node, load_tensor, where, depth)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{where}: malformed {tag} entry {str(node)[:200]}: {exc}") from None
+
+
+def _decode_tagged(
+    tag: str, node: dict[str, Any], load_tensor: Callable[[int], torch.Tensor], where: str, depth: int
+) -> Any:
+    def sub(v: JSONValue) -> Any:
+        return decode_tree(v, load_tensor, where, depth + 1)
+
+    if tag not in _TAGS or (len(node) != 1 and tag != "$npscalar"):
+        raise CorruptCheckpointError(f"{where}: unknown or malformed tag {tag!r}")
+    body = node[tag]
+    if tag == "$tensor":
+        return load_tensor(_index(body))
+    if tag == "$ndarray":
+        return load_tensor(_index(body)).numpy()
+    if tag == "$tuple":
+        return tuple(sub(v) for v in _list(body))
+    if tag == "$dict":
+        pairs = [_list(p) for p in _list(body)]
+        if any(len(p) != 2 for p in pairs):
+            raise CorruptCheckpointError(f"{where}: a $dict entry is not a [key, value] pair")
+        return {_hashable(sub(k), where): sub(v) for k, v in pairs}
+    if tag == "$float":
+        if body not in ("nan", "inf", "-inf"):
+            raise CorruptCheckpointError(f"{where}: bad non-finite float {body!r}")
+        return float(body)
+    if tag == "$bytes":
+        return base64.b64decode(str(body), validate=True)
+    if tag == "$dtype":
+        return dtype_from_name(str(body), where=where)
+    # $npscalar: the dtype string comes from the file, so only plain numeric kinds are accepted.
+    np_dtype = np.dtype(str(body))
+    if np_dtype.kind not in "biufc":
+        raise CorruptCheckpointError(f"{where}: numpy scalar of unsupported dtype {body!r}")
+    return np_dtype.type(sub(node["value"]))
+
+
+def _index(body: Any) -> int:
+    if not isinstance(body, int) or isinstance(body, bool) or body < 0:
+        raise ValueError(f"tensor reference {body!r} is not a non-negative integer")
+    return body
+
+
+def _list(body: Any) -> list[Any]:
+    if not isinstance(body, list):
+        raise ValueError(f"expected a list, found {type(body).__name__}")
+    return body
+
+
+def _hashable(key: Any, where: str) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        raise CorruptCheckpointError(f"{where}: a dict key of type {type(key).__name__} is not hashable") from None
+    return key

@@ -1,0 +1,291 @@
+"""``CheckpointManager``: the front door for saving and restoring a training run.
+
+It owns one checkpoint root and decides *when* (the save policy), *what survives* (the retention
+policy) and *which checkpoint to trust* on restore (the newest one that verifies). The bytes go
+through the pipeline in :mod:`crashproof.checkpoint._writer`, on one background thread: a
+synchronous save is the same save, waited on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from crashproof.checkpoint._catalog import (
+    CheckpointInfo,
+    committed_steps,
+    describe_checkpoint,
+    leftover_dirs,
+)
+from crashproof.checkpoint._group import Group, default_group
+from crashproof.checkpoint._reader import checkpoint_not_found, load_rank_state, read_manifest
+from crashproof.checkpoint._writer import (
+    CommitResult,
+    Snapshot,
+    new_tmp_name,
+    persist,
+    take_snapshot,
+)
+from crashproof.errors import (
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext, SavePolicy
+from crashproof.state import TrainState
+from crashproof.storage import Storage, storage_for
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+
+class CheckpointManager:
+    """Save, retain and restore the checkpoints of one run under ``root``.
+
+    Args:
+        root: the directory holding one ``step_<N>`` directory per checkpoint.
+        every: when :meth:`maybe_save` saves; default ``EverySteps(1000)``.
+        keep: which checkpoints retention keeps; default all. The newest valid checkpoint and
+            one being written are always kept.
+        async_save: return from :meth:`save` once the state is snapshotted and write it in the
+            background; with False, :meth:`save` returns once the checkpoint is committed.
+        storage: the storage backend; default chosen from ``root``.
+        timeout_s: how long ranks wait for each other during a save before giving up.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        every: SavePolicy | None = None,
+        keep: RetentionPolicy | None = None,
+        async_save: bool = False,
+        storage: Storage | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
+        self.root, self.storage = storage_for(root) if storage is None else (root, storage)
+        self.every: SavePolicy = every if every is not None else EverySteps(1000)
+        self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
+        self.async_save = async_save
+        self._group: Group = default_group(timeout_s)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
+        self._inflight: Future[CommitResult] | None = None
+        self._inflight_tmp: str | None = None
+        self._pending_error: BaseException | None = None
+        self._closed = False
+        self._last_save_step = 0
+        self._last_save_s = time.monotonic()
+        self._newest_valid: int | None = None
+        self.last_commit: CommitResult | None = None
+        """The most recent committed save of this manager."""
+        self.last_blocking_s = 0.0
+        """How long the last :meth:`save` paused the training loop."""
+        if self._group.rank == 0:
+            self.storage.make_dirs(self.root)
+            for leftover in leftover_dirs(self.storage, self.root):
+                log.info("removing %s, left by a save that never committed", self.storage.describe(leftover))
+                self.storage.remove(leftover)
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Save if the policy says so for the step just finished; returns whether it saved."""
+        self._check_open()
+        self._raise_pending()
+        ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
+        decision = self.every.should_save(ctx)
+        if self._group.world_size > 1:
+            # Time-based policies can disagree across ranks; rank 0's decision binds all.
+            decision = bool(self._group.broadcast(decision))
+        if decision:
+            self.save(step, state, metadata=metadata)
+        return decision
+
+    def save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> None:
+        """Checkpoint ``state`` as the state after ``step`` steps.
+
+        Waits for a save still in flight first. Synchronous managers return once the checkpoint
+        is committed; asynchronous ones once it is snapshotted.
+        """
+        self._check_open()
+        if step < 0:
+            raise ConfigError(f"save(step={step}): steps are non-negative")
+        self._raise_pending()
+        self.wait()
+        started = time.perf_counter()
+        snapshot = take_snapshot(step, state.capture(), copy=self.async_save, metadata=metadata)
+        tmp_name = self._group.broadcast(new_tmp_name(step))
+        self._inflight_tmp = tmp_name
+        self._inflight = self._executor.submit(self._persist, snapshot, tmp_name)
+        self._last_save_step, self._last_save_s = step, time.monotonic()
+        if not self.async_save:
+            self.wait()
+        self.last_blocking_s = time.perf_counter() - started
+
+    def _persist(self, snapshot: Snapshot, tmp_name: str) -> CommitResult:
+        result = persist(self.storage, self.root, snapshot, self._group, tmp_name)
+        self._newest_valid = max(self._newest_valid or 0, snapshot.step)
+        log.info(
+            "checkpoint step %d committed: %.1f MB in %.2f s", snapshot.step, result.bytes_written / 1e6, result.persist_s
+        )
+        if self._group.rank == 0:
+            try:
+                self._apply_retention(keep_always=snapshot.step)
+            except OSError as exc:  # a failed clean-up must not fail the save that just committed
+                log.warning("retention in %s failed: %s; will retry after the next save", self.root, exc)
+        return result
+
+    def wait(self) -> CommitResult | None:
+        """Block until the save in flight (if any) is committed; raises if it failed."""
+        future, self._inflight = self._inflight, None
+        self._inflight_tmp = None
+        if future is None:
+            self._raise_pending()
+            return None
+        try:
+            result = future.result()
+        except CheckpointWriteError:
+            raise
+        except Exception as exc:
+            raise CheckpointWriteError(f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}") from exc
+        self.last_commit = result
+        return result
+
+    def _raise_pending(self) -> None:
+        """Surface a background failure on the next call into the manager."""
+        future = self._inflight
+        if future is not None and future.done() and future.exception() is not None:
+            self.wait()
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def _apply_retention(self, *, keep_always: int) -> None:
+        found = committed_steps(self.storage, self.root)
+        steps = sorted(step for step, _ in found)
+        keep = self.keep.keep(steps) | {keep_always}
+        if self._newest_valid is not None:
+            keep.add(self._newest_valid)
+        for step, path in found:
+            if step not in keep:
+                log.info("retention: removing checkpoint step %d", step)
+                self.storage.remove(path)
+        for leftover in leftover_dirs(self.storage, self.root):
+            if self._inflight_tmp is None or not leftover.endswith(self._inflight_tmp):
+                self.storage.remove(leftover)
+
+    def prune(self, keep: RetentionPolicy, *, dry_run: bool = False) -> list[int]:
+        """Apply ``keep`` now; returns the steps removed (or that would be, with ``dry_run``).
+
+        The newest checkpoint that verifies is never removed.
+        """
+        self.wait()
+        found = committed_steps(self.storage, self.root)
+        kept = keep.keep(sorted(s for s, _ in found))
+        newest_valid = next((s for s, p in found if describe_checkpoint(self.storage, s, p).valid), None)
+        if newest_valid is not None:
+            kept.add(newest_valid)
+        removed = [s for s, _ in found if s not in kept]
+        if not dry_run:
+            for step, path in found:
+                if step not in kept:
+                    self.storage.remove(path)
+        return sorted(removed)
+
+    # -- restoring ---------------------------------------------------------------------------
+
+    def restore(self, state: TrainState, step: int | None = None) -> int:
+        """Load the newest valid checkpoint (or ``step``) into ``state``; returns its step, 0 if none.
+
+        A checkpoint that fails verification is logged and skipped for the next newest. One that
+        verifies but does not fit ``state`` raises :class:`StateMismatchError`: an older checkpoint
+        would not fit either, and silently starting over would discard the run.
+        """
+        self._check_open()
+        self.wait()
+        found = self._group.broadcast(committed_steps(self.storage, self.root) if self._group.rank == 0 else None)
+        if step is not None:
+            found = [(s, p) for s, p in found if s == step]
+            if not found:
+                raise checkpoint_not_found(self.storage.describe(self.root), step)
+        skipped: list[str] = []
+        for candidate, path in found:
+            started = time.perf_counter()
+            status, tree, reason = self._load_candidate(state, path)
+            statuses = self._group.all_gather((status, reason))
+            mismatch = next((r for s, r in statuses if s == "mismatch"), None)
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
+            problems = [r for s, r in statuses if s != "ok"]
+            if problems:
+                log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
+                skipped.append(f"step {candidate}: {problems[0]}")
+                continue
+            state.restore(tree, where=f"{self.storage.describe(path)}")
+            self._last_save_step, self._last_save_s = candidate, time.monotonic()
+            self._newest_valid = candidate
+            log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
+            return int(candidate)
+        if step is not None:
+            raise CorruptCheckpointError(f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}")
+        if skipped:
+            log.error("no valid checkpoint in %s (%d skipped); starting from step 0", self.root, len(skipped))
+        return 0
+
+    def _load_candidate(self, state: TrainState, path: str) -> tuple[str, Any, str]:
+        """``("ok", tree, "")``, ``("corrupt", None, why)`` or ``("mismatch", None, why)``."""
+        try:
+            manifest = read_manifest(self.storage, path)
+            if manifest.world_size != self._group.world_size:
+                return "mismatch", None, (
+                    f"{self.storage.describe(path)} was saved by {manifest.world_size} ranks, this job has "
+                    f"{self._group.world_size}; restoring across world sizes needs the same world size for now"
+                )
+            tree = load_rank_state(self.storage, path, manifest, self._group.rank)
+            if not isinstance(tree, dict):
+                raise CorruptCheckpointError(f"{self.storage.describe(path)}: the state is not a mapping")
+            state.check(tree, where=self.storage.describe(path))
+            return "ok", tree, ""
+        except StateMismatchError as exc:
+            return "mismatch", None, str(exc)
+        except (CorruptCheckpointError, OSError) as exc:
+            return "corrupt", None, str(exc)
+
+    # -- inspection and lifecycle ------------------------------------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint directory under the root, newest first, with a quick validity check."""
+        return [describe_checkpoint(self.storage, s, p) for s, p in committed_steps(self.storage, self.root)]
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the writer thread. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed; create a new one")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

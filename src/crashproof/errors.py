@@ -1,0 +1,61 @@
+"""The exceptions crashproof raises.
+
+Every error derives from :class:`CrashproofError`, and each specific one also from the built-in
+exception a caller would naturally catch, so ``except FileNotFoundError`` keeps working::
+
+    CrashproofError(Exception)
+    ├── CheckpointNotFoundError(CrashproofError, FileNotFoundError)
+    ├── CorruptCheckpointError(CrashproofError, ValueError)
+    │   └── UnsafeCheckpointError          (a path outside the checkpoint, a hostile size, ...)
+    ├── StateMismatchError(CrashproofError, ValueError)   (checkpoint does not fit the live model)
+    ├── UnsupportedStateError(CrashproofError, TypeError)  (a value crashproof cannot save)
+    ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
+    └── ConfigError(CrashproofError, ValueError)           (a bad argument or combination)
+
+Messages say what happened, where (file, step, key) and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "CrashproofError",
+    "StateMismatchError",
+    "UnsafeCheckpointError",
+    "UnsupportedStateError",
+]
+
+
+class CrashproofError(Exception):
+    """Root of every error raised by crashproof."""
+
+
+class CheckpointNotFoundError(CrashproofError, FileNotFoundError):
+    """No (valid) checkpoint where one was asked for."""
+
+
+class CorruptCheckpointError(CrashproofError, ValueError):
+    """A checkpoint failed verification: wrong checksum or size, missing file, bad metadata."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint's metadata tries to escape its directory or to cause a hostile read."""
+
+
+class StateMismatchError(CrashproofError, ValueError):
+    """The checkpoint is valid but does not fit the live training state (keys, shapes, dtypes)."""
+
+
+class UnsupportedStateError(CrashproofError, TypeError):
+    """A value in the training state cannot be stored without pickle."""
+
+
+class CheckpointWriteError(CrashproofError, OSError):
+    """Writing a checkpoint failed; the checkpoints committed before it are untouched."""
+
+
+class ConfigError(CrashproofError, ValueError):
+    """An argument or a combination of arguments is invalid."""

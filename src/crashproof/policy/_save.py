@@ -1,0 +1,77 @@
+"""When to save: small objects with one method, combined with ``|``.
+
+``EverySteps(500) | EverySeconds(1800)`` saves when either says so. Policies see the step being
+finished and the time and step of the last save, so they hold no hidden state of their own and
+the manager can restart them after a restore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from crashproof.errors import ConfigError
+
+__all__ = ["AnyOf", "EverySeconds", "EverySteps", "SavePolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveContext:
+    step: int
+    """The step just finished (the checkpoint would hold the state after it)."""
+    now_s: float
+    """Monotonic time now, in seconds."""
+    last_save_step: int
+    """Step of the last save, or of the restore point (0 at a fresh start)."""
+    last_save_s: float
+    """Monotonic time of the last save, or of the manager's start."""
+
+
+class SavePolicy(Protocol):
+    def should_save(self, ctx: SaveContext) -> bool: ...
+
+    def __or__(self, other: SavePolicy) -> SavePolicy: ...
+
+
+class _Combinable:
+    def __or__(self, other: SavePolicy) -> SavePolicy:
+        return AnyOf((self, other))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class EverySteps(_Combinable):
+    """Save every ``n`` steps (when the step is a multiple of ``n``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"EverySteps(n={self.n}): n must be at least 1")
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % self.n == 0
+
+
+@dataclass(frozen=True, slots=True)
+class EverySeconds(_Combinable):
+    """Save when at least ``seconds`` have passed since the last save."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.seconds > 0:
+            raise ConfigError(f"EverySeconds({self.seconds}): the interval must be positive")
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step > ctx.last_save_step and ctx.now_s - ctx.last_save_s >= self.seconds
+
+
+@dataclass(frozen=True, slots=True)
+class AnyOf(_Combinable):
+    """Save when any of ``policies`` says so."""
+
+    policies: tuple[SavePolicy, ...]
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        # Ask every policy (no short-circuit) so stateful policies all see every step.
+        return any([p.should_save(ctx) for p in self.policies])

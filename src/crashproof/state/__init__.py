@@ -1,0 +1,8 @@
+"""Capturing and restoring everything a training step depends on."""
+
+from __future__ import annotations
+
+from crashproof.state._sampler import ResumableSampler
+from crashproof.state._train_state import Stateful, TrainState, unwrap_model
+
+__all__ = ["ResumableSampler", "Stateful", "TrainState", "unwrap_model"]

@@ -1,0 +1,98 @@
+"""Make a DataLoader report the position the training loop has *received*.
+
+A DataLoader's sampler runs ahead of the loop: with workers it is drawn ``prefetch_factor *
+num_workers`` batches early. To save the true position, ``TrainState(data=loader)`` gives the
+loader instance a subclass of its own class whose iterator tells the :class:`ResumableSampler`
+about each batch as it is handed to the loop. The loader object, its settings and its behaviour
+are otherwise unchanged.
+
+Two more things keep the resumed run identical to an uninterrupted one:
+
+- ``DataLoader.__iter__`` draws a base seed for its workers from torch's global RNG when it has no
+  ``generator``. A resumed run calls ``iter()`` at a different point of the RNG stream, so that draw
+  would shift every random number after it. We give each iteration a generator seeded from the
+  sampler's seed and epoch instead: the workers' seed is reproducible and the global stream untouched.
+- Randomness *inside* worker processes (augmentations in ``Dataset.__getitem__``) follows the
+  worker's own history and is exact on resume only when drawn from a generator seeded by the
+  sample index; see ``docs/exactness.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from crashproof.errors import ConfigError
+from crashproof.state._sampler import ResumableSampler
+
+__all__ = ["find_resumable_sampler", "track_loader"]
+
+_TRACKED_CLASSES: dict[type, type] = {}
+
+
+def find_resumable_sampler(loader: DataLoader[Any]) -> ResumableSampler | None:
+    if isinstance(loader.sampler, ResumableSampler):
+        return loader.sampler
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    return inner if isinstance(inner, ResumableSampler) else None
+
+
+class _TrackedIterator:
+    def __init__(self, inner: Any, sampler: ResumableSampler, batch_size: int) -> None:
+        self._inner, self._sampler, self._batch_size = inner, sampler, batch_size
+        self._start_epoch = sampler.epoch
+
+    def __iter__(self) -> _TrackedIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            if self._sampler.epoch == self._start_epoch:
+                self._sampler.finish_epoch()
+            raise
+        self._sampler.record_received(self._batch_size)
+        return batch
+
+
+def _tracked_iter(self: Any) -> _TrackedIterator:
+    sampler: ResumableSampler = self._crashproof_sampler
+    own_generator = self._crashproof_own_generator
+    if not own_generator:
+        generator = torch.Generator()
+        generator.manual_seed((sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1))
+        self.generator = generator
+    inner = super(self._crashproof_base, self).__iter__()
+    batch_size = self.batch_size or getattr(self.batch_sampler, "batch_size", None) or 1
+    return _TrackedIterator(inner, sampler, batch_size)
+
+
+def track_loader(loader: DataLoader[Any]) -> ResumableSampler:
+    """Make ``loader`` report received batches to its :class:`ResumableSampler`; returns it."""
+    sampler = find_resumable_sampler(loader)
+    if sampler is None:
+        raise ConfigError(
+            "TrainState(data=loader): the DataLoader's sampler is not a crashproof.ResumableSampler, "
+            "so its position cannot be saved. Pass sampler=crashproof.ResumableSampler(len(dataset), "
+            "shuffle=..., seed=...) to the DataLoader, or pass a loader with state_dict()/load_state_dict() "
+            "such as torchdata's StatefulDataLoader."
+        )
+    if loader.batch_size is None and getattr(loader.batch_sampler, "batch_size", None) is None:
+        raise ConfigError("TrainState(data=loader): the loader's batch sampler has no batch_size; use batch_size=")
+    base = type(loader)
+    if getattr(loader, "_crashproof_sampler", None) is None:
+        tracked = _TRACKED_CLASSES.get(base)
+        if tracked is None:
+            tracked = type(f"Resumable{base.__name__}", (base,), {"__iter__": _tracked_iter})
+            setattr(tracked, "_crashproof_base", tracked)  # noqa: B010 - read by _tracked_iter's super()
+            _TRACKED_CLASSES[base] = tracked
+        setattr(loader, "_crashproof_own_generator", loader.generator is not None)  # noqa: B010
+        loader.__class__ = tracked
+        setattr(loader, "_crashproof_sampler", sampler)  # noqa: B010
+    return sampler
