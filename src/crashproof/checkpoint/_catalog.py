@@ -8,9 +8,16 @@ from crashproof.checkpoint._format import parse_step_dir
 from crashproof.checkpoint._reader import read_manifest
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
+from crashproof.policy import RetentionPolicy
 from crashproof.storage import Storage
 
-__all__ = ["CheckpointInfo", "committed_steps", "describe_checkpoint", "leftover_dirs"]
+__all__ = [
+    "CheckpointInfo",
+    "committed_steps",
+    "describe_checkpoint",
+    "leftover_dirs",
+    "prune_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +53,19 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
 
     Being listed here does not make it valid: only a verified manifest does.
     """
-    found = [(step, storage.join(root, name)) for name in storage.list(root) if (step := parse_step_dir(name)) is not None]
+    found = [
+        (step, storage.join(root, name))
+        for name in storage.list(root)
+        if (step := parse_step_dir(name)) is not None
+    ]
     return sorted(found, reverse=True)
 
 
 def leftover_dirs(storage: Storage, root: str) -> list[str]:
     """Temporary directories of saves that never committed, and trash of replaced ones."""
-    return [storage.join(root, n) for n in storage.list(root) if n.startswith((TMP_PREFIX, ".trash-"))]
+    return [
+        storage.join(root, n) for n in storage.list(root) if n.startswith((TMP_PREFIX, ".trash-"))
+    ]
 
 
 def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInfo:
@@ -62,16 +75,22 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
         present = set(storage.list(path))
         for name, entry in manifest.files.items():
             if name not in present:
-                raise CorruptCheckpointError(f"{storage.describe(storage.join(path, name))}: missing")
+                raise CorruptCheckpointError(
+                    f"{storage.describe(storage.join(path, name))}: missing"
+                )
             stream = storage.open(storage.join(path, name))
             try:
                 size = stream.size()
             finally:
                 stream.close()
             if size != entry.size:
-                raise CorruptCheckpointError(f"{storage.describe(storage.join(path, name))}: {size} bytes, manifest lists {entry.size}")
+                raise CorruptCheckpointError(
+                    f"{storage.describe(storage.join(path, name))}: {size} bytes, manifest lists {entry.size}"
+                )
         if manifest.step != step:
-            raise CorruptCheckpointError(f"{storage.describe(path)}: the manifest is for step {manifest.step}")
+            raise CorruptCheckpointError(
+                f"{storage.describe(path)}: the manifest is for step {manifest.step}"
+            )
     except (CorruptCheckpointError, OSError) as exc:
         return CheckpointInfo(step, storage.describe(path), None, 0, "unknown", 0, False, str(exc))
     return CheckpointInfo(
@@ -83,3 +102,13 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
         world_size=manifest.world_size,
         valid=True,
     )
+
+
+def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:
+    """The checkpoints ``keep`` would remove, sparing the newest one that passes the quick check."""
+    found = committed_steps(storage, root)
+    kept = keep.keep(sorted(step for step, _ in found))
+    newest_valid = next((s for s, p in found if describe_checkpoint(storage, s, p).valid), None)
+    if newest_valid is not None:
+        kept.add(newest_valid)
+    return [(step, path) for step, path in found if step not in kept]

@@ -26,7 +26,15 @@ _BY_NAME: dict[str, torch.dtype] = {
     "complex128": torch.complex128,
 }
 # Dtypes that only newer torch builds have; registered when present.
-for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+for _name in (
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+):
     if hasattr(torch, _name):
         _BY_NAME[_name] = getattr(torch, _name)
 _BY_DTYPE = {dtype: name for name, dtype in _BY_NAME.items()}

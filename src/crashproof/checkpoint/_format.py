@@ -153,7 +153,10 @@ class RankIndex:
 def _load_json(data: bytes, where: str) -> Any:
     try:
         return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # ValueError covers UnicodeDecodeError and huge ints
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # ValueError covers UnicodeDecodeError and huge ints
         raise CorruptCheckpointError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
 
 
@@ -161,7 +164,9 @@ def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> A
     if not isinstance(obj, dict) or key not in obj:
         raise CorruptCheckpointError(f"{where}: missing field {key!r}")
     value = obj[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+    if not isinstance(value, kind) or (
+        isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+    ):
         raise CorruptCheckpointError(f"{where}: field {key!r} has type {type(value).__name__}")
     return value
 
@@ -169,7 +174,9 @@ def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> A
 def _count(obj: Any, key: str, where: str, *, upper: int = 1 << 62) -> int:
     value: int = _require(obj, key, int, where)
     if not 0 <= value <= upper:
-        raise CorruptCheckpointError(f"{where}: field {key!r} = {value} is out of range [0, {upper}]")
+        raise CorruptCheckpointError(
+            f"{where}: field {key!r} = {value} is out of range [0, {upper}]"
+        )
     return value
 
 
@@ -195,7 +202,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             "upgrade crashproof to read it"
         )
     if obj.get("byte_order", "little") != "little":
-        raise CorruptCheckpointError(f"{where}: byte order {obj.get('byte_order')!r} is not supported")
+        raise CorruptCheckpointError(
+            f"{where}: byte order {obj.get('byte_order')!r} is not supported"
+        )
     kind = _require(obj, "kind", str, where)
     if kind not in _KINDS:
         raise CorruptCheckpointError(f"{where}: unknown checkpoint kind {kind!r}")
@@ -226,7 +235,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     )
 
 
-def parse_rank_index(data: bytes, where: str, *, file_sizes: Mapping[str, int] | None = None) -> RankIndex:
+def parse_rank_index(
+    data: bytes, where: str, *, file_sizes: Mapping[str, int] | None = None
+) -> RankIndex:
     """Validate and parse ``rank_<r>.json``.
 
     With ``file_sizes`` (the manifest's sizes by file name), the shard file must be listed and
@@ -236,15 +247,21 @@ def parse_rank_index(data: bytes, where: str, *, file_sizes: Mapping[str, int] |
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{where}: not a rank index")
     if _require(obj, "format_version", int, where) != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{where}: unsupported rank index version {obj['format_version']}")
+        raise CorruptCheckpointError(
+            f"{where}: unsupported rank index version {obj['format_version']}"
+        )
     shard_file = check_plain_name(obj.get("shard_file"), where)
     shard_size = None
     if file_sizes is not None:
         if shard_file not in file_sizes:
-            raise CorruptCheckpointError(f"{where}: names shard {shard_file!r}, which the manifest does not list")
+            raise CorruptCheckpointError(
+                f"{where}: names shard {shard_file!r}, which the manifest does not list"
+            )
         shard_size = file_sizes[shard_file]
     tensors_obj = _require(obj, "tensors", list, where)
-    tensors = [_parse_tensor(t, f"{where} tensor #{i}", shard_size) for i, t in enumerate(tensors_obj)]
+    tensors = [
+        _parse_tensor(t, f"{where} tensor #{i}", shard_size) for i, t in enumerate(tensors_obj)
+    ]
     return RankIndex(
         rank=_count(obj, "rank", where, upper=MAX_WORLD_SIZE),
         step=_count(obj, "step", where),

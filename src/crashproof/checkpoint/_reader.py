@@ -41,12 +41,16 @@ def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
     try:
         data = read_all(storage, path, limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing; the checkpoint was never committed") from None
+        raise CorruptCheckpointError(
+            f"{where}: missing; the checkpoint was never committed"
+        ) from None
     except (OSError, EOFError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read: {exc}") from None
     manifest = parse_manifest(data, where)
     if manifest.hash_algorithm != HASH_ALGORITHM:
-        raise CorruptCheckpointError(f"{where}: checksums use {manifest.hash_algorithm!r}, expected {HASH_ALGORITHM!r}")
+        raise CorruptCheckpointError(
+            f"{where}: checksums use {manifest.hash_algorithm!r}, expected {HASH_ALGORITHM!r}"
+        )
     return manifest
 
 
@@ -63,7 +67,9 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
     where = storage.describe(storage.join(ckpt_dir, name))
     entry = _file_entry(manifest, name, storage.describe(ckpt_dir))
     if entry.size > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{where}: listed as {entry.size} bytes, above the {MAX_INDEX_BYTES} limit")
+        raise CorruptCheckpointError(
+            f"{where}: listed as {entry.size} bytes, above the {MAX_INDEX_BYTES} limit"
+        )
     try:
         data = read_all(storage, storage.join(ckpt_dir, name), limit=entry.size)
     except FileNotFoundError:
@@ -78,7 +84,9 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
     sizes = {n: e.size for n, e in manifest.files.items()}
     index = parse_rank_index(data, where, file_sizes=sizes)
     if index.rank != rank or index.step != manifest.step:
-        raise CorruptCheckpointError(f"{where}: holds rank {index.rank} step {index.step}, expected rank {rank} step {manifest.step}")
+        raise CorruptCheckpointError(
+            f"{where}: holds rank {index.rank} step {index.step}, expected rank {rank} step {manifest.step}"
+        )
     return index
 
 
@@ -100,10 +108,14 @@ def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
 
     def load_tensor(i: int) -> Any:
         if i >= len(tensors):
-            raise CorruptCheckpointError(f"{where}: the state refers to tensor #{i}, the shard holds {len(tensors)}")
+            raise CorruptCheckpointError(
+                f"{where}: the state refers to tensor #{i}, the shard holds {len(tensors)}"
+            )
         return tensors[i]
 
-    return decode_tree(index.state, load_tensor, storage.describe(storage.join(ckpt_dir, index_name(rank))))
+    return decode_tree(
+        index.state, load_tensor, storage.describe(storage.join(ckpt_dir, index_name(rank)))
+    )
 
 
 def verify_checkpoint(
@@ -121,7 +133,9 @@ def verify_checkpoint(
     return manifest
 
 
-def _verify_file(storage: Storage, path: str, entry: FileEntry, on_bytes: Callable[[int], None] | None) -> None:
+def _verify_file(
+    storage: Storage, path: str, entry: FileEntry, on_bytes: Callable[[int], None] | None
+) -> None:
     where = storage.describe(path)
     try:
         stream = storage.open(path)
@@ -129,7 +143,9 @@ def _verify_file(storage: Storage, path: str, entry: FileEntry, on_bytes: Callab
         raise CorruptCheckpointError(f"{where}: missing") from None
     try:
         if stream.size() != entry.size:
-            raise CorruptCheckpointError(f"{where}: {stream.size()} bytes, the manifest lists {entry.size}")
+            raise CorruptCheckpointError(
+                f"{where}: {stream.size()} bytes, the manifest lists {entry.size}"
+            )
         hasher = new_hasher()
         buf = np.empty(min(entry.size, _VERIFY_CHUNK), dtype=np.uint8)
         pos = 0
@@ -141,7 +157,9 @@ def _verify_file(storage: Storage, path: str, entry: FileEntry, on_bytes: Callab
             if on_bytes:
                 on_bytes(len(view))
         if hasher.hexdigest() != entry.checksum:
-            raise CorruptCheckpointError(f"{where}: checksum {hasher.hexdigest()}, the manifest lists {entry.checksum}")
+            raise CorruptCheckpointError(
+                f"{where}: checksum {hasher.hexdigest()}, the manifest lists {entry.checksum}"
+            )
     except (OSError, EOFError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
     finally:

@@ -36,9 +36,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def _header(names_and_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[int, int]]]:
+def _header(
+    names_and_tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]
+) -> tuple[bytes, list[tuple[int, int]]]:
     """The safetensors header, and each tensor's (offset within data, nbytes)."""
-    entries: dict[str, object] = {"__metadata__": {"format": "crashproof"}}
+    entries: dict[str, object] = {"__metadata__": metadata}
     ranges, pos = [], 0
     for name, tensor in names_and_tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -59,10 +61,18 @@ def _chunks(view: memoryview) -> Iterator[memoryview]:
 
 
 def write_shard(
-    storage: Storage, path: str, tensors: Sequence[tuple[str, torch.Tensor]]
+    storage: Storage,
+    path: str,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
 ) -> tuple[list[TensorEntry], FileEntry]:
-    """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's."""
-    header, ranges = _header(tensors)
+    """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's.
+
+    ``metadata`` goes into the safetensors header's ``__metadata__`` (string values only).
+    """
+    header, ranges = _header(
+        tensors, metadata if metadata is not None else {"format": "crashproof"}
+    )
     file_hasher = new_hasher()
     file_hasher.update(header)
     entries: list[TensorEntry] = []
@@ -99,7 +109,9 @@ def _update_both(a: Hasher, b: Hasher, chunk: memoryview) -> None:
     b.update(chunk)
 
 
-def read_shard(stream: ReadStream, entries: Sequence[TensorEntry], expected: FileEntry, where: str) -> list[torch.Tensor]:
+def read_shard(
+    stream: ReadStream, entries: Sequence[TensorEntry], expected: FileEntry, where: str
+) -> list[torch.Tensor]:
     """Read every tensor of a shard, verifying each tensor's and the whole file's checksum.
 
     ``entries`` were validated against ``expected.size`` by the format parser, so every range lies
@@ -116,7 +128,9 @@ def read_shard(stream: ReadStream, entries: Sequence[TensorEntry], expected: Fil
     for i in sorted(range(len(entries)), key=lambda i: entries[i].offset):
         entry = entries[i]
         if entry.offset < pos:
-            raise CorruptCheckpointError(f"{where}: tensor {entry.name!r} overlaps the one before it")
+            raise CorruptCheckpointError(
+                f"{where}: tensor {entry.name!r} overlaps the one before it"
+            )
         _hash_range(stream, pos, entry.offset, file_hasher)
         tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=where))
         view = tensor_bytes(tensor)

@@ -50,7 +50,9 @@ def encode_tree(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str =
     return _encode(value, tensors, path, 0)
 
 
-def _encode(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str, depth: int) -> JSONValue:
+def _encode(
+    value: Any, tensors: list[tuple[str, torch.Tensor]], path: str, depth: int
+) -> JSONValue:
     if depth > MAX_DEPTH:
         raise UnsupportedStateError(f"state nested deeper than {MAX_DEPTH} levels at {path!r}")
     if value is None or isinstance(value, (bool, str)):
@@ -70,11 +72,16 @@ def _encode(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str, dept
         return {"$tensor": len(tensors) - 1}
     if isinstance(value, np.ndarray):
         if value.dtype == np.object_:
-            raise UnsupportedStateError(f"numpy object array at {path!r} cannot be saved without pickle")
+            raise UnsupportedStateError(
+                f"numpy object array at {path!r} cannot be saved without pickle"
+            )
         tensors.append((path, torch.from_numpy(np.ascontiguousarray(value))))
         return {"$ndarray": len(tensors) - 1}
     if isinstance(value, np.generic):
-        return {"$npscalar": value.dtype.str, "value": _encode(value.item(), tensors, path, depth + 1)}
+        return {
+            "$npscalar": value.dtype.str,
+            "value": _encode(value.item(), tensors, path, depth + 1),
+        }
     if isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value, where=path)}
     if isinstance(value, (bytes, bytearray)):
@@ -82,13 +89,18 @@ def _encode(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str, dept
     if isinstance(value, list):
         return [_encode(v, tensors, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):  # includes torch.Size
-        return {"$tuple": [_encode(v, tensors, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]}
+        return {
+            "$tuple": [_encode(v, tensors, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
+        }
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: _encode(v, tensors, f"{path}/{k}", depth + 1) for k, v in value.items()}
         return {
             "$dict": [
-                [_encode(k, tensors, f"{path}/<key>", depth + 1), _encode(v, tensors, f"{path}/{k}", depth + 1)]
+                [
+                    _encode(k, tensors, f"{path}/<key>", depth + 1),
+                    _encode(v, tensors, f"{path}/{k}", depth + 1),
+                ]
                 for k, v in value.items()
             ]
         }
@@ -113,7 +125,9 @@ def decode_tree(
     if isinstance(node, list):
         return [decode_tree(v, load_tensor, where, depth + 1) for v in node]
     if not isinstance(node, dict):
-        raise CorruptCheckpointError(f"{where}: unexpected JSON value of type {type(node).__name__}")
+        raise CorruptCheckpointError(
+            f"{where}: unexpected JSON value of type {type(node).__name__}"
+        )
     tag = next((k for k in node if k.startswith("$")), None)
     if tag is None:
         return {k: decode_tree(v, load_tensor, where, depth + 1) for k, v in node.items()}
@@ -122,11 +136,17 @@ def decode_tree(
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CorruptCheckpointError):
             raise
-        raise CorruptCheckpointError(f"{where}: malformed {tag} entry {str(node)[:200]}: {exc}") from None
+        raise CorruptCheckpointError(
+            f"{where}: malformed {tag} entry {str(node)[:200]}: {exc}"
+        ) from None
 
 
 def _decode_tagged(
-    tag: str, node: dict[str, Any], load_tensor: Callable[[int], torch.Tensor], where: str, depth: int
+    tag: str,
+    node: dict[str, Any],
+    load_tensor: Callable[[int], torch.Tensor],
+    where: str,
+    depth: int,
 ) -> Any:
     def sub(v: JSONValue) -> Any:
         return decode_tree(v, load_tensor, where, depth + 1)
@@ -176,5 +196,7 @@ def _hashable(key: Any, where: str) -> Any:
     try:
         hash(key)
     except TypeError:
-        raise CorruptCheckpointError(f"{where}: a dict key of type {type(key).__name__} is not hashable") from None
+        raise CorruptCheckpointError(
+            f"{where}: a dict key of type {type(key).__name__} is not hashable"
+        ) from None
     return key

@@ -64,7 +64,9 @@ class CommitResult:
     persist_s: float
 
 
-def take_snapshot(step: int, state: Any, *, copy: bool, metadata: dict[str, Any] | None = None) -> Snapshot:
+def take_snapshot(
+    step: int, state: Any, *, copy: bool, metadata: dict[str, Any] | None = None
+) -> Snapshot:
     """Encode ``state``; tensors become CPU, contiguous and, with ``copy``, private copies."""
     found: list[tuple[str, torch.Tensor]] = []
     tree = encode_tree(state, found)
@@ -96,7 +98,9 @@ def new_tmp_name(step: int) -> str:
     return f"{TMP_PREFIX}{checkpoint_dir_name(step)}-{uuid.uuid4().hex[:12]}"
 
 
-def persist(storage: Storage, root: str, snapshot: Snapshot, group: Group, tmp_name: str) -> CommitResult:
+def persist(
+    storage: Storage, root: str, snapshot: Snapshot, group: Group, tmp_name: str
+) -> CommitResult:
     """Write this rank's part of ``snapshot`` and, on the coordinator, commit the checkpoint.
 
     Every rank takes part in the gather and broadcast even when its own write failed, so a failure
@@ -130,17 +134,29 @@ def persist(storage: Storage, root: str, snapshot: Snapshot, group: Group, tmp_n
     )
 
 
-def _write_rank(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> dict[str, FileEntry]:
+def _write_rank(
+    storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int
+) -> dict[str, FileEntry]:
     shard_file = shard_name(rank)
     entries, shard_entry = write_shard(storage, storage.join(tmp_dir, shard_file), snapshot.tensors)
-    index = RankIndex(rank=rank, step=snapshot.step, shard_file=shard_file, tensors=entries, state=snapshot.tree)
+    index = RankIndex(
+        rank=rank, step=snapshot.step, shard_file=shard_file, tensors=entries, state=snapshot.tree
+    )
     index_bytes = dumps(index.to_json())
     write_all(storage, storage.join(tmp_dir, index_name(rank)), index_bytes)
-    return {shard_file: shard_entry, index_name(rank): FileEntry(len(index_bytes), digest(index_bytes))}
+    return {
+        shard_file: shard_entry,
+        index_name(rank): FileEntry(len(index_bytes), digest(index_bytes)),
+    }
 
 
 def _commit(
-    storage: Storage, tmp_dir: str, final_dir: str, snapshot: Snapshot, reports: list[Any], world_size: int
+    storage: Storage,
+    tmp_dir: str,
+    final_dir: str,
+    snapshot: Snapshot,
+    reports: list[Any],
+    world_size: int,
 ) -> str:
     """On the coordinator: write the manifest and publish; returns an error text, empty on success."""
     errors = [error for _, error in reports if error]

@@ -19,6 +19,7 @@ from crashproof.checkpoint._catalog import (
     committed_steps,
     describe_checkpoint,
     leftover_dirs,
+    prune_plan,
 )
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._reader import checkpoint_not_found, load_rank_state, read_manifest
@@ -90,7 +91,10 @@ class CheckpointManager:
         if self._group.rank == 0:
             self.storage.make_dirs(self.root)
             for leftover in leftover_dirs(self.storage, self.root):
-                log.info("removing %s, left by a save that never committed", self.storage.describe(leftover))
+                log.info(
+                    "removing %s, left by a save that never committed",
+                    self.storage.describe(leftover),
+                )
                 self.storage.remove(leftover)
 
     @property
@@ -99,7 +103,9 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> bool:
+    def maybe_save(
+        self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None
+    ) -> bool:
         """Save if the policy says so for the step just finished; returns whether it saved."""
         self._check_open()
         self._raise_pending()
@@ -137,13 +143,18 @@ class CheckpointManager:
         result = persist(self.storage, self.root, snapshot, self._group, tmp_name)
         self._newest_valid = max(self._newest_valid or 0, snapshot.step)
         log.info(
-            "checkpoint step %d committed: %.1f MB in %.2f s", snapshot.step, result.bytes_written / 1e6, result.persist_s
+            "checkpoint step %d committed: %.1f MB in %.2f s",
+            snapshot.step,
+            result.bytes_written / 1e6,
+            result.persist_s,
         )
         if self._group.rank == 0:
             try:
                 self._apply_retention(keep_always=snapshot.step)
             except OSError as exc:  # a failed clean-up must not fail the save that just committed
-                log.warning("retention in %s failed: %s; will retry after the next save", self.root, exc)
+                log.warning(
+                    "retention in %s failed: %s; will retry after the next save", self.root, exc
+                )
         return result
 
     def wait(self) -> CommitResult | None:
@@ -158,7 +169,9 @@ class CheckpointManager:
         except CheckpointWriteError:
             raise
         except Exception as exc:
-            raise CheckpointWriteError(f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointWriteError(
+                f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         self.last_commit = result
         return result
 
@@ -193,17 +206,11 @@ class CheckpointManager:
         The newest checkpoint that verifies is never removed.
         """
         self.wait()
-        found = committed_steps(self.storage, self.root)
-        kept = keep.keep(sorted(s for s, _ in found))
-        newest_valid = next((s for s, p in found if describe_checkpoint(self.storage, s, p).valid), None)
-        if newest_valid is not None:
-            kept.add(newest_valid)
-        removed = [s for s, _ in found if s not in kept]
+        doomed = prune_plan(self.storage, self.root, keep)
         if not dry_run:
-            for step, path in found:
-                if step not in kept:
-                    self.storage.remove(path)
-        return sorted(removed)
+            for _, path in doomed:
+                self.storage.remove(path)
+        return sorted(step for step, _ in doomed)
 
     # -- restoring ---------------------------------------------------------------------------
 
@@ -216,7 +223,9 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        found = self._group.broadcast(committed_steps(self.storage, self.root) if self._group.rank == 0 else None)
+        found = self._group.broadcast(
+            committed_steps(self.storage, self.root) if self._group.rank == 0 else None
+        )
         if step is not None:
             found = [(s, p) for s, p in found if s == step]
             if not found:
@@ -237,12 +246,20 @@ class CheckpointManager:
             state.restore(tree, where=f"{self.storage.describe(path)}")
             self._last_save_step, self._last_save_s = candidate, time.monotonic()
             self._newest_valid = candidate
-            log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
+            log.info(
+                "restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started
+            )
             return int(candidate)
         if step is not None:
-            raise CorruptCheckpointError(f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}")
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}"
+            )
         if skipped:
-            log.error("no valid checkpoint in %s (%d skipped); starting from step 0", self.root, len(skipped))
+            log.error(
+                "no valid checkpoint in %s (%d skipped); starting from step 0",
+                self.root,
+                len(skipped),
+            )
         return 0
 
     def _load_candidate(self, state: TrainState, path: str) -> tuple[str, Any, str]:
@@ -250,13 +267,19 @@ class CheckpointManager:
         try:
             manifest = read_manifest(self.storage, path)
             if manifest.world_size != self._group.world_size:
-                return "mismatch", None, (
-                    f"{self.storage.describe(path)} was saved by {manifest.world_size} ranks, this job has "
-                    f"{self._group.world_size}; restoring across world sizes needs the same world size for now"
+                return (
+                    "mismatch",
+                    None,
+                    (
+                        f"{self.storage.describe(path)} was saved by {manifest.world_size} ranks, this job has "
+                        f"{self._group.world_size}; restoring across world sizes needs the same world size for now"
+                    ),
                 )
             tree = load_rank_state(self.storage, path, manifest, self._group.rank)
             if not isinstance(tree, dict):
-                raise CorruptCheckpointError(f"{self.storage.describe(path)}: the state is not a mapping")
+                raise CorruptCheckpointError(
+                    f"{self.storage.describe(path)}: the state is not a mapping"
+                )
             state.check(tree, where=self.storage.describe(path))
             return "ok", tree, ""
         except StateMismatchError as exc:
@@ -268,7 +291,10 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint directory under the root, newest first, with a quick validity check."""
-        return [describe_checkpoint(self.storage, s, p) for s, p in committed_steps(self.storage, self.root)]
+        return [
+            describe_checkpoint(self.storage, s, p)
+            for s, p in committed_steps(self.storage, self.root)
+        ]
 
     def close(self) -> None:
         """Wait for the save in flight, then release the writer thread. Safe to call twice."""
@@ -287,5 +313,10 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

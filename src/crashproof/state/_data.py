@@ -66,7 +66,9 @@ def _tracked_iter(self: Any) -> _TrackedIterator:
     own_generator = self._crashproof_own_generator
     if not own_generator:
         generator = torch.Generator()
-        generator.manual_seed((sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1))
+        generator.manual_seed(
+            (sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1)
+        )
         self.generator = generator
     inner = super(self._crashproof_base, self).__iter__()
     batch_size = self.batch_size or getattr(self.batch_sampler, "batch_size", None) or 1
@@ -84,7 +86,9 @@ def track_loader(loader: DataLoader[Any]) -> ResumableSampler:
             "such as torchdata's StatefulDataLoader."
         )
     if loader.batch_size is None and getattr(loader.batch_sampler, "batch_size", None) is None:
-        raise ConfigError("TrainState(data=loader): the loader's batch sampler has no batch_size; use batch_size=")
+        raise ConfigError(
+            "TrainState(data=loader): the loader's batch sampler has no batch_size; use batch_size="
+        )
     base = type(loader)
     if getattr(loader, "_crashproof_sampler", None) is None:
         tracked = _TRACKED_CLASSES.get(base)

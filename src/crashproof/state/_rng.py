@@ -45,7 +45,9 @@ def capture_rng() -> dict[str, Any]:
 def check_rng(state: Any, where: str) -> None:
     """Validate a captured RNG tree before anything is restored."""
     if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys():
-        raise StateMismatchError(f"{where}: the RNG state is incomplete (keys: {sorted(state) if isinstance(state, dict) else state!r})")
+        raise StateMismatchError(
+            f"{where}: the RNG state is incomplete (keys: {sorted(state) if isinstance(state, dict) else state!r})"
+        )
     torch_state = state["torch"]
     if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
         raise StateMismatchError(f"{where}: the torch RNG state is not a uint8 tensor")

@@ -47,7 +47,9 @@ class ResumableSampler(Sampler[int]):
             raise ConfigError(f"ResumableSampler: n must be >= 0, got {n}")
         if world_size is None:
             dist = torch.distributed
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            world_size = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
         if rank is None:
             dist = torch.distributed
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -72,7 +74,11 @@ class ResumableSampler(Sampler[int]):
         # wrap around to pad the tail, as torch's DistributedSampler does.
         if self.world_size > 1 and len(rest) % self.world_size:
             pad = self.world_size - len(rest) % self.world_size
-            rest = torch.cat([rest, rest[:pad]]) if len(rest) >= pad else rest.repeat(pad + 1)[: len(rest) + pad]
+            rest = (
+                torch.cat([rest, rest[:pad]])
+                if len(rest) >= pad
+                else rest.repeat(pad + 1)[: len(rest) + pad]
+            )
         return rest[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
@@ -99,7 +105,13 @@ class ResumableSampler(Sampler[int]):
             self.epoch, self.consumed = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "shuffle": self.shuffle, "seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
+        return {
+            "n": self.n,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
@@ -107,7 +119,10 @@ class ResumableSampler(Sampler[int]):
 
     def check_state_dict(self, state: Any) -> None:
         """Raise :class:`StateMismatchError` when ``state`` cannot be resumed by this sampler."""
-        if not isinstance(state, dict) or not {"n", "shuffle", "seed", "epoch", "consumed"} <= state.keys():
+        if (
+            not isinstance(state, dict)
+            or not {"n", "shuffle", "seed", "epoch", "consumed"} <= state.keys()
+        ):
             raise StateMismatchError(f"data position: malformed sampler state {state!r}")
         for key in ("n", "shuffle", "seed"):
             if state[key] != getattr(self, key):

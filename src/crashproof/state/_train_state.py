@@ -33,7 +33,10 @@ class Stateful(Protocol):
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module whose state_dict has plain keys: under DDP/FSDP1 wrappers and torch.compile."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
+        if (
+            isinstance(model, nn.parallel.DistributedDataParallel)
+            or type(model).__name__ == "DataParallel"
+        ):
             inner = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
             inner = model._orig_mod
@@ -78,10 +81,14 @@ class TrainState:
         self.sampler: ResumableSampler | None = None
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None and not isinstance(obj, Stateful):
-                raise ConfigError(f"TrainState({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict()")
+                raise ConfigError(
+                    f"TrainState({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict()"
+                )
         if data is not None and not isinstance(data, Stateful):
             if not isinstance(data, torch.utils.data.DataLoader):
-                raise ConfigError(f"TrainState(data=...): {type(data).__name__} is neither a DataLoader nor has state_dict()")
+                raise ConfigError(
+                    f"TrainState(data=...): {type(data).__name__} is neither a DataLoader nor has state_dict()"
+                )
             self.sampler = track_loader(data)
         for key, value in self.extra.items():
             if not isinstance(value, Stateful) and not _is_json_like(value):
@@ -108,7 +115,9 @@ class TrainState:
         elif self.data is not None:
             tree["data"] = self.data.state_dict()
         tree["extra"] = {
-            key: {"state_dict": value.state_dict()} if isinstance(value, Stateful) else {"value": value}
+            key: {"state_dict": value.state_dict()}
+            if isinstance(value, Stateful)
+            else {"value": value}
             for key, value in self.extra.items()
         }
         return tree
@@ -142,7 +151,9 @@ class TrainState:
         """Raise :class:`StateMismatchError` unless ``tree`` fits every live component."""
         for name in ("model", "optimizer", "scheduler", "scaler", "data"):
             if getattr(self, name) is not None and name not in tree:
-                raise StateMismatchError(f"{where}: holds no {name} state, but this TrainState has a {name}")
+                raise StateMismatchError(
+                    f"{where}: holds no {name} state, but this TrainState has a {name}"
+                )
         check_rng(tree.get("rng"), where)
         if self.model is not None:
             check_module(unwrap_model(self.model), tree["model"], f"{where}: model")
@@ -160,7 +171,9 @@ class TrainState:
             entry = saved_extra[key]
             wanted = "state_dict" if isinstance(value, Stateful) else "value"
             if not isinstance(entry, dict) or wanted not in entry:
-                raise StateMismatchError(f"{where}: extra[{key!r}] was saved as {sorted(entry) if isinstance(entry, dict) else entry!r}, expected {wanted!r}")
+                raise StateMismatchError(
+                    f"{where}: extra[{key!r}] was saved as {sorted(entry) if isinstance(entry, dict) else entry!r}, expected {wanted!r}"
+                )
             if isinstance(value, nn.Module):
                 check_module(value, entry["state_dict"], f"{where}: extra[{key!r}]")
 
@@ -178,7 +191,9 @@ def _is_json_like(value: Any) -> bool:
 def check_module(module: nn.Module, saved: Any, where: str) -> None:
     """Every key of ``module.state_dict()`` is saved with the same shape and dtype, and no others."""
     if not isinstance(saved, Mapping):
-        raise StateMismatchError(f"{where}: saved state is {type(saved).__name__}, not a state dict")
+        raise StateMismatchError(
+            f"{where}: saved state is {type(saved).__name__}, not a state dict"
+        )
     live = module.state_dict()
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
@@ -190,7 +205,9 @@ def check_module(module: nn.Module, saved: Any, where: str) -> None:
     for key, tensor in live.items():
         value = saved[key]
         if not isinstance(value, torch.Tensor):
-            raise StateMismatchError(f"{where}: {key!r} is saved as {type(value).__name__}, expected a tensor")
+            raise StateMismatchError(
+                f"{where}: {key!r} is saved as {type(value).__name__}, expected a tensor"
+            )
         if value.shape != tensor.shape or value.dtype != tensor.dtype:
             raise StateMismatchError(
                 f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
@@ -205,7 +222,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
     live_groups = optimizer.param_groups
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(live_groups):
-        raise StateMismatchError(f"{where}: {len(saved_groups)} param groups saved, the optimizer has {len(live_groups)}")
+        raise StateMismatchError(
+            f"{where}: {len(saved_groups)} param groups saved, the optimizer has {len(live_groups)}"
+        )
     params: dict[int, torch.Tensor] = {}
     for i, (s, g) in enumerate(zip(saved_groups, live_groups, strict=True)):
         if len(s["params"]) != len(g["params"]):
@@ -215,12 +234,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
         params.update(zip(s["params"], g["params"], strict=True))
     for param_id, param_state in saved["state"].items():
         if param_id not in params:
-            raise StateMismatchError(f"{where}: state for parameter id {param_id!r} that no param group lists")
+            raise StateMismatchError(
+                f"{where}: state for parameter id {param_id!r} that no param group lists"
+            )
         param = params[param_id]
         for name, value in param_state.items():
             # Per-element state (Adam's moments, momentum buffers) has the parameter's size; a
             # different shape at the same size means a reshaped parameter, which load would hide.
-            if isinstance(value, torch.Tensor) and value.numel() == param.numel() > 1 and value.shape != param.shape:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.numel() == param.numel() > 1
+                and value.shape != param.shape
+            ):
                 raise StateMismatchError(
                     f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
                     f"the parameter has {list(param.shape)}"

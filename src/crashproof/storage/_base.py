@@ -100,7 +100,9 @@ def read_all(storage: Storage, path: str, *, limit: int) -> bytes:
     try:
         size = stream.size()
         if size > limit:
-            raise ValueError(f"{storage.describe(path)} is {size} bytes, more than the {limit} allowed")
+            raise ValueError(
+                f"{storage.describe(path)} is {size} bytes, more than the {limit} allowed"
+            )
         buf = bytearray(size)
         stream.readinto(0, memoryview(buf))
         return bytes(buf)

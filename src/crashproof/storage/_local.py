@@ -19,7 +19,9 @@ class _LocalWriteStream:
     def __init__(self, path: str) -> None:
         self._path = path
         self._fd: int | None = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+            0o644,
         )
 
     def write(self, data: bytes | memoryview, /) -> None:
@@ -52,7 +54,9 @@ class _LocalReadStream:
             self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
-                raise FileNotFoundError(errno.ENOENT, "refusing to follow a symbolic link", path) from None
+                raise FileNotFoundError(
+                    errno.ENOENT, "refusing to follow a symbolic link", path
+                ) from None
             raise
         if not stat.S_ISREG(os.fstat(self._fd).st_mode):
             os.close(self._fd)
@@ -104,7 +108,9 @@ class LocalStorage:
         trash = None
         if os.path.lexists(final_dir):
             # rename(2) cannot replace a non-empty directory: move the old one aside first.
-            trash = os.path.join(parent, f".trash-{os.path.basename(final_dir)}-{uuid.uuid4().hex[:8]}")
+            trash = os.path.join(
+                parent, f".trash-{os.path.basename(final_dir)}-{uuid.uuid4().hex[:8]}"
+            )
             os.rename(final_dir, trash)
         os.rename(tmp_dir, final_dir)
         _fsync_dir(parent)

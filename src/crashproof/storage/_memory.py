@@ -60,7 +60,11 @@ class MemoryStorage:
     def list(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
         with self._lock:
-            names = {p[len(prefix) :].split("/", 1)[0] for p in (*self._files, *self._dirs) if p.startswith(prefix)}
+            names = {
+                p[len(prefix) :].split("/", 1)[0]
+                for p in (*self._files, *self._dirs)
+                if p.startswith(prefix)
+            }
         return sorted(names)
 
     def make_dirs(self, path: str) -> None:
@@ -90,7 +94,11 @@ class MemoryStorage:
                     del table[p]
                 for p in [p for p in table if p.startswith(src)]:
                     table[dst + p[len(src) :]] = table.pop(p)
-            self._dirs = {d for d in self._dirs if not (d + "/").startswith(src) and not (d + "/").startswith(dst)}
+            self._dirs = {
+                d
+                for d in self._dirs
+                if not (d + "/").startswith(src) and not (d + "/").startswith(dst)
+            }
             self._dirs.add(final_dir.rstrip("/"))
 
     def remove(self, path: str) -> None:
@@ -99,7 +107,9 @@ class MemoryStorage:
             self._files.pop(path, None)
             for p in [p for p in self._files if p.startswith(prefix)]:
                 del self._files[p]
-            self._dirs = {d for d in self._dirs if d != path.rstrip("/") and not d.startswith(prefix)}
+            self._dirs = {
+                d for d in self._dirs if d != path.rstrip("/") and not d.startswith(prefix)
+            }
 
     def describe(self, path: str) -> str:
         return f"memory://{path}"
