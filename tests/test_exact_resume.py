@@ -22,7 +22,16 @@ STEPS = 40  # 200 samples / batch 16 = 12 steps per epoch: the runs cross three 
 
 def _train(run_dir: Path, log: Path, *extra: str, check: bool = True) -> int:
     proc = run_python(
-        [str(EXAMPLES / "train_tiny.py"), "--run-dir", str(run_dir), "--steps", str(STEPS), "--log", str(log), *extra],
+        [
+            str(EXAMPLES / "train_tiny.py"),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(STEPS),
+            "--log",
+            str(log),
+            *extra,
+        ],
         check=check,
     )
     return proc.returncode
@@ -38,9 +47,13 @@ def _steps(log: Path) -> dict[int, dict[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, object]]]:
+def baseline(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, object]]]:
     base = tmp_path_factory.mktemp("baseline")
-    _train(base / "run", base / "log.jsonl", "--every", "5", "--dump", str(base / "final.safetensors"))
+    _train(
+        base / "run", base / "log.jsonl", "--every", "5", "--dump", str(base / "final.safetensors")
+    )
     return load_file(base / "final.safetensors"), _steps(base / "log.jsonl")
 
 
@@ -61,14 +74,26 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(
 ) -> None:
     expected_tensors, expected_steps = baseline
     log = tmp_path / "log.jsonl"
-    code = _train(tmp_path / "run", log, "--every", every, "--crash-at", str(crash_at), *extra, check=False)
+    code = _train(
+        tmp_path / "run", log, "--every", every, "--crash-at", str(crash_at), *extra, check=False
+    )
     assert code == 17, "the first run should die at the simulated crash"
     assert len(_steps(log)) == crash_at
-    _train(tmp_path / "run", log, "--every", every, "--dump", str(tmp_path / "final.safetensors"), *extra)
+    _train(
+        tmp_path / "run",
+        log,
+        "--every",
+        every,
+        "--dump",
+        str(tmp_path / "final.safetensors"),
+        *extra,
+    )
 
     resumed = load_file(tmp_path / "final.safetensors")
     assert resumed.keys() == expected_tensors.keys()
-    assert any(k.startswith("optimizer/") for k in resumed) and any(k.startswith("ema/") for k in resumed)
+    assert any(k.startswith("optimizer/") for k in resumed) and any(
+        k.startswith("ema/") for k in resumed
+    )
     different = [k for k in expected_tensors if not torch.equal(resumed[k], expected_tensors[k])]
     assert not different, f"tensors differ from the uninterrupted run: {different}"
     # Same samples, in the same order, and the same loss at every step (sample ids and floats).
@@ -78,9 +103,22 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(
 def test_resume_refuses_a_checkpoint_whose_data_order_no_longer_applies(tmp_path: Path) -> None:
     """A changed dataset would silently replay other samples: the restore must refuse, loudly."""
     log = tmp_path / "log.jsonl"
-    assert _train(tmp_path / "run", log, "--every", "5", "--crash-at", "12", "--workers", "0", check=False) == 17
+    assert (
+        _train(
+            tmp_path / "run", log, "--every", "5", "--crash-at", "12", "--workers", "0", check=False
+        )
+        == 17
+    )
     proc = run_python(
-        [str(EXAMPLES / "train_tiny.py"), "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS), "--samples", "208"],
+        [
+            str(EXAMPLES / "train_tiny.py"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            str(STEPS),
+            "--samples",
+            "208",
+        ],
         check=False,
     )
     assert proc.returncode != 0

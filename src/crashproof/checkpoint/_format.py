@@ -99,6 +99,8 @@ class Manifest:
     hash_algorithm: str
     files: dict[str, FileEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    """Settings that decide whether a resume can be bit-exact (deterministic algorithms, CUDA)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,6 +116,7 @@ class Manifest:
             "byte_order": "little",
             "files": {n: {"size": e.size, "checksum": e.checksum} for n, e in self.files.items()},
             "metadata": self.metadata,
+            "environment": self.environment,
         }
 
 
@@ -220,8 +223,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             checksum=_require(entry, "checksum", str, f"{where} [{name}]"),
         )
     metadata = obj.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise CorruptCheckpointError(f"{where}: field 'metadata' is not an object")
+    environment = obj.get("environment", {})
+    if not isinstance(metadata, dict) or not isinstance(environment, dict):
+        raise CorruptCheckpointError(f"{where}: field 'metadata' or 'environment' is not an object")
     return Manifest(
         step=_count(obj, "step", where),
         world_size=max(1, _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)),
@@ -232,6 +236,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         hash_algorithm=_require(obj, "hash_algorithm", str, where),
         files=files,
         metadata=metadata,
+        environment=environment,
     )
 
 

@@ -50,6 +50,7 @@ class Snapshot:
     tree: JSONValue
     tensors: list[tuple[str, torch.Tensor]]
     metadata: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +84,23 @@ def take_snapshot(
         else:
             tensor = tensor.contiguous()
         tensors.append((_unique(path.lstrip("/") or "tensor", used), tensor))
-    return Snapshot(step=step, tree=tree, tensors=tensors, metadata=dict(metadata or {}))
+    return Snapshot(
+        step=step,
+        tree=tree,
+        tensors=tensors,
+        metadata=dict(metadata or {}),
+        environment=exactness_environment(),
+    )
+
+
+def exactness_environment() -> dict[str, Any]:
+    """What decides whether resuming from this checkpoint can be bit-exact (see docs/exactness.md)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cuda": cuda,
+    }
 
 
 def _unique(name: str, used: set[str]) -> str:
@@ -177,6 +194,7 @@ def _commit(
             hash_algorithm=HASH_ALGORITHM,
             files=files,
             metadata=snapshot.metadata,
+            environment=snapshot.environment,
         )
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), dumps(manifest.to_json()))
         storage.publish(tmp_dir, final_dir)

@@ -26,6 +26,7 @@ from crashproof.checkpoint._reader import checkpoint_not_found, load_rank_state,
 from crashproof.checkpoint._writer import (
     CommitResult,
     Snapshot,
+    exactness_environment,
     new_tmp_name,
     persist,
     take_snapshot,
@@ -84,6 +85,7 @@ class CheckpointManager:
         self._last_save_step = 0
         self._last_save_s = time.monotonic()
         self._newest_valid: int | None = None
+        self._restored_environment: dict[str, Any] = {}
         self.last_commit: CommitResult | None = None
         """The most recent committed save of this manager."""
         self.last_blocking_s = 0.0
@@ -244,6 +246,7 @@ class CheckpointManager:
                 skipped.append(f"step {candidate}: {problems[0]}")
                 continue
             state.restore(tree, where=f"{self.storage.describe(path)}")
+            self._warn_if_inexact(candidate)
             self._last_save_step, self._last_save_s = candidate, time.monotonic()
             self._newest_valid = candidate
             log.info(
@@ -262,6 +265,20 @@ class CheckpointManager:
             )
         return 0
 
+    def _warn_if_inexact(self, step: int) -> None:
+        """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
+        env = self._restored_environment
+        now = exactness_environment()
+        if (env.get("cuda") or now["cuda"]) and not (
+            env.get("deterministic_algorithms") and now["deterministic_algorithms"]
+        ):
+            log.warning(
+                "resuming from step %d on CUDA without torch.use_deterministic_algorithms(True) in both "
+                "runs: the resumed run can match the uninterrupted one only statistically, not bit for "
+                "bit (see docs/exactness.md)",
+                step,
+            )
+
     def _load_candidate(self, state: TrainState, path: str) -> tuple[str, Any, str]:
         """``("ok", tree, "")``, ``("corrupt", None, why)`` or ``("mismatch", None, why)``."""
         try:
@@ -276,6 +293,7 @@ class CheckpointManager:
                     ),
                 )
             tree = load_rank_state(self.storage, path, manifest, self._group.rank)
+            self._restored_environment = manifest.environment
             if not isinstance(tree, dict):
                 raise CorruptCheckpointError(
                     f"{self.storage.describe(path)}: the state is not a mapping"

@@ -1,0 +1,205 @@
+"""CheckpointManager behaviour: sync and async saves, background failures, restore choices."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import crashproof as cp
+from crashproof.storage import MemoryStorage
+from crashproof.storage._memory import _MemoryWriteStream
+
+
+def _state(seed: int = 0) -> cp.TrainState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return cp.TrainState(model=model, optimizer=opt, extra={"tokens": 7})
+
+
+def _tensors(state: cp.TrainState) -> dict[str, torch.Tensor]:
+    assert state.model is not None and state.optimizer is not None
+    out = {f"m/{k}": v.clone() for k, v in state.model.state_dict().items()}
+    for pid, ps in state.optimizer.state_dict()["state"].items():
+        out.update({f"o/{pid}/{k}": v.clone() for k, v in ps.items()})
+    return out
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class FailingStorage(MemoryStorage):
+    """MemoryStorage whose writes fail with ``error`` once ``armed`` (a fault-injection seam)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: OSError | None = None
+
+    def create(self, path: str) -> _MemoryWriteStream:
+        if self.armed is not None and path.endswith(".safetensors"):
+            raise self.armed
+        return super().create(path)
+
+
+def test_async_save_holds_the_values_of_the_saved_step_while_training_changes_them() -> None:
+    storage = MemoryStorage()
+    state = _state()
+    before = _tensors(state)
+    with cp.CheckpointManager("/ck", storage=storage, async_save=True) as ckpt:
+        ckpt.save(1, state)
+        assert state.model is not None
+        with torch.no_grad():  # the training loop goes on right after save() returns
+            for p in state.model.parameters():
+                p.add_(1.0)
+        for ps in state.optimizer.state.values():  # type: ignore[union-attr]
+            ps["exp_avg"].mul_(3.0)
+    fresh = _state(seed=1)
+    assert cp.CheckpointManager("/ck", storage=storage).restore(fresh) == 1
+    assert _equal(_tensors(fresh), before)
+
+
+def test_background_failure_surfaces_at_the_next_call_and_keeps_earlier_checkpoints(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    storage = FailingStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=True, every=cp.EverySteps(1))
+    ckpt.save(1, state)
+    ckpt.wait()
+    committed = {p: storage.get_bytes(p) for p in storage._files}
+    storage.armed = OSError(errno.ENOSPC, "No space left on device")
+    ckpt.save(2, state)  # returns: the failure happens in the background
+    with pytest.raises(cp.CheckpointWriteError, match="step 2.*No space left") as info:
+        ckpt.wait()
+    assert isinstance(info.value, OSError)
+    assert "intact" in str(info.value)
+    # Nothing of the failed save is left, and step 1 is byte for byte what it was.
+    assert {p: storage.get_bytes(p) for p in storage._files} == committed
+    assert [i.step for i in ckpt.list()] == [1]
+    # Once the disk has room again, training saves as before.
+    storage.armed = None
+    ckpt.save(3, state)
+    ckpt.close()
+    assert [i.step for i in ckpt.list()] == [3, 1]
+
+
+def test_failure_of_an_async_save_is_raised_by_the_next_maybe_save() -> None:
+    storage = FailingStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=True, every=cp.EverySteps(1))
+    storage.armed = OSError(errno.EIO, "Input/output error")
+    ckpt.save(1, state)
+    if ckpt._inflight is not None:
+        ckpt._inflight.exception()  # let the background write fail before the next call
+    with pytest.raises(cp.CheckpointWriteError, match="Input/output error"):
+        ckpt.maybe_save(2, state)
+
+
+def test_sync_save_failure_raises_at_once() -> None:
+    storage = FailingStorage()
+    storage.armed = OSError(errno.EACCES, "Permission denied")
+    ckpt = cp.CheckpointManager("/ck", storage=storage)
+    with pytest.raises(cp.CheckpointWriteError, match="Permission denied"):
+        ckpt.save(5, _state())
+    assert storage.list("/ck") == []
+
+
+def test_close_commits_the_save_in_flight(tmp_path: Path) -> None:
+    state = _state()
+    ckpt = cp.CheckpointManager(str(tmp_path), async_save=True)
+    ckpt.save(4, state)
+    ckpt.close()
+    ckpt.close()  # idempotent
+    assert [(i.step, i.valid) for i in cp.CheckpointManager(str(tmp_path)).list()] == [(4, True)]
+    with pytest.raises(cp.ConfigError, match="closed"):
+        ckpt.save(5, state)
+
+
+def test_restore_of_an_explicit_step_and_of_a_missing_one(tmp_path: Path) -> None:
+    state = _state()
+    ckpt = cp.CheckpointManager(str(tmp_path))
+    ckpt.save(1, state)
+    saved = _tensors(state)
+    assert state.model is not None
+    with torch.no_grad():
+        state.model[0].weight.add_(1)  # type: ignore[index]
+    ckpt.save(2, state)
+    fresh = _state(seed=3)
+    assert ckpt.restore(fresh, step=1) == 1
+    assert _equal(_tensors(fresh), saved)
+    with pytest.raises(cp.CheckpointNotFoundError, match="step 9") as info:
+        ckpt.restore(fresh, step=9)
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_restore_returns_zero_on_an_empty_root_and_touches_nothing(tmp_path: Path) -> None:
+    state = _state()
+    before = _tensors(state)
+    assert cp.CheckpointManager(str(tmp_path / "new")).restore(state) == 0
+    assert _equal(_tensors(state), before)
+
+
+def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
+    state = _state()
+    ckpt = cp.CheckpointManager(str(tmp_path))
+    ckpt.save(3, state)
+    state.extra["tokens"] = 99
+    ckpt.save(3, state)
+    fresh = _state()
+    assert ckpt.restore(fresh) == 3
+    assert fresh.extra["tokens"] == 99
+    assert [i.step for i in ckpt.list()] == [3]
+
+
+def test_unsupported_value_is_refused_at_save_naming_its_path(tmp_path: Path) -> None:
+    class Weird:
+        def state_dict(self) -> dict[str, object]:
+            return {"fn": lambda x: x}
+
+        def load_state_dict(self, state: object) -> None:
+            pass
+
+    state = cp.TrainState(extra={"weird": Weird()})
+    with pytest.raises(cp.UnsupportedStateError, match="extra/weird/state_dict/fn") as info:
+        cp.CheckpointManager(str(tmp_path)).save(1, state)
+    assert isinstance(info.value, TypeError)
+
+
+def test_metadata_and_environment_are_recorded(tmp_path: Path) -> None:
+    ckpt = cp.CheckpointManager(str(tmp_path))
+    ckpt.save(1, _state(), metadata={"val_loss": 0.25})
+    manifest = cp.checkpoint.read_manifest(cp.LocalStorage(), str(tmp_path / "step_0000000001"))
+    assert manifest.metadata == {"val_loss": 0.25}
+    assert (
+        manifest.environment["deterministic_algorithms"]
+        == torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def test_maybe_save_follows_the_policy(tmp_path: Path) -> None:
+    ckpt = cp.CheckpointManager(str(tmp_path), every=cp.EverySteps(3))
+    state = _state()
+    saved = [step for step in range(1, 10) if ckpt.maybe_save(step, state)]
+    assert saved == [3, 6, 9]
+    assert [i.step for i in ckpt.list()] == [9, 6, 3]
+
+
+def test_restore_logs_each_skipped_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = cp.CheckpointManager(str(tmp_path))
+    state = _state()
+    ckpt.save(1, state)
+    ckpt.save(2, state)
+    (tmp_path / "step_0000000002" / "rank_00000.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="crashproof"):
+        assert ckpt.restore(_state()) == 1
+    assert "skipping checkpoint step 2" in caplog.text and "rank_00000.json" in caplog.text
