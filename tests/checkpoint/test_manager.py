@@ -77,7 +77,7 @@ def test_background_failure_surfaces_at_the_next_call_and_keeps_earlier_checkpoi
     committed = {p: storage.get_bytes(p) for p in storage._files}
     storage.armed = OSError(errno.ENOSPC, "No space left on device")
     ckpt.save(2, state)  # returns: the failure happens in the background
-    with pytest.raises(cp.CheckpointWriteError, match="step 2.*No space left") as info:
+    with pytest.raises(cp.CheckpointWriteError, match=r"step 2.*No space left") as info:
         ckpt.wait()
     assert isinstance(info.value, OSError)
     assert "intact" in str(info.value)
