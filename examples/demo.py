@@ -33,7 +33,13 @@ def banner(text: str) -> None:
 
 def train(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def finish(proc: subprocess.Popen[str]) -> str:
@@ -60,19 +66,41 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="demo-runs", help="where the demo writes (recreated)")
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--kill-at", type=int, default=77, help="SIGKILL the run once it has logged this step")
+    parser.add_argument(
+        "--kill-at", type=int, default=77, help="SIGKILL the run once it has logged this step"
+    )
     args = parser.parse_args()
     root = Path(args.run_dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
-    common = ["--steps", str(args.steps), "--every", "10", "--keep", "3", "--samples", "400", "--hidden", "256"]
+    common = [
+        "--steps",
+        str(args.steps),
+        "--every",
+        "10",
+        "--keep",
+        "3",
+        "--samples",
+        "400",
+        "--hidden",
+        "256",
+    ]
 
     banner(f"1. reference run: {args.steps} steps, never interrupted")
-    finish(train(root / "reference", *common, "--log", str(root / "reference.jsonl"), "--dump", str(root / "reference.safetensors")))
+    finish(
+        train(
+            root / "reference",
+            *common,
+            "--step-log",
+            str(root / "reference.jsonl"),
+            "--dump",
+            str(root / "reference.safetensors"),
+        )
+    )
     print(f"done: {steps_logged(root / 'reference.jsonl')} steps")
 
     banner(f"2. the same run, killed with SIGKILL once it reaches step {args.kill_at}")
     log = root / "resumed.jsonl"
-    proc = train(root / "run", *common, "--log", str(log))
+    proc = train(root / "run", *common, "--step-log", str(log))
     while steps_logged(log) < args.kill_at and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
@@ -93,18 +121,32 @@ def main() -> int:
     crashproof("verify", str(root / "run" / "checkpoints"), "--latest")
 
     banner("4. relaunch: restore the newest valid checkpoint and finish")
-    out = finish(train(root / "run", *common, "--log", str(log), "--dump", str(root / "resumed.safetensors")))
+    out = finish(
+        train(
+            root / "run",
+            *common,
+            "--step-log",
+            str(log),
+            "--dump",
+            str(root / "resumed.safetensors"),
+        )
+    )
     for line in out.splitlines():
         if "skipping checkpoint" in line or line.startswith("starting at step"):
             print(line)
 
     banner("5. compare with the reference run, bit for bit")
-    reference, resumed = load_file(root / "reference.safetensors"), load_file(root / "resumed.safetensors")
+    reference, resumed = (
+        load_file(root / "reference.safetensors"),
+        load_file(root / "resumed.safetensors"),
+    )
     different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
     ref_steps = [json.loads(x) for x in (root / "reference.jsonl").read_text().splitlines()]
     run_steps = {r["step"]: r for r in map(json.loads, log.read_text().splitlines())}
     same_samples = all(run_steps[r["step"]] == r for r in ref_steps)
-    print(f"{len(reference)} tensors (model, AdamW state, EMA): {len(reference) - len(different)} identical")
+    print(
+        f"{len(reference)} tensors (model, AdamW state, EMA): {len(reference) - len(different)} identical"
+    )
     print(f"every step saw the same samples and computed the same loss: {same_samples}")
     if different or not same_samples:
         print(f"MISMATCH: {different[:5]}")

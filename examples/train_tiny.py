@@ -9,7 +9,10 @@ and the second run ends bit for bit where an uninterrupted run ends.
     python examples/train_tiny.py --run-dir runs/tiny --steps 60 --crash-at 37   # dies at step 37
     python examples/train_tiny.py --run-dir runs/tiny --steps 60                 # resumes, finishes
 
-``--log`` writes one JSON line per step (step, sample ids, loss) so runs can be compared.
+``--step-log`` writes one JSON line per step (step, sample ids, loss) so runs can be compared.
+
+Launched by ``torchrun`` (or ``crashproof run``) with several processes, it trains with DDP over
+gloo; each rank logs to ``LOG.rank<r>`` and rank 0 writes the dump.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class EMA:
 
     def update(self, model: nn.Module) -> None:
         with torch.no_grad():
-            for k, v in model.state_dict().items():
+            for k, v in cp.state.unwrap_model(model).state_dict().items():
                 self.shadow[k].mul_(self.decay).add_(v, alpha=1 - self.decay)
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,9 +87,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--crash-at", type=int, default=None, help="simulate a crash: os._exit after this step")
-    p.add_argument("--log", default=None, help="append one JSON line per step to this file")
-    p.add_argument("--dump", default=None, help="at the end, write model+optimizer tensors here (safetensors)")
+    p.add_argument(
+        "--crash-at", type=int, default=None, help="simulate a crash: os._exit after this step"
+    )
+    p.add_argument("--step-log", default=None, help="append one JSON line per step to this file")
+    p.add_argument(
+        "--dump", default=None, help="at the end, write model+optimizer tensors here (safetensors)"
+    )
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
     return p.parse_args(argv)
 
@@ -100,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world_size > 1:
+        torch.distributed.init_process_group("gloo")
+        rank = torch.distributed.get_rank()
+        if args.step_log:
+            args.step_log = f"{args.step_log}.rank{rank}"
+
     dim = 16
     dataset = SyntheticRegression(args.samples, dim)
     sampler = cp.ResumableSampler(len(dataset), shuffle=True, seed=0)
@@ -108,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         persistent_workers=args.workers > 0,
     )  # fmt: skip
     model = build_model(dim, args.hidden)
+    ema = EMA(model)
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=args.steps)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
-    ema = EMA(model)
     state = cp.TrainState(
         model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=loader,
         extra={"ema": ema, "samples_seen": 0},
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = ckpt.restore(state)
     print(f"starting at step {start}", flush=True)
-    log_file = open(args.log, "a") if args.log else None  # noqa: SIM115 - closed below
+    log_file = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - closed below
     batches = iter(loader)
     for step in range(start, args.steps):
         try:
@@ -145,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         ema.update(model)
         state.extra["samples_seen"] += len(ids)
         if log_file:
-            log_file.write(json.dumps({"step": step + 1, "ids": ids.tolist(), "loss": loss.item()}) + "\n")
+            log_file.write(
+                json.dumps({"step": step + 1, "ids": ids.tolist(), "loss": loss.item()}) + "\n"
+            )
             log_file.flush()
         ckpt.maybe_save(step + 1, state)
         if args.crash_at is not None and step + 1 == args.crash_at:
@@ -154,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.close()
     if log_file:
         log_file.close()
-    if args.dump:
+    if args.dump and rank == 0:
         dump_state(args.dump, model, optimizer, ema)
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
     print(f"finished at step {args.steps}", flush=True)
     return 0
 
@@ -164,7 +185,9 @@ def dump_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, em
     """Every tensor of model, optimizer and EMA, by name, for bit-for-bit comparison."""
     from safetensors.torch import save_file
 
-    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {
+        f"model/{k}": v.contiguous() for k, v in cp.state.unwrap_model(model).state_dict().items()
+    }
     for pid, pstate in optimizer.state_dict()["state"].items():
         for name, value in pstate.items():
             tensors[f"optimizer/{pid}/{name}"] = value.contiguous()

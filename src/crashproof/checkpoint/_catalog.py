@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crashproof.checkpoint._format import parse_step_dir
-from crashproof.checkpoint._reader import read_manifest
+from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import RetentionPolicy
@@ -104,11 +104,22 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
     )
 
 
+def newest_verified(storage: Storage, root: str) -> int | None:
+    """The step of the newest checkpoint whose every checksum verifies (reads it whole)."""
+    for step, path in committed_steps(storage, root):
+        try:
+            if verify_checkpoint(storage, path).step == step:
+                return step
+        except (CorruptCheckpointError, OSError):
+            continue
+    return None
+
+
 def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:
-    """The checkpoints ``keep`` would remove, sparing the newest one that passes the quick check."""
+    """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies."""
     found = committed_steps(storage, root)
     kept = keep.keep(sorted(step for step, _ in found))
-    newest_valid = next((s for s, p in found if describe_checkpoint(storage, s, p).valid), None)
+    newest_valid = newest_verified(storage, root)
     if newest_valid is not None:
         kept.add(newest_valid)
     return [(step, path) for step, path in found if step not in kept]

@@ -54,6 +54,7 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_INDEX_BYTES = 512 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
 MAX_NDIM = 64
+MAX_ELEMENTS = 1 << 48  # even with zero-size dims, larger shapes overflow torch's stride maths
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _STEP_DIR = re.compile(r"^step_(\d{1,19})$")
 _KINDS = ("full",)
@@ -212,6 +213,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if kind not in _KINDS:
         raise CorruptCheckpointError(f"{where}: unknown checkpoint kind {kind!r}")
     created = _require(obj, "created_unix", (int, float), where)
+    try:
+        created = float(created)
+    except OverflowError:
+        created = math.inf
     if not math.isfinite(created):
         raise CorruptCheckpointError(f"{where}: created_unix is not finite")
     files_obj = _require(obj, "files", dict, where)
@@ -222,15 +227,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             size=_count(entry, "size", f"{where} [{name}]"),
             checksum=_require(entry, "checksum", str, f"{where} [{name}]"),
         )
+    world_size = _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)
+    ranks_listed = {name for name in files if name.startswith("rank_") and name.endswith(".json")}
+    if world_size < 1 or ranks_listed != {index_name(r) for r in range(world_size)}:
+        raise CorruptCheckpointError(
+            f"{where}: world size {world_size} does not match the {len(ranks_listed)} rank indexes listed"
+        )
     metadata = obj.get("metadata", {})
     environment = obj.get("environment", {})
     if not isinstance(metadata, dict) or not isinstance(environment, dict):
         raise CorruptCheckpointError(f"{where}: field 'metadata' or 'environment' is not an object")
     return Manifest(
         step=_count(obj, "step", where),
-        world_size=max(1, _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)),
+        world_size=world_size,
         kind=kind,
-        created_unix=float(created),
+        created_unix=created,
         library_version=_require(obj, "library_version", str, where),
         torch_version=_require(obj, "torch_version", str, where),
         hash_algorithm=_require(obj, "hash_algorithm", str, where),
@@ -284,6 +295,10 @@ def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
     if len(shape_obj) > MAX_NDIM:
         raise CorruptCheckpointError(f"{where} ({name}): {len(shape_obj)} dimensions")
     shape = tuple(_count({"dim": d}, "dim", f"{where} ({name})") for d in shape_obj)
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise UnsafeCheckpointError(
+            f"{where} ({name}): shape {list(shape)[:8]} is beyond any real tensor"
+        )
     offset = _count(obj, "offset", where)
     nbytes = _count(obj, "nbytes", where)
     expected = math.prod(shape) * itemsize

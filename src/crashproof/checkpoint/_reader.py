@@ -92,6 +92,23 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
 
 def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> Any:
     """Rank ``rank``'s state tree with its tensors, every byte verified against its checksum."""
+    tree, _ = _read_rank(storage, ckpt_dir, manifest, rank, keep=True, on_bytes=None)
+    return tree
+
+
+def _read_rank(
+    storage: Storage,
+    ckpt_dir: str,
+    manifest: Manifest,
+    rank: int,
+    *,
+    keep: bool,
+    on_bytes: Callable[[int], None] | None,
+) -> tuple[Any, str]:
+    """Read and verify one rank's index and shard; returns the decoded state tree and shard name.
+
+    With ``keep=False`` tensors are verified but not kept: the tree holds empty placeholders.
+    """
     index = read_rank_index(storage, ckpt_dir, manifest, rank)
     shard_path = storage.join(ckpt_dir, index.shard_file)
     where = storage.describe(shard_path)
@@ -100,36 +117,40 @@ def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
     try:
-        tensors = read_shard(stream, index.tensors, manifest.files[index.shard_file], where)
+        entry = manifest.files[index.shard_file]
+        tensors = read_shard(stream, index.tensors, entry, where, keep=keep, on_bytes=on_bytes)
     except (OSError, EOFError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
     finally:
         stream.close()
+    index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
 
     def load_tensor(i: int) -> Any:
         if i >= len(tensors):
             raise CorruptCheckpointError(
-                f"{where}: the state refers to tensor #{i}, the shard holds {len(tensors)}"
+                f"{index_where}: the state refers to tensor #{i}, the index lists {len(tensors)}"
             )
         return tensors[i]
 
-    return decode_tree(
-        index.state, load_tensor, storage.describe(storage.join(ckpt_dir, index_name(rank)))
-    )
+    return decode_tree(index.state, load_tensor, index_where), index.shard_file
 
 
 def verify_checkpoint(
     storage: Storage, ckpt_dir: str, *, on_bytes: Callable[[int], None] | None = None
 ) -> Manifest:
-    """Check every file's size and checksum, and every rank index's bounds; returns the manifest.
+    """Check everything a restore checks, without keeping the tensors; returns the manifest.
 
-    ``on_bytes(n)`` is called as bytes are hashed (for progress bars).
+    Every file's size and checksum, every tensor's checksum and byte range, and every reference
+    in the state trees. ``on_bytes(n)`` is called as bytes are hashed (for progress bars).
     """
     manifest = read_manifest(storage, ckpt_dir)
-    for name, entry in sorted(manifest.files.items()):
-        _verify_file(storage, storage.join(ckpt_dir, name), entry, on_bytes)
+    checked: set[str] = set()
     for rank in range(manifest.world_size):
-        read_rank_index(storage, ckpt_dir, manifest, rank)
+        _, shard_file = _read_rank(storage, ckpt_dir, manifest, rank, keep=False, on_bytes=on_bytes)
+        checked |= {index_name(rank), shard_file}
+    for name, entry in sorted(manifest.files.items()):
+        if name not in checked:
+            _verify_file(storage, storage.join(ckpt_dir, name), entry, on_bytes)
     return manifest
 
 

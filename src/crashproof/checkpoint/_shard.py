@@ -11,7 +11,7 @@ Writing hashes each chunk on a helper thread while the previous chunk is being w
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -110,12 +110,19 @@ def _update_both(a: Hasher, b: Hasher, chunk: memoryview) -> None:
 
 
 def read_shard(
-    stream: ReadStream, entries: Sequence[TensorEntry], expected: FileEntry, where: str
+    stream: ReadStream,
+    entries: Sequence[TensorEntry],
+    expected: FileEntry,
+    where: str,
+    *,
+    keep: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
     """Read every tensor of a shard, verifying each tensor's and the whole file's checksum.
 
     ``entries`` were validated against ``expected.size`` by the format parser, so every range lies
     inside the file; the actual file size is checked here against the manifest before any read.
+    With ``keep=False`` the tensors are verified and dropped one by one (memory: the largest one).
     """
     actual_size = stream.size()
     if actual_size != expected.size:
@@ -142,9 +149,14 @@ def read_shard(
                 f"{where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
                 f"has checksum {tensor_hasher.hexdigest()}, expected {entry.checksum}"
             )
-        tensors[i] = tensor
+        if keep:
+            tensors[i] = tensor
+        if on_bytes:
+            on_bytes(entry.offset + entry.nbytes - pos)
         pos = entry.offset + entry.nbytes
     _hash_range(stream, pos, actual_size, file_hasher)
+    if on_bytes:
+        on_bytes(actual_size - pos)
     if file_hasher.hexdigest() != expected.checksum:
         raise CorruptCheckpointError(
             f"{where}: file checksum {file_hasher.hexdigest()}, expected {expected.checksum}"

@@ -8,6 +8,7 @@ Python value              JSON
 ========================  =============================================
 None, bool, int, str      themselves (ints of any size: Python's json is exact)
 float                     itself (``repr`` round-trips exactly); non-finite as ``{"$float": "nan"}``
+complex                   ``{"$complex": [real, imag]}``
 list                      a list
 tuple                     ``{"$tuple": [...]}``
 dict with plain str keys  an object (keys starting with ``$`` force the tagged form)
@@ -42,7 +43,17 @@ JSONValue = Any  # JSON-compatible value; a precise recursive alias buys nothing
 
 # Deeper trees than this are not real training state; refusing them keeps decoding bounded.
 MAX_DEPTH = 64
-_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$bytes", "$dtype", "$npscalar")
+_TAGS = (
+    "$tensor",
+    "$ndarray",
+    "$tuple",
+    "$dict",
+    "$float",
+    "$complex",
+    "$bytes",
+    "$dtype",
+    "$npscalar",
+)
 
 
 def encode_tree(value: Any, tensors: list[tuple[str, torch.Tensor]], path: str = "") -> JSONValue:
@@ -55,6 +66,19 @@ def _encode(
 ) -> JSONValue:
     if depth > MAX_DEPTH:
         raise UnsupportedStateError(f"state nested deeper than {MAX_DEPTH} levels at {path!r}")
+    # Before the Python scalars: np.float64 subclasses float but must come back as np.float64.
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        return {
+            "$npscalar": value.dtype.str,
+            "value": _encode(value.item(), tensors, path, depth + 1),
+        }
+    if isinstance(value, complex):
+        return {
+            "$complex": [
+                _encode(value.real, tensors, path, depth + 1),
+                _encode(value.imag, tensors, path, depth + 1),
+            ]
+        }
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -75,13 +99,9 @@ def _encode(
             raise UnsupportedStateError(
                 f"numpy object array at {path!r} cannot be saved without pickle"
             )
-        tensors.append((path, torch.from_numpy(np.ascontiguousarray(value))))
+        contiguous = value if value.flags.c_contiguous else value.copy(order="C")
+        tensors.append((path, torch.from_numpy(contiguous)))
         return {"$ndarray": len(tensors) - 1}
-    if isinstance(value, np.generic):
-        return {
-            "$npscalar": value.dtype.str,
-            "value": _encode(value.item(), tensors, path, depth + 1),
-        }
     if isinstance(value, torch.dtype):
         return {"$dtype": dtype_name(value, where=path)}
     if isinstance(value, (bytes, bytearray)):
@@ -169,6 +189,11 @@ def _decode_tagged(
         if body not in ("nan", "inf", "-inf"):
             raise CorruptCheckpointError(f"{where}: bad non-finite float {body!r}")
         return float(body)
+    if tag == "$complex":
+        parts = [sub(v) for v in _list(body)]
+        if len(parts) != 2 or not all(isinstance(p, float) for p in parts):
+            raise CorruptCheckpointError(f"{where}: a $complex entry is not two floats")
+        return complex(parts[0], parts[1])
     if tag == "$bytes":
         return base64.b64decode(str(body), validate=True)
     if tag == "$dtype":
@@ -177,7 +202,16 @@ def _decode_tagged(
     np_dtype = np.dtype(str(body))
     if np_dtype.kind not in "biufc":
         raise CorruptCheckpointError(f"{where}: numpy scalar of unsupported dtype {body!r}")
-    return np_dtype.type(sub(node["value"]))
+    value = sub(node["value"])
+    if not isinstance(value, (bool, int, float, complex)):
+        raise CorruptCheckpointError(
+            f"{where}: numpy scalar value {str(value)[:50]} is not a number"
+        )
+    try:
+        with np.errstate(all="raise"):
+            return np_dtype.type(value)
+    except (OverflowError, FloatingPointError):
+        raise CorruptCheckpointError(f"{where}: {value} does not fit numpy {np_dtype}") from None
 
 
 def _index(body: Any) -> int:

@@ -9,6 +9,7 @@ synchronous save is the same save, waited on.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -62,7 +63,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str,
+        root: str | os.PathLike[str],
         *,
         every: SavePolicy | None = None,
         keep: RetentionPolicy | None = None,
@@ -72,11 +73,15 @@ class CheckpointManager:
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
+        root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
         self.every: SavePolicy = every if every is not None else EverySteps(1000)
         self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
         self.async_save = async_save
+        # Two groups: the training thread's collectives (decisions, restore) and the background
+        # writer's (commit) must never interleave on one group, or ranks would pair them wrongly.
         self._group: Group = default_group(timeout_s)
+        self._persist_group: Group = default_group(timeout_s)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
         self._inflight: Future[CommitResult] | None = None
         self._inflight_tmp: str | None = None
@@ -142,7 +147,7 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - started
 
     def _persist(self, snapshot: Snapshot, tmp_name: str) -> CommitResult:
-        result = persist(self.storage, self.root, snapshot, self._group, tmp_name)
+        result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
         self._newest_valid = max(self._newest_valid or 0, snapshot.step)
         log.info(
             "checkpoint step %d committed: %.1f MB in %.2f s",
@@ -235,7 +240,7 @@ class CheckpointManager:
         skipped: list[str] = []
         for candidate, path in found:
             started = time.perf_counter()
-            status, tree, reason = self._load_candidate(state, path)
+            status, tree, reason = self._load_candidate(state, candidate, path)
             statuses = self._group.all_gather((status, reason))
             mismatch = next((r for s, r in statuses if s == "mismatch"), None)
             if mismatch is not None:
@@ -279,10 +284,15 @@ class CheckpointManager:
                 step,
             )
 
-    def _load_candidate(self, state: TrainState, path: str) -> tuple[str, Any, str]:
+    def _load_candidate(self, state: TrainState, step: int, path: str) -> tuple[str, Any, str]:
         """``("ok", tree, "")``, ``("corrupt", None, why)`` or ``("mismatch", None, why)``."""
         try:
             manifest = read_manifest(self.storage, path)
+            if manifest.step != step:
+                raise CorruptCheckpointError(
+                    f"{self.storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
+                    "the directory was renamed or copied"
+                )
             if manifest.world_size != self._group.world_size:
                 return (
                     "mismatch",

@@ -22,6 +22,11 @@ from crashproof.state._sampler import ResumableSampler
 __all__ = ["Stateful", "TrainState"]
 
 _JSON_SCALARS = (type(None), bool, int, float, str)
+# Optimizer state entries that torch.optim keeps per element of the parameter (same shape).
+_PER_ELEMENT_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+     "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
+)  # fmt: skip
 
 
 @runtime_checkable
@@ -239,14 +244,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
             )
         param = params[param_id]
         for name, value in param_state.items():
-            # Per-element state (Adam's moments, momentum buffers) has the parameter's size; a
-            # different shape at the same size means a reshaped parameter, which load would hide.
-            if (
-                isinstance(value, torch.Tensor)
-                and value.numel() == param.numel() > 1
-                and value.shape != param.shape
-            ):
+            if not isinstance(value, torch.Tensor):
+                continue
+            # Per-element state has the parameter's shape. Known names must match exactly; for
+            # others (factored states such as Adafactor's row_var) only a same-sized tensor must.
+            per_element = name in _PER_ELEMENT_STATE or (value.numel() == param.numel() > 1)
+            if per_element and value.shape != param.shape:
                 raise StateMismatchError(
                     f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
-                    f"the parameter has {list(param.shape)}"
+                    f"the parameter has {list(param.shape)}; was the model or the parameter order changed?"
                 )

@@ -119,6 +119,18 @@ class LocalStorage:
 
     def remove(self, path: str) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
+            # Rename first so the directory disappears in one step: a crash during the deletion
+            # leaves a ".trash-" leftover that readers ignore, never a half-deleted checkpoint.
+            name = os.path.basename(path.rstrip("/"))
+            if not name.startswith(".trash-"):
+                trash = os.path.join(
+                    os.path.dirname(path.rstrip("/")), f".trash-{name}-{uuid.uuid4().hex[:8]}"
+                )
+                try:
+                    os.rename(path, trash)
+                    path = trash
+                except OSError:
+                    pass  # e.g. a read-only parent: fall back to deleting in place
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):

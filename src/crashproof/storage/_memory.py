@@ -38,6 +38,8 @@ class _MemoryReadStream:
 
     def readinto(self, offset: int, buf: memoryview, /) -> None:
         view = buf.cast("B")
+        if not view:
+            return
         if offset < 0 or offset + len(view) > len(self._data):
             raise EOFError(f"{self._path}: file ends before offset {offset} + {len(view)}")
         view[:] = self._data[offset : offset + len(view)]
@@ -89,17 +91,13 @@ class MemoryStorage:
     def publish(self, tmp_dir: str, final_dir: str) -> None:
         src, dst = tmp_dir.rstrip("/") + "/", final_dir.rstrip("/") + "/"
         with self._lock:
-            for table in (self._files,):
-                for p in [p for p in table if p.startswith(dst)]:
-                    del table[p]
-                for p in [p for p in table if p.startswith(src)]:
-                    table[dst + p[len(src) :]] = table.pop(p)
-            self._dirs = {
-                d
-                for d in self._dirs
-                if not (d + "/").startswith(src) and not (d + "/").startswith(dst)
-            }
-            self._dirs.add(final_dir.rstrip("/"))
+            for p in [p for p in self._files if p.startswith(dst)]:
+                del self._files[p]
+            for p in [p for p in self._files if p.startswith(src)]:
+                self._files[dst + p[len(src) :]] = self._files.pop(p)
+            moved = {dst + d[len(src) :] for d in self._dirs if d.startswith(src)}
+            self._dirs = {d for d in self._dirs if not (d + "/").startswith((src, dst))}
+            self._dirs |= moved | {final_dir.rstrip("/")}
 
     def remove(self, path: str) -> None:
         prefix = path.rstrip("/") + "/"
