@@ -28,7 +28,7 @@ def _train(run_dir: Path, log: Path, *extra: str, check: bool = True) -> int:
             str(run_dir),
             "--steps",
             str(STEPS),
-            "--log",
+            "--step-log",
             str(log),
             *extra,
         ],

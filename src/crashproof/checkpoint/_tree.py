@@ -68,6 +68,11 @@ def _encode(
         raise UnsupportedStateError(f"state nested deeper than {MAX_DEPTH} levels at {path!r}")
     # Before the Python scalars: np.float64 subclasses float but must come back as np.float64.
     if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        if isinstance(value.item(), np.generic):  # longdouble: no exact Python equivalent
+            raise UnsupportedStateError(
+                f"numpy {value.dtype} scalar at {path!r}: extended precision has no exact JSON form; "
+                "convert it to float64 in your state_dict()"
+            )
         return {
             "$npscalar": value.dtype.str,
             "value": _encode(value.item(), tensors, path, depth + 1),
@@ -99,7 +104,9 @@ def _encode(
             raise UnsupportedStateError(
                 f"numpy object array at {path!r} cannot be saved without pickle"
             )
-        contiguous = value if value.flags.c_contiguous else value.copy(order="C")
+        # numpy calls some negatively strided arrays C-contiguous; torch refuses any negative stride.
+        plain = value.flags.c_contiguous and all(s >= 0 for s in value.strides)
+        contiguous = value if plain else value.copy(order="C")
         tensors.append((path, torch.from_numpy(contiguous)))
         return {"$ndarray": len(tensors) - 1}
     if isinstance(value, torch.dtype):
