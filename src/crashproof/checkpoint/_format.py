@@ -53,6 +53,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_INDEX_BYTES = 512 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
+CHECKSUM_SCHEMES = ("bytes", "tensors")
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 48  # even with zero-size dims, larger shapes overflow torch's stride maths
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
@@ -87,6 +88,10 @@ def dumps(obj: Any) -> bytes:
 class FileEntry:
     size: int
     checksum: str
+    scheme: str = "bytes"
+    """What ``checksum`` covers: ``"bytes"``, the file's bytes; ``"tensors"`` (shard files), the
+    header bytes followed by each tensor's checksum in file order (every tensor byte is covered by
+    its own checksum, so each byte is hashed once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +120,10 @@ class Manifest:
             "torch_version": self.torch_version,
             "hash_algorithm": self.hash_algorithm,
             "byte_order": "little",
-            "files": {n: {"size": e.size, "checksum": e.checksum} for n, e in self.files.items()},
+            "files": {
+                n: {"size": e.size, "checksum": e.checksum, "scheme": e.scheme}
+                for n, e in self.files.items()
+            },
             "metadata": self.metadata,
             "environment": self.environment,
         }
@@ -223,9 +231,13 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     files: dict[str, FileEntry] = {}
     for name, entry in files_obj.items():
         check_plain_name(name, where)
+        scheme = entry.get("scheme", "bytes") if isinstance(entry, dict) else None
+        if scheme not in CHECKSUM_SCHEMES:
+            raise CorruptCheckpointError(f"{where} [{name}]: unknown checksum scheme {scheme!r}")
         files[name] = FileEntry(
             size=_count(entry, "size", f"{where} [{name}]"),
             checksum=_require(entry, "checksum", str, f"{where} [{name}]"),
+            scheme=scheme,
         )
     world_size = _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)
     ranks_listed = {name for name in files if name.startswith("rank_") and name.endswith(".json")}

@@ -163,6 +163,10 @@ def _verify_file(
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
     try:
+        if entry.scheme != "bytes":
+            raise CorruptCheckpointError(
+                f"{where}: checksum scheme {entry.scheme!r} belongs to a rank's shard file"
+            )
         if stream.size() != entry.size:
             raise CorruptCheckpointError(
                 f"{where}: {stream.size()} bytes, the manifest lists {entry.size}"

@@ -4,8 +4,8 @@ The shard is a valid safetensors file (a JSON header, then the tensors' bytes ba
 ``safetensors.safe_open`` can read a crashproof shard; crashproof itself reads through the rank index
 (see :mod:`crashproof.checkpoint._format`), which also holds each tensor's checksum.
 
-Writing hashes each chunk on a helper thread while the previous chunk is being written: xxHash and
-``os.write`` both release the GIL, so the checksums cost no wall time next to the disk.
+Every tensor's bytes are hashed once; the shard's own checksum is derived from its header and the
+tensors' checksums (scheme ``"tensors"`` in the manifest), so it covers every byte of the file.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name, safetensors_code
 from crashproof.checkpoint._format import FileEntry, TensorEntry
-from crashproof.checkpoint._hashing import Hasher, new_hasher
+from crashproof.checkpoint._hashing import digest, new_hasher
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 
-__all__ = ["read_shard", "tensor_bytes", "write_shard"]
+__all__ = ["read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
 
 _CHUNK = 16 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -60,6 +60,15 @@ def _chunks(view: memoryview) -> Iterator[memoryview]:
         yield view[start : start + _CHUNK]
 
 
+def shard_checksum(header: bytes, tensor_checksums: Sequence[str]) -> str:
+    """The ``"tensors"`` checksum of a shard: its header, then each tensor's checksum in order."""
+    hasher = new_hasher()
+    hasher.update(header)
+    for checksum in tensor_checksums:
+        hasher.update(checksum.encode("ascii"))
+    return hasher.hexdigest()
+
+
 def write_shard(
     storage: Storage,
     path: str,
@@ -68,45 +77,45 @@ def write_shard(
 ) -> tuple[list[TensorEntry], FileEntry]:
     """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's.
 
-    ``metadata`` goes into the safetensors header's ``__metadata__`` (string values only).
+    ``metadata`` goes into the safetensors header's ``__metadata__`` (string values only). Each
+    byte is hashed once, on a helper thread that trails the writes: xxHash and ``os.write`` both
+    release the GIL, so on two cores the checksums cost almost no wall time.
     """
     header, ranges = _header(
         tensors, metadata if metadata is not None else {"format": "crashproof"}
     )
-    file_hasher = new_hasher()
-    file_hasher.update(header)
-    entries: list[TensorEntry] = []
+    hashers = [new_hasher() for _ in tensors]
     stream = storage.create(path)
     try:
         stream.write(header)
         with ThreadPoolExecutor(1, thread_name_prefix="crashproof-hash") as hash_pool:
-            for (name, tensor), (pos, nbytes) in zip(tensors, ranges, strict=True):
-                tensor_hasher = new_hasher()
+            # One worker runs the updates in submission order, so each hasher sees its chunks in
+            # order; the tensors cannot change during the save, so nothing waits per chunk.
+            pending = []
+            for (_, tensor), hasher in zip(tensors, hashers, strict=True):
                 for chunk in _chunks(tensor_bytes(tensor)):
-                    hashed = hash_pool.submit(_update_both, tensor_hasher, file_hasher, chunk)
+                    pending.append(hash_pool.submit(hasher.update, chunk))
                     stream.write(chunk)
-                    hashed.result()
-                entries.append(
-                    TensorEntry(
-                        name=name,
-                        dtype=dtype_name(tensor.dtype, where=name),
-                        shape=tuple(tensor.shape),
-                        offset=len(header) + pos,
-                        nbytes=nbytes,
-                        checksum=tensor_hasher.hexdigest(),
-                    )
-                )
+            for future in pending:
+                future.result()
         stream.commit()
     except BaseException:
         stream.abort()
         raise
-    size = len(header) + (ranges[-1][0] + ranges[-1][1] if ranges else 0)
-    return entries, FileEntry(size=size, checksum=file_hasher.hexdigest())
-
-
-def _update_both(a: Hasher, b: Hasher, chunk: memoryview) -> None:
-    a.update(chunk)
-    b.update(chunk)
+    entries = [
+        TensorEntry(
+            name=name,
+            dtype=dtype_name(tensor.dtype, where=name),
+            shape=tuple(tensor.shape),
+            offset=len(header) + pos,
+            nbytes=nbytes,
+            checksum=hasher.hexdigest(),
+        )
+        for (name, tensor), (pos, nbytes), hasher in zip(tensors, ranges, hashers, strict=True)
+    ]
+    size = len(header) + sum(nbytes for _, nbytes in ranges)
+    checksum = shard_checksum(header, [e.checksum for e in entries])
+    return entries, FileEntry(size=size, checksum=checksum, scheme="tensors")
 
 
 def read_shard(
@@ -118,57 +127,58 @@ def read_shard(
     keep: bool = True,
     on_bytes: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
-    """Read every tensor of a shard, verifying each tensor's and the whole file's checksum.
+    """Read every tensor of a shard, verifying each tensor's checksum and the shard's.
 
     ``entries`` were validated against ``expected.size`` by the format parser, so every range lies
     inside the file; the actual file size is checked here against the manifest before any read.
-    With ``keep=False`` the tensors are verified and dropped one by one (memory: the largest one).
+    The tensors must tile the file after the header exactly (as written), so no byte goes
+    unchecked. With ``keep=False`` the tensors are verified and dropped one by one.
     """
     actual_size = stream.size()
     if actual_size != expected.size:
         raise CorruptCheckpointError(
             f"{where}: {actual_size} bytes on storage, the manifest says {expected.size} (truncated or appended)"
         )
+    if expected.scheme != "tensors":
+        raise CorruptCheckpointError(
+            f"{where}: listed with checksum scheme {expected.scheme!r}, expected 'tensors'"
+        )
+    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+    header_end = entries[order[0]].offset if entries else actual_size
+    if header_end > _MAX_HEADER:
+        raise CorruptCheckpointError(
+            f"{where}: a {header_end}-byte header is beyond the {_MAX_HEADER}-byte limit"
+        )
+    header = bytearray(header_end)
+    stream.readinto(0, memoryview(header))
     tensors: list[torch.Tensor] = [torch.empty(0)] * len(entries)
-    file_hasher = new_hasher()
-    pos = 0  # bytes of the file already fed to file_hasher, in order
-    for i in sorted(range(len(entries)), key=lambda i: entries[i].offset):
+    pos = header_end
+    for i in order:
         entry = entries[i]
-        if entry.offset < pos:
+        if entry.offset != pos:
             raise CorruptCheckpointError(
-                f"{where}: tensor {entry.name!r} overlaps the one before it"
+                f"{where}: tensor {entry.name!r} starts at byte {entry.offset}, expected {pos} "
+                "(tensors must follow each other without gaps or overlaps)"
             )
-        _hash_range(stream, pos, entry.offset, file_hasher)
         tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=where))
         view = tensor_bytes(tensor)
         stream.readinto(entry.offset, view)
-        tensor_hasher = new_hasher()
-        _update_both(tensor_hasher, file_hasher, view)
-        if tensor_hasher.hexdigest() != entry.checksum:
+        found = digest(view)
+        if found != entry.checksum:
             raise CorruptCheckpointError(
                 f"{where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
-                f"has checksum {tensor_hasher.hexdigest()}, expected {entry.checksum}"
+                f"has checksum {found}, expected {entry.checksum}"
             )
         if keep:
             tensors[i] = tensor
         if on_bytes:
-            on_bytes(entry.offset + entry.nbytes - pos)
-        pos = entry.offset + entry.nbytes
-    _hash_range(stream, pos, actual_size, file_hasher)
-    if on_bytes:
-        on_bytes(actual_size - pos)
-    if file_hasher.hexdigest() != expected.checksum:
+            on_bytes(entry.nbytes)
+        pos += entry.nbytes
+    if pos != actual_size:
+        raise CorruptCheckpointError(f"{where}: {actual_size - pos} bytes after the last tensor")
+    found = shard_checksum(bytes(header), [entries[i].checksum for i in order])
+    if found != expected.checksum:
         raise CorruptCheckpointError(
-            f"{where}: file checksum {file_hasher.hexdigest()}, expected {expected.checksum}"
+            f"{where}: shard checksum {found}, expected {expected.checksum}"
         )
     return tensors
-
-
-def _hash_range(stream: ReadStream, start: int, end: int, hasher: Hasher) -> None:
-    """Feed bytes [start, end) of the file to ``hasher`` (the header, or any gap)."""
-    buf = np.empty(min(max(end - start, 0), _CHUNK), dtype=np.uint8)
-    while start < end:
-        view = buf.data[: min(_CHUNK, end - start)]
-        stream.readinto(start, view)
-        hasher.update(view)
-        start += len(view)

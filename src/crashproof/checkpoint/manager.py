@@ -84,8 +84,6 @@ class CheckpointManager:
         self._persist_group: Group = default_group(timeout_s)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
         self._inflight: Future[CommitResult] | None = None
-        self._inflight_tmp: str | None = None
-        self._pending_error: BaseException | None = None
         self._closed = False
         self._last_save_step = 0
         self._last_save_s = time.monotonic()
@@ -139,11 +137,10 @@ class CheckpointManager:
         started = time.perf_counter()
         snapshot = take_snapshot(step, state.capture(), copy=self.async_save, metadata=metadata)
         tmp_name = self._group.broadcast(new_tmp_name(step))
-        self._inflight_tmp = tmp_name
         self._inflight = self._executor.submit(self._persist, snapshot, tmp_name)
         self._last_save_step, self._last_save_s = step, time.monotonic()
         if not self.async_save:
-            self.wait()
+            self._wait_commit()
         self.last_blocking_s = time.perf_counter() - started
 
     def _persist(self, snapshot: Snapshot, tmp_name: str) -> CommitResult:
@@ -156,18 +153,23 @@ class CheckpointManager:
             result.persist_s,
         )
         if self._group.rank == 0:
-            try:
-                self._apply_retention(keep_always=snapshot.step)
-            except OSError as exc:  # a failed clean-up must not fail the save that just committed
-                log.warning(
-                    "retention in %s failed: %s; will retry after the next save", self.root, exc
-                )
+            # Queued behind this save on the same thread, so a synchronous save returns as soon as
+            # it is committed, and the next save starts only after the clean-up.
+            self._executor.submit(self._apply_retention, keep_always=snapshot.step)
         return result
 
     def wait(self) -> CommitResult | None:
-        """Block until the save in flight (if any) is committed; raises if it failed."""
+        """Block until the save in flight (if any) is committed and retention has run after it.
+
+        Raises :class:`CheckpointWriteError` if the save failed.
+        """
+        result = self._wait_commit()
+        if not self._closed:
+            self._executor.submit(lambda: None).result()  # the queue is drained: retention done
+        return result
+
+    def _wait_commit(self) -> CommitResult | None:
         future, self._inflight = self._inflight, None
-        self._inflight_tmp = None
         if future is None:
             self._raise_pending()
             return None
@@ -186,26 +188,30 @@ class CheckpointManager:
         """Surface a background failure on the next call into the manager."""
         future = self._inflight
         if future is not None and future.done() and future.exception() is not None:
-            self.wait()
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
+            self._wait_commit()
 
     # -- retention ---------------------------------------------------------------------------
 
     def _apply_retention(self, *, keep_always: int) -> None:
-        found = committed_steps(self.storage, self.root)
-        steps = sorted(step for step, _ in found)
-        keep = self.keep.keep(steps) | {keep_always}
-        if self._newest_valid is not None:
-            keep.add(self._newest_valid)
-        for step, path in found:
-            if step not in keep:
-                log.info("retention: removing checkpoint step %d", step)
-                self.storage.remove(path)
-        for leftover in leftover_dirs(self.storage, self.root):
-            if self._inflight_tmp is None or not leftover.endswith(self._inflight_tmp):
-                self.storage.remove(leftover)
+        """Remove what the retention policy does not keep (never the newest valid checkpoint).
+
+        Temporary directories are not touched here: another rank may already be writing the next
+        save's. Abandoned ones are removed when a manager starts.
+        """
+        try:
+            found = committed_steps(self.storage, self.root)
+            steps = sorted(step for step, _ in found)
+            keep = self.keep.keep(steps) | {keep_always}
+            if self._newest_valid is not None:
+                keep.add(self._newest_valid)
+            for step, path in found:
+                if step not in keep:
+                    log.info("retention: removing checkpoint step %d", step)
+                    self.storage.remove(path)
+        except OSError as exc:  # a failed clean-up must not fail the save that just committed
+            log.warning(
+                "retention in %s failed: %s; will retry after the next save", self.root, exc
+            )
 
     def prune(self, keep: RetentionPolicy, *, dry_run: bool = False) -> list[int]:
         """Apply ``keep`` now; returns the steps removed (or that would be, with ``dry_run``).
@@ -319,6 +325,7 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint directory under the root, newest first, with a quick validity check."""
+        self.wait()
         return [
             describe_checkpoint(self.storage, s, p)
             for s, p in committed_steps(self.storage, self.root)
