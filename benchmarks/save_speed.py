@@ -597,7 +597,6 @@ def _crashproof_phases() -> list[tuple[Any, str, str]]:
         (_writer, "dumps", "JSON encode (index, manifest)"),
         (_writer, "write_all", "small file (index, manifest)"),
         (_shard, "_header", "safetensors header"),
-        (_shard, "_update_both", "xxh3 hashing [hash thread, overlaps os.write]"),
         (_local._LocalWriteStream, "write", "os.write"),
         (_local._LocalWriteStream, "commit", "fsync + close"),
         (_local.LocalStorage, "publish", "publish"),

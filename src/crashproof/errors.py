@@ -10,6 +10,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── StateMismatchError(CrashproofError, ValueError)   (checkpoint does not fit the live model)
     ├── UnsupportedStateError(CrashproofError, TypeError)  (a value crashproof cannot save)
     ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
+    ├── InsufficientMemoryError(CrashproofError, MemoryError) (no room for staging buffers)
     └── ConfigError(CrashproofError, ValueError)           (a bad argument or combination)
 
 Messages say what happened, where (file, step, key) and what to do about it.
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CrashproofError",
+    "InsufficientMemoryError",
     "StateMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
@@ -55,6 +57,10 @@ class UnsupportedStateError(CrashproofError, TypeError):
 
 class CheckpointWriteError(CrashproofError, OSError):
     """Writing a checkpoint failed; the checkpoints committed before it are untouched."""
+
+
+class InsufficientMemoryError(CrashproofError, MemoryError):
+    """An asynchronous save would need more host memory than is available."""
 
 
 class ConfigError(CrashproofError, ValueError):

@@ -92,13 +92,15 @@ CHILD_SCRIPT = textwrap.dedent(
 
         started = time.monotonic()
         train_step(1)
-        mgr.save(1, state)
+        mgr.save(1, state)  # asynchronous: the kill lands in the background persist
+        mgr.wait()
         first = time.monotonic() - started
         expected_1 = snapshot() if mode == "reference" else None
         started = time.monotonic()
         print(f"COMMITTED 1 {first:.6f}", flush=True)
         train_step(2)
         mgr.save(2, state)
+        mgr.wait()
         second = time.monotonic() - started
         print(f"COMMITTED 2 {second:.6f}", flush=True)
         if mode in ("reference", "timing"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,9 @@ def test_background_failure_surfaces_at_the_next_call_and_keeps_earlier_checkpoi
 ) -> None:
     storage = FailingStorage()
     state = _state()
-    ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=True, every=cp.EverySteps(1))
+    ckpt = cp.CheckpointManager(
+        "/ck", storage=storage, async_save=True, every=cp.EverySteps(1), on_disk_full="raise"
+    )
     ckpt.save(1, state)
     ckpt.wait()
     committed = {p: storage.get_bytes(p) for p in storage._files}
@@ -79,7 +82,7 @@ def test_background_failure_surfaces_at_the_next_call_and_keeps_earlier_checkpoi
     ckpt.save(2, state)  # returns: the failure happens in the background
     with pytest.raises(cp.CheckpointWriteError, match=r"step 2.*No space left") as info:
         ckpt.wait()
-    assert isinstance(info.value, OSError)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
     assert "intact" in str(info.value)
     # Nothing of the failed save is left, and step 1 is byte for byte what it was.
     assert {p: storage.get_bytes(p) for p in storage._files} == committed
@@ -106,7 +109,7 @@ def test_failure_of_an_async_save_is_raised_by_the_next_maybe_save() -> None:
 def test_sync_save_failure_raises_at_once() -> None:
     storage = FailingStorage()
     storage.armed = OSError(errno.EACCES, "Permission denied")
-    ckpt = cp.CheckpointManager("/ck", storage=storage)
+    ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=False)
     with pytest.raises(cp.CheckpointWriteError, match="Permission denied"):
         ckpt.save(5, _state())
     assert storage.list("/ck") == []
@@ -176,6 +179,7 @@ def test_unsupported_value_is_refused_at_save_naming_its_path(tmp_path: Path) ->
 def test_metadata_and_environment_are_recorded(tmp_path: Path) -> None:
     ckpt = cp.CheckpointManager(str(tmp_path))
     ckpt.save(1, _state(), metadata={"val_loss": 0.25})
+    ckpt.close()
     manifest = cp.checkpoint.read_manifest(cp.LocalStorage(), str(tmp_path / "step_0000000001"))
     assert manifest.metadata == {"val_loss": 0.25}
     assert (
@@ -199,7 +203,94 @@ def test_restore_logs_each_skipped_checkpoint(
     state = _state()
     ckpt.save(1, state)
     ckpt.save(2, state)
+    ckpt.wait()
     (tmp_path / "step_0000000002" / "rank_00000.json").unlink()
     with caplog.at_level(logging.WARNING, logger="crashproof"):
         assert ckpt.restore(_state()) == 1
     assert "skipping checkpoint step 2" in caplog.text and "rank_00000.json" in caplog.text
+
+
+def test_full_disk_is_logged_and_counted_and_training_goes_on_by_default(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    storage = FailingStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage, every=cp.EverySteps(1))
+    ckpt.save(1, state)
+    ckpt.wait()
+    storage.armed = OSError(errno.ENOSPC, "No space left on device")
+    with caplog.at_level(logging.ERROR, logger="crashproof"):
+        assert ckpt.save(2, state)
+        ckpt.wait()  # no exception: the default is on_disk_full="continue"
+    assert "No space left" in caplog.text and "step 2" in caplog.text
+    assert ckpt.stats.failures == 1 and ckpt.stats.disk_full == 1
+    assert [i.step for i in ckpt.list()] == [1]
+    storage.armed = None
+    ckpt.save(3, state)
+    ckpt.close()
+    assert [i.step for i in ckpt.list()] == [3, 1]
+    assert ckpt.stats.saves_committed == 2
+
+
+class SlowStorage(MemoryStorage):
+    """Writes that block until released: a save stays in flight as long as the test wants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def create(self, path: str) -> _MemoryWriteStream:
+        self.release.wait(timeout=30)
+        return super().create(path)
+
+
+@pytest.mark.parametrize("on_busy", ["wait", "skip"])
+def test_a_save_due_while_the_previous_is_in_flight_waits_or_skips(
+    on_busy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = SlowStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage, on_busy=on_busy)  # type: ignore[arg-type]
+    assert ckpt.save(1, state)
+    threading.Timer(0.3, storage.release.set).start()
+    with caplog.at_level(logging.INFO, logger="crashproof"):
+        started = ckpt.save(2, state)
+    ckpt.close()
+    if on_busy == "skip":
+        assert started is False and ckpt.stats.skipped_busy == 1
+        assert "skipping the checkpoint of step 2" in caplog.text
+        assert [i.step for i in ckpt.list()] == [1]
+    else:
+        assert started is True and ckpt.stats.waited_busy == 1
+        assert ckpt.stats.waited_busy_s >= 0.2
+        assert [i.step for i in ckpt.list()] == [2, 1]
+
+
+def test_staging_buffers_are_reused_across_saves() -> None:
+    storage = MemoryStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage)
+    ckpt.save(1, state)
+    assert ckpt._staging is not None
+    first = {name: buf.data_ptr() for name, buf in ckpt._staging._buffers.items()}
+    ckpt.save(2, state)
+    ckpt.close()
+    assert {name: buf.data_ptr() for name, buf in ckpt._staging._buffers.items()} == first
+    assert (
+        ckpt._staging.nbytes
+        == sum(t.numel() * t.element_size() for t in _tensors(state).values())
+        + state.capture()["rng"]["torch"].numel()
+    )
+
+
+def test_async_save_refuses_when_host_memory_is_short(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from crashproof.checkpoint import _staging
+
+    monkeypatch.setattr(_staging, "available_memory_bytes", lambda: 1024)
+    ckpt = cp.CheckpointManager(str(tmp_path))
+    with pytest.raises(cp.InsufficientMemoryError, match="MiB of host memory") as info:
+        ckpt.save(1, _state())
+    assert isinstance(info.value, MemoryError)
+    assert cp.CheckpointManager(str(tmp_path), async_save=False).save(1, _state())

@@ -35,6 +35,7 @@ from crashproof.checkpoint._format import (
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
 from crashproof.checkpoint._shard import write_shard
+from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
 from crashproof.errors import CheckpointWriteError
 from crashproof.storage import Storage, write_all
@@ -42,6 +43,9 @@ from crashproof.storage import Storage, write_all
 __all__ = ["TMP_PREFIX", "CommitResult", "Snapshot", "new_tmp_name", "persist", "take_snapshot"]
 
 TMP_PREFIX = ".tmp-"
+
+Failure = tuple[str, "int | None"]
+"""What went wrong on a rank, and its errno when it was an OSError (ENOSPC is treated apart)."""
 
 
 @dataclass(slots=True)
@@ -51,6 +55,8 @@ class Snapshot:
     tensors: list[tuple[str, torch.Tensor]]
     metadata: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    ready: Any = None
+    """A CUDA event the writer waits for before reading the tensors (None: ready now)."""
 
     @property
     def nbytes(self) -> int:
@@ -66,9 +72,18 @@ class CommitResult:
 
 
 def take_snapshot(
-    step: int, state: Any, *, copy: bool, metadata: dict[str, Any] | None = None
+    step: int,
+    state: Any,
+    *,
+    staging: StagingArea | None,
+    metadata: dict[str, Any] | None = None,
 ) -> Snapshot:
-    """Encode ``state``; tensors become CPU, contiguous and, with ``copy``, private copies."""
+    """Encode ``state``; its tensors become CPU and contiguous.
+
+    With ``staging`` they are copied into its reusable buffers, so training may go on changing
+    them while the snapshot is written. Without, CPU tensors are the live ones (the caller waits
+    for the write) and CUDA tensors are copied to the host here.
+    """
     found: list[tuple[str, torch.Tensor]] = []
     tree = encode_tree(state, found)
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -79,17 +94,19 @@ def take_snapshot(
             tensor = tensor.resolve_conj()
         if tensor.is_neg():
             tensor = tensor.resolve_neg()
-        if copy or tensor.device.type != "cpu":
-            tensor = tensor.to("cpu", copy=True, memory_format=torch.contiguous_format)
-        else:
-            tensor = tensor.contiguous()
-        tensors.append((_unique(path.lstrip("/") or "tensor", used), tensor))
+        tensors.append((_unique(path.lstrip("/") or "tensor", used), tensor.contiguous()))
+    ready = None
+    if staging is not None:
+        tensors, ready = staging.stage(tensors)
+    else:
+        tensors = [(name, t if t.device.type == "cpu" else t.to("cpu")) for name, t in tensors]
     return Snapshot(
         step=step,
         tree=tree,
         tensors=tensors,
         metadata=dict(metadata or {}),
         environment=exactness_environment(),
+        ready=ready,
     )
 
 
@@ -127,22 +144,26 @@ def persist(
     tmp_dir = storage.join(root, tmp_name)
     final_dir = storage.join(root, checkpoint_dir_name(snapshot.step))
     files: dict[str, FileEntry] | None = None
-    error = ""
+    failure: Failure | None = None
     try:
+        if snapshot.ready is not None:
+            snapshot.ready.synchronize()  # the device-to-host copies of the snapshot are done
         storage.make_dirs(tmp_dir)
         files = _write_rank(storage, tmp_dir, snapshot, group.rank)
     except Exception as exc:
-        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-    reports = group.gather((files, error))
-    outcome = ""
+        failure = (f"rank {group.rank}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None))
+    reports = group.gather((files, failure))
+    outcome: Failure | None = None
     if reports is not None:  # the coordinator
         outcome = _commit(storage, tmp_dir, final_dir, snapshot, reports, group.world_size)
     outcome = group.broadcast(outcome)
-    if outcome:
-        raise CheckpointWriteError(
-            f"checkpoint of step {snapshot.step} was not committed ({outcome}); "
+    if outcome is not None:
+        text, code = outcome
+        message = (
+            f"checkpoint of step {snapshot.step} was not committed ({text}); "
             f"the checkpoints committed before it in {storage.describe(root)} are intact"
         )
+        raise CheckpointWriteError(code, message) if code else CheckpointWriteError(message)
     return CommitResult(
         step=snapshot.step,
         path=final_dir,
@@ -174,13 +195,13 @@ def _commit(
     snapshot: Snapshot,
     reports: list[Any],
     world_size: int,
-) -> str:
-    """On the coordinator: write the manifest and publish; returns an error text, empty on success."""
-    errors = [error for _, error in reports if error]
+) -> Failure | None:
+    """On the coordinator: write the manifest and publish; returns the failure, None on success."""
+    failures = [failure for _, failure in reports if failure is not None]
     published = False
     try:
-        if errors:
-            return "; ".join(errors)
+        if failures:
+            return "; ".join(text for text, _ in failures), failures[0][1]
         files: dict[str, FileEntry] = {}
         for rank_files, _ in reports:
             files.update(rank_files)
@@ -199,9 +220,9 @@ def _commit(
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), dumps(manifest.to_json()))
         storage.publish(tmp_dir, final_dir)
         published = True
-        return ""
+        return None
     except Exception as exc:
-        return f"commit on rank 0: {type(exc).__name__}: {exc}"
+        return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None)
     finally:
         if not published:
             storage.remove(tmp_dir)

@@ -8,12 +8,13 @@ synchronous save is the same save, waited on.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
@@ -24,6 +25,8 @@ from crashproof.checkpoint._catalog import (
 )
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._reader import checkpoint_not_found, load_rank_state, read_manifest
+from crashproof.checkpoint._staging import StagingArea
+from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._writer import (
     CommitResult,
     Snapshot,
@@ -55,8 +58,13 @@ class CheckpointManager:
         every: when :meth:`maybe_save` saves; default ``EverySteps(1000)``.
         keep: which checkpoints retention keeps; default all. The newest valid checkpoint and
             one being written are always kept.
-        async_save: return from :meth:`save` once the state is snapshotted and write it in the
-            background; with False, :meth:`save` returns once the checkpoint is committed.
+        async_save: return from :meth:`save` once the state is copied into host buffers (reused
+            across saves) and write it in the background; with False, :meth:`save` writes straight
+            from the live tensors and returns once the checkpoint is committed.
+        on_busy: when a save is due while the previous one is still being written: ``"wait"``
+            for it, or ``"skip"`` the new one. Either is logged and counted in :attr:`stats`.
+        on_disk_full: when a save fails because the disk is full: ``"continue"`` training (the
+            failure is logged and counted; earlier checkpoints stay) or ``"raise"``.
         storage: the storage backend; default chosen from ``root``.
         timeout_s: how long ranks wait for each other during a save before giving up.
     """
@@ -67,17 +75,30 @@ class CheckpointManager:
         *,
         every: SavePolicy | None = None,
         keep: RetentionPolicy | None = None,
-        async_save: bool = False,
+        async_save: bool = True,
+        on_busy: Literal["wait", "skip"] = "wait",
+        on_disk_full: Literal["continue", "raise"] = "continue",
         storage: Storage | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
+        if on_busy not in ("wait", "skip"):
+            raise ConfigError(f"CheckpointManager(on_busy={on_busy!r}): use 'wait' or 'skip'")
+        if on_disk_full not in ("continue", "raise"):
+            raise ConfigError(
+                f"CheckpointManager(on_disk_full={on_disk_full!r}): use 'continue' or 'raise'"
+            )
         root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
         self.every: SavePolicy = every if every is not None else EverySteps(1000)
         self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
         self.async_save = async_save
+        self.on_busy = on_busy
+        self.on_disk_full = on_disk_full
+        self.stats = SaveStats()
+        """What this manager did: saves, skips, waits, failures, bytes, timings."""
+        self._staging = StagingArea() if async_save else None
         # Two groups: the training thread's collectives (decisions, restore) and the background
         # writer's (commit) must never interleave on one group, or ranks would pair them wrongly.
         self._group: Group = default_group(timeout_s)
@@ -91,8 +112,6 @@ class CheckpointManager:
         self._restored_environment: dict[str, Any] = {}
         self.last_commit: CommitResult | None = None
         """The most recent committed save of this manager."""
-        self.last_blocking_s = 0.0
-        """How long the last :meth:`save` paused the training loop."""
         if self._group.rank == 0:
             self.storage.make_dirs(self.root)
             for leftover in leftover_dirs(self.storage, self.root):
@@ -123,25 +142,52 @@ class CheckpointManager:
             self.save(step, state, metadata=metadata)
         return decision
 
-    def save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> None:
-        """Checkpoint ``state`` as the state after ``step`` steps.
+    def save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Checkpoint ``state`` as the state after ``step`` steps; returns whether a save started.
 
-        Waits for a save still in flight first. Synchronous managers return once the checkpoint
-        is committed; asynchronous ones once it is snapshotted.
+        With a save of an earlier step still being written, ``on_busy`` decides: wait for it, or
+        skip this one (returns False). Synchronous managers return once the checkpoint is
+        committed; asynchronous ones once the state is copied.
         """
         self._check_open()
         if step < 0:
             raise ConfigError(f"save(step={step}): steps are non-negative")
         self._raise_pending()
-        self.wait()
         started = time.perf_counter()
-        snapshot = take_snapshot(step, state.capture(), copy=self.async_save, metadata=metadata)
+        inflight = self._inflight
+        busy = inflight is not None and not inflight.done()
+        if self._group.world_size > 1:  # every rank must skip, or none: agree on "busy"
+            busy = any(self._group.all_gather(busy))
+        if busy and self.on_busy == "skip":
+            self.stats.skipped_busy += 1
+            log.warning(
+                "skipping the checkpoint of step %d: the previous save is still being written (on_busy='skip')",
+                step,
+            )
+            return False
+        self.wait()
+        if busy:
+            self.stats.waited_busy += 1
+            self.stats.waited_busy_s += time.perf_counter() - started
+            log.info(
+                "the checkpoint of step %d waited %.2f s for the previous save",
+                step,
+                time.perf_counter() - started,
+            )
+        snapshot = take_snapshot(step, state.capture(), staging=self._staging, metadata=metadata)
         tmp_name = self._group.broadcast(new_tmp_name(step))
         self._inflight = self._executor.submit(self._persist, snapshot, tmp_name)
+        self.stats.saves_started += 1
         self._last_save_step, self._last_save_s = step, time.monotonic()
         if not self.async_save:
             self._wait_commit()
-        self.last_blocking_s = time.perf_counter() - started
+        self.stats.last_blocking_s = time.perf_counter() - started
+        return True
+
+    @property
+    def last_blocking_s(self) -> float:
+        """How long the last :meth:`save` paused the training loop."""
+        return self.stats.last_blocking_s
 
     def _persist(self, snapshot: Snapshot, tmp_name: str) -> CommitResult:
         result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
@@ -161,7 +207,8 @@ class CheckpointManager:
     def wait(self) -> CommitResult | None:
         """Block until the save in flight (if any) is committed and retention has run after it.
 
-        Raises :class:`CheckpointWriteError` if the save failed.
+        Raises :class:`CheckpointWriteError` if the save failed (a full disk only with
+        ``on_disk_full="raise"``).
         """
         result = self._wait_commit()
         if not self._closed:
@@ -171,17 +218,31 @@ class CheckpointManager:
     def _wait_commit(self) -> CommitResult | None:
         future, self._inflight = self._inflight, None
         if future is None:
-            self._raise_pending()
             return None
         try:
-            result = future.result()
-        except CheckpointWriteError:
+            try:
+                result = future.result()
+            except CheckpointWriteError:
+                raise
+            except Exception as exc:
+                raise CheckpointWriteError(
+                    f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        except CheckpointWriteError as exc:
+            self.stats.failures += 1
+            if exc.errno == errno.ENOSPC:
+                self.stats.disk_full += 1
+                if self.on_disk_full == "continue":
+                    log.error(
+                        "%s; training goes on (on_disk_full='continue'): free space on the disk",
+                        exc,
+                    )
+                    return None
             raise
-        except Exception as exc:
-            raise CheckpointWriteError(
-                f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}"
-            ) from exc
         self.last_commit = result
+        self.stats.saves_committed += 1
+        self.stats.bytes_written += result.bytes_written
+        self.stats.last_persist_s = result.persist_s
         return result
 
     def _raise_pending(self) -> None:

@@ -1,0 +1,114 @@
+"""Host staging buffers for asynchronous saves: the snapshot is the only pause training sees.
+
+Buffers are allocated once and reused by every later save of the same state (the hot path then
+touches no fresh pages), so staging costs exactly one copy of the state in host memory. Before
+allocating, the available host memory is checked, so a save that would push the machine into swap
+or the OOM killer is refused with a message saying how much it needs.
+
+CPU tensors are copied with one ``copy_`` each. CUDA tensors go to pinned buffers on a side
+stream: the copies are queued behind the work already issued, the training stream is told to wait
+for them before it touches the parameters again (a GPU-side wait, the CPU goes on), and the writer
+thread waits for the copies' event before it reads a byte.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from crashproof.errors import InsufficientMemoryError
+
+__all__ = ["StagingArea", "available_memory_bytes"]
+
+# Leave this much memory free beyond the buffers: the writer, the page cache and the training
+# loop's own growth need room too.
+_HEADROOM_BYTES = 256 * 1024 * 1024
+
+
+def available_memory_bytes() -> int | None:
+    """Host memory available for new allocations (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class StagingArea:
+    """Reusable host copies of a state's tensors, keyed by their names in the checkpoint."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any = None  # torch.cuda.Stream, created on the first CUDA tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(
+        self, tensors: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+        """Copy ``tensors`` into the buffers; returns the staged list and a CUDA event (or None).
+
+        The caller must make the writer wait for the event before it reads the staged bytes.
+        """
+        self._reserve(tensors)
+        staged: list[tuple[str, torch.Tensor]] = []
+        cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in tensors:
+            buffer = self._buffers[name]
+            if tensor.is_cuda:
+                cuda_pairs.append((buffer, tensor))
+            else:
+                buffer.copy_(tensor)
+            staged.append((name, buffer))
+        return staged, self._copy_from_cuda(cuda_pairs) if cuda_pairs else None
+
+    def _reserve(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Make a buffer of the right shape and dtype for every tensor; drop buffers no longer used."""
+        wanted = {name for name, _ in tensors}
+        for name in [n for n in self._buffers if n not in wanted]:
+            del self._buffers[name]
+        missing = [
+            (name, t) for name, t in tensors
+            if (b := self._buffers.get(name)) is None or b.shape != t.shape or b.dtype != t.dtype
+        ]  # fmt: skip
+        need = sum(t.numel() * t.element_size() for _, t in missing)
+        available = available_memory_bytes()
+        if need and available is not None and need + _HEADROOM_BYTES > available:
+            raise InsufficientMemoryError(
+                f"an asynchronous save needs {need / 2**20:.0f} MiB of host memory for its staging "
+                f"buffers (plus {_HEADROOM_BYTES / 2**20:.0f} MiB headroom), but only "
+                f"{available / 2**20:.0f} MiB is available. Free memory, or save synchronously "
+                "(CheckpointManager(async_save=False)), which needs no staging copy."
+            )
+        for name, tensor in missing:
+            pin = tensor.is_cuda and torch.cuda.is_available()
+            self._buffers[name] = torch.empty(
+                tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin
+            )
+
+    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        training_stream = torch.cuda.current_stream()
+        self._stream.wait_stream(training_stream)  # copy the values as of this point of the step
+        with torch.cuda.stream(self._stream):
+            for buffer, tensor in pairs:
+                buffer.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._stream)  # keep the allocator from reusing it early
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._stream)
+        # The training loop may modify the parameters right after save() returns: its later kernels
+        # must not run before the copies have read them.
+        training_stream.wait_stream(self._stream)
+        return done

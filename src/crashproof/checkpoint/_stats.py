@@ -1,0 +1,34 @@
+"""Counters of what a CheckpointManager did: read them for logs, metrics and tests."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["SaveStats"]
+
+
+@dataclass(slots=True)
+class SaveStats:
+    saves_started: int = 0
+    """Saves that took a snapshot."""
+    saves_committed: int = 0
+    """Saves that reached their commit."""
+    skipped_busy: int = 0
+    """Saves skipped because the previous one was still being written (``on_busy="skip"``)."""
+    waited_busy: int = 0
+    """Saves that first waited for the previous one (``on_busy="wait"``)."""
+    waited_busy_s: float = 0.0
+    """Total time the training loop waited for a previous save."""
+    failures: int = 0
+    """Saves that failed (reported through :class:`CheckpointWriteError` or, for a full disk, logged)."""
+    disk_full: int = 0
+    """Of the failures, those caused by a full disk."""
+    bytes_written: int = 0
+    """Bytes of committed checkpoints written by this rank."""
+    last_blocking_s: float = 0.0
+    """How long the last save paused the training loop (snapshot, and any wait)."""
+    last_persist_s: float = 0.0
+    """How long the last committed save took to write and commit, in the background or not."""
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
