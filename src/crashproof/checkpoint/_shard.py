@@ -26,6 +26,8 @@ __all__ = ["read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
 
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
+_READ_THREADS = 4
+_EMPTY = torch.empty(0)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -149,17 +151,21 @@ def read_shard(
         raise CorruptCheckpointError(
             f"{where}: a {header_end}-byte header is beyond the {_MAX_HEADER}-byte limit"
         )
-    header = bytearray(header_end)
-    stream.readinto(0, memoryview(header))
-    tensors: list[torch.Tensor] = [torch.empty(0)] * len(entries)
     pos = header_end
-    for i in order:
+    for i in order:  # check the layout from metadata alone, before reading any tensor
         entry = entries[i]
         if entry.offset != pos:
             raise CorruptCheckpointError(
                 f"{where}: tensor {entry.name!r} starts at byte {entry.offset}, expected {pos} "
                 "(tensors must follow each other without gaps or overlaps)"
             )
+        pos += entry.nbytes
+    if pos != actual_size:
+        raise CorruptCheckpointError(f"{where}: {actual_size - pos} bytes after the last tensor")
+    header = bytearray(header_end)
+    stream.readinto(0, memoryview(header))
+
+    def load(entry: TensorEntry) -> torch.Tensor:
         tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=where))
         view = tensor_bytes(tensor)
         stream.readinto(entry.offset, view)
@@ -169,13 +175,16 @@ def read_shard(
                 f"{where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
                 f"has checksum {found}, expected {entry.checksum}"
             )
-        if keep:
-            tensors[i] = tensor
         if on_bytes:
             on_bytes(entry.nbytes)
-        pos += entry.nbytes
-    if pos != actual_size:
-        raise CorruptCheckpointError(f"{where}: {actual_size - pos} bytes after the last tensor")
+        return tensor if keep else _EMPTY
+
+    # Reads and hashes release the GIL: a few threads keep the disk's queue full and hash in
+    # parallel with the reads. Tensors are verified before anything uses them.
+    tensors: list[torch.Tensor] = [_EMPTY] * len(entries)
+    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
+        for i, tensor in zip(order, pool.map(load, [entries[i] for i in order]), strict=True):
+            tensors[i] = tensor
     found = shard_checksum(bytes(header), [entries[i].checksum for i in order])
     if found != expected.checksum:
         raise CorruptCheckpointError(
