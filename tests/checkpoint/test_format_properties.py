@@ -39,7 +39,7 @@ from crashproof.checkpoint._format import (
 )
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._shard import read_shard, tensor_bytes, write_shard
-from crashproof.checkpoint._tree import decode_tree, encode_tree
+from crashproof.checkpoint._tree import _TAGS, decode_tree, encode_tree
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError
 from crashproof.storage import MemoryStorage
 
@@ -56,17 +56,7 @@ DTYPE_NAMES = [
     )
     if hasattr(torch, name)
 ]  # fmt: skip
-TAGS = [
-    "$tensor",
-    "$ndarray",
-    "$tuple",
-    "$dict",
-    "$float",
-    "$complex",
-    "$bytes",
-    "$dtype",
-    "$npscalar",
-]
+TAGS = list(_TAGS)  # hostile trees use every tag the decoder knows
 
 # -- strategies -----------------------------------------------------------------------------------
 
