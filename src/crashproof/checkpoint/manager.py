@@ -135,7 +135,7 @@ class CheckpointManager:
         self._raise_pending()
         ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
         decision = self.every.should_save(ctx)
-        if self._group.world_size > 1:
+        if self._group.world_size > 1 and not getattr(self.every, "same_on_every_rank", False):
             # Time-based policies can disagree across ranks; rank 0's decision binds all.
             decision = bool(self._group.broadcast(decision))
         if decision:

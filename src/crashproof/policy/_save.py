@@ -28,6 +28,11 @@ class SaveContext:
 
 
 class SavePolicy(Protocol):
+    @property
+    def same_on_every_rank(self) -> bool:
+        """True when every rank reaches the same decision from the step alone (no clocks)."""
+        ...
+
     def should_save(self, ctx: SaveContext) -> bool: ...
 
     def __or__(self, other: SavePolicy) -> SavePolicy: ...
@@ -48,6 +53,10 @@ class EverySteps(_Combinable):
         if self.n < 1:
             raise ConfigError(f"EverySteps(n={self.n}): n must be at least 1")
 
+    @property
+    def same_on_every_rank(self) -> bool:
+        return True
+
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
 
@@ -62,6 +71,10 @@ class EverySeconds(_Combinable):
         if not self.seconds > 0:
             raise ConfigError(f"EverySeconds({self.seconds}): the interval must be positive")
 
+    @property
+    def same_on_every_rank(self) -> bool:
+        return False  # each rank reads its own clock
+
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step > ctx.last_save_step and ctx.now_s - ctx.last_save_s >= self.seconds
 
@@ -71,6 +84,10 @@ class AnyOf(_Combinable):
     """Save when any of ``policies`` says so."""
 
     policies: tuple[SavePolicy, ...]
+
+    @property
+    def same_on_every_rank(self) -> bool:
+        return all(p.same_on_every_rank for p in self.policies)
 
     def should_save(self, ctx: SaveContext) -> bool:
         # Ask every policy (no short-circuit) so stateful policies all see every step.
