@@ -294,3 +294,32 @@ def test_async_save_refuses_when_host_memory_is_short(
         ckpt.save(1, _state())
     assert isinstance(info.value, MemoryError)
     assert cp.CheckpointManager(str(tmp_path), async_save=False).save(1, _state())
+
+
+def test_restore_reads_the_model_straight_into_its_existing_storage(tmp_path: Path) -> None:
+    state = _state()
+    saved = _tensors(state)
+    with cp.CheckpointManager(str(tmp_path)) as ckpt:
+        ckpt.save(1, state)
+    fresh = _state(seed=5)
+    assert fresh.model is not None
+    pointers = {k: v.data_ptr() for k, v in fresh.model.state_dict().items()}
+    live = fresh.live_tensors()
+    assert set(live) == {f"model/{k}" for k in pointers}
+    assert cp.CheckpointManager(str(tmp_path)).restore(fresh) == 1
+    assert {k: v.data_ptr() for k, v in fresh.model.state_dict().items()} == pointers
+    assert _equal(_tensors(fresh), saved)
+
+
+def test_a_corrupt_model_tensor_never_reaches_the_live_model(tmp_path: Path) -> None:
+    state = _state()
+    ckpt = cp.CheckpointManager(str(tmp_path), async_save=False)
+    ckpt.save(1, state)
+    shard = tmp_path / "step_0000000001" / "rank_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x01  # the last tensor; the model's come first and would be read before it
+    shard.write_bytes(bytes(data))
+    fresh = _state(seed=6)
+    before = _tensors(fresh)
+    assert cp.CheckpointManager(str(tmp_path)).restore(fresh) == 0
+    assert _equal(_tensors(fresh), before)

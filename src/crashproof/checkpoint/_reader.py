@@ -7,11 +7,13 @@ an out-of-bounds read or code execution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
+from crashproof.checkpoint._dtypes import dtype_from_name
 from crashproof.checkpoint._format import (
     MANIFEST_NAME,
     MAX_INDEX_BYTES,
@@ -24,12 +26,12 @@ from crashproof.checkpoint._format import (
     parse_rank_index,
 )
 from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest, new_hasher
-from crashproof.checkpoint._shard import read_shard
+from crashproof.checkpoint._shard import ShardRead
 from crashproof.checkpoint._tree import decode_tree
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
 from crashproof.storage import Storage, read_all
 
-__all__ = ["load_rank_state", "read_manifest", "read_rank_index", "verify_checkpoint"]
+__all__ = ["RankRead", "load_rank_state", "read_manifest", "read_rank_index", "verify_checkpoint"]
 
 _VERIFY_CHUNK = 16 * 1024 * 1024
 
@@ -90,49 +92,89 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
     return index
 
 
+class RankRead:
+    """One rank's part of a checkpoint, read in steps the restore can interleave with its checks.
+
+    1. :meth:`meta_tree`: the state tree with shape-and-dtype-only tensors, to check it fits the
+       live state before a single tensor byte is read;
+    2. :meth:`verify`: every byte checked against its checksum (raises on corruption);
+    3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
+       state tree returned.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        ckpt_dir: str,
+        manifest: Manifest,
+        rank: int,
+        *,
+        into: Mapping[str, Any] | None = None,
+        keep: bool = True,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
+        self._index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
+        self.shard_file = self._index.shard_file
+        shard_path = storage.join(ckpt_dir, self.shard_file)
+        self._where = storage.describe(shard_path)
+        try:
+            self._stream = storage.open(shard_path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self._where}: missing") from None
+        self._shard = ShardRead(
+            self._stream, self._index.tensors, manifest.files[self.shard_file], self._where,
+            into=into, keep=keep, on_bytes=on_bytes,
+        )  # fmt: skip
+
+    def meta_tree(self) -> Any:
+        """The state tree with every tensor on the ``meta`` device: shapes and dtypes, no data."""
+        entries = self._index.tensors
+        return self._decode(
+            lambda i: torch.empty(
+                entries[i].shape,
+                dtype=dtype_from_name(entries[i].dtype, where=self._index_where),
+                device="meta",
+            )
+        )
+
+    def verify(self) -> None:
+        try:
+            self._shard.verify()
+        except (OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+
+    def finish(self) -> Any:
+        try:
+            tensors = self._shard.fill()
+        except (OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+        return self._decode(lambda i: tensors[i])
+
+    def _decode(self, tensor_at: Callable[[int], torch.Tensor]) -> Any:
+        count = len(self._index.tensors)
+
+        def load_tensor(i: int) -> torch.Tensor:
+            if i >= count:
+                raise CorruptCheckpointError(
+                    f"{self._index_where}: the state refers to tensor #{i}, the index lists {count}"
+                )
+            return tensor_at(i)
+
+        return decode_tree(self._index.state, load_tensor, self._index_where)
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> Any:
     """Rank ``rank``'s state tree with its tensors, every byte verified against its checksum."""
-    tree, _ = _read_rank(storage, ckpt_dir, manifest, rank, keep=True, on_bytes=None)
-    return tree
-
-
-def _read_rank(
-    storage: Storage,
-    ckpt_dir: str,
-    manifest: Manifest,
-    rank: int,
-    *,
-    keep: bool,
-    on_bytes: Callable[[int], None] | None,
-) -> tuple[Any, str]:
-    """Read and verify one rank's index and shard; returns the decoded state tree and shard name.
-
-    With ``keep=False`` tensors are verified but not kept: the tree holds empty placeholders.
-    """
-    index = read_rank_index(storage, ckpt_dir, manifest, rank)
-    shard_path = storage.join(ckpt_dir, index.shard_file)
-    where = storage.describe(shard_path)
+    reader = RankRead(storage, ckpt_dir, manifest, rank)
     try:
-        stream = storage.open(shard_path)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing") from None
-    try:
-        entry = manifest.files[index.shard_file]
-        tensors = read_shard(stream, index.tensors, entry, where, keep=keep, on_bytes=on_bytes)
-    except (OSError, EOFError) as exc:
-        raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
+        reader.verify()
+        return reader.finish()
     finally:
-        stream.close()
-    index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
-
-    def load_tensor(i: int) -> Any:
-        if i >= len(tensors):
-            raise CorruptCheckpointError(
-                f"{index_where}: the state refers to tensor #{i}, the index lists {len(tensors)}"
-            )
-        return tensors[i]
-
-    return decode_tree(index.state, load_tensor, index_where), index.shard_file
+        reader.close()
 
 
 def verify_checkpoint(
@@ -146,8 +188,13 @@ def verify_checkpoint(
     manifest = read_manifest(storage, ckpt_dir)
     checked: set[str] = set()
     for rank in range(manifest.world_size):
-        _, shard_file = _read_rank(storage, ckpt_dir, manifest, rank, keep=False, on_bytes=on_bytes)
-        checked |= {index_name(rank), shard_file}
+        reader = RankRead(storage, ckpt_dir, manifest, rank, keep=False, on_bytes=on_bytes)
+        try:
+            reader.verify()
+            reader.finish()  # decodes the state tree: every tensor reference must resolve
+        finally:
+            reader.close()
+        checked |= {index_name(rank), reader.shard_file}
     for name, entry in sorted(manifest.files.items()):
         if name not in checked:
             _verify_file(storage, storage.join(ckpt_dir, name), entry, on_bytes)

@@ -11,7 +11,8 @@ tensors' checksums (scheme ``"tensors"`` in the manifest), so it covers every by
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -22,7 +23,7 @@ from crashproof.checkpoint._hashing import digest, new_hasher
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 
-__all__ = ["read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
+__all__ = ["ShardRead", "read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
 
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
@@ -120,6 +121,147 @@ def write_shard(
     return entries, FileEntry(size=size, checksum=checksum, scheme="tensors")
 
 
+class ShardRead:
+    """Read one shard in two phases, so live tensors are written only once every byte verified.
+
+    :meth:`verify` checks the layout, reads every tensor that has no live destination into a new
+    tensor, and hashes the others through a small per-thread buffer (which also warms the page
+    cache). :meth:`fill` then reads the verified bytes straight into the live tensors named in
+    ``into`` (by tensor name), so the restore needs no second copy of the model in memory.
+    Reads and hashes release the GIL: a few threads keep the disk's queue full.
+    """
+
+    def __init__(
+        self,
+        stream: ReadStream,
+        entries: Sequence[TensorEntry],
+        expected: FileEntry,
+        where: str,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        keep: bool = True,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self._stream, self._entries, self._expected, self._where = stream, entries, expected, where
+        self._keep, self._on_bytes = keep, on_bytes
+        self._targets = {
+            i: t
+            for i, e in enumerate(entries)
+            if (t := (into or {}).get(e.name)) is not None and _fits(t, e)
+        }
+        self._tensors: list[torch.Tensor] = [_EMPTY] * len(entries)
+        self._verified = False
+
+    def verify(self) -> None:
+        """Check every byte against its checksum; raises :class:`CorruptCheckpointError`."""
+        where, entries = self._where, self._entries
+        actual_size = self._stream.size()
+        if actual_size != self._expected.size:
+            raise CorruptCheckpointError(
+                f"{where}: {actual_size} bytes on storage, the manifest says {self._expected.size} (truncated or appended)"
+            )
+        if self._expected.scheme != "tensors":
+            raise CorruptCheckpointError(
+                f"{where}: listed with checksum scheme {self._expected.scheme!r}, expected 'tensors'"
+            )
+        order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+        header_end = entries[order[0]].offset if entries else actual_size
+        if header_end > _MAX_HEADER:
+            raise CorruptCheckpointError(
+                f"{where}: a {header_end}-byte header is beyond the {_MAX_HEADER}-byte limit"
+            )
+        pos = header_end
+        for i in order:  # the layout, from metadata alone, before reading any tensor
+            if entries[i].offset != pos:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {entries[i].name!r} starts at byte {entries[i].offset}, expected {pos} "
+                    "(tensors must follow each other without gaps or overlaps)"
+                )
+            pos += entries[i].nbytes
+        if pos != actual_size:
+            raise CorruptCheckpointError(
+                f"{where}: {actual_size - pos} bytes after the last tensor"
+            )
+        header = bytearray(header_end)
+        self._stream.readinto(0, memoryview(header))
+        with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
+            list(pool.map(self._verify_one, order))
+        found = shard_checksum(bytes(header), [entries[i].checksum for i in order])
+        if found != self._expected.checksum:
+            raise CorruptCheckpointError(
+                f"{where}: shard checksum {found}, expected {self._expected.checksum}"
+            )
+        self._verified = True
+
+    def _verify_one(self, i: int) -> None:
+        entry = self._entries[i]
+        if i in self._targets:
+            hasher = new_hasher()
+            bounce = _bounce_buffer()
+            for start in range(0, entry.nbytes, len(bounce)):
+                view = bounce[: min(len(bounce), entry.nbytes - start)]
+                self._stream.readinto(entry.offset + start, view)
+                hasher.update(view)
+            self._check(entry, hasher.hexdigest())
+        else:
+            tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=self._where))
+            view = tensor_bytes(tensor)
+            self._stream.readinto(entry.offset, view)
+            self._check(entry, digest(view))
+            if self._keep:
+                self._tensors[i] = tensor
+        if self._on_bytes:
+            self._on_bytes(entry.nbytes)
+
+    def _check(self, entry: TensorEntry, found: str, when: str = "") -> None:
+        if found != entry.checksum:
+            raise CorruptCheckpointError(
+                f"{self._where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
+                f"has checksum {found}, expected {entry.checksum}{when}"
+            )
+
+    def fill(self) -> list[torch.Tensor]:
+        """Read the verified bytes into the live tensors; returns every tensor, in entry order."""
+        assert self._verified, "fill() before verify()"
+
+        def fill_one(i: int) -> None:
+            entry, target = self._entries[i], self._targets[i]
+            view = tensor_bytes(target)
+            self._stream.readinto(entry.offset, view)
+            # Cheap insurance (it hashes from memory): the file must not have changed since verify.
+            self._check(
+                entry, digest(view), " after it verified: the file changed during the restore"
+            )
+            self._tensors[i] = target
+
+        with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
+            list(pool.map(fill_one, sorted(self._targets)))
+        return self._tensors
+
+
+def _fits(target: torch.Tensor, entry: TensorEntry) -> bool:
+    """Whether the entry's bytes can be read straight into ``target``'s memory."""
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+        and tuple(target.shape) == entry.shape
+        and dtype_name(target.dtype, where=entry.name) == entry.dtype
+    )
+
+
+_LOCAL = threading.local()
+
+
+def _bounce_buffer() -> memoryview:
+    """A reusable per-thread read buffer for hashing bytes without keeping them."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None:
+        buf = _LOCAL.buf = memoryview(bytearray(_CHUNK))
+    return buf
+
+
 def read_shard(
     stream: ReadStream,
     entries: Sequence[TensorEntry],
@@ -129,65 +271,7 @@ def read_shard(
     keep: bool = True,
     on_bytes: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
-    """Read every tensor of a shard, verifying each tensor's checksum and the shard's.
-
-    ``entries`` were validated against ``expected.size`` by the format parser, so every range lies
-    inside the file; the actual file size is checked here against the manifest before any read.
-    The tensors must tile the file after the header exactly (as written), so no byte goes
-    unchecked. With ``keep=False`` the tensors are verified and dropped one by one.
-    """
-    actual_size = stream.size()
-    if actual_size != expected.size:
-        raise CorruptCheckpointError(
-            f"{where}: {actual_size} bytes on storage, the manifest says {expected.size} (truncated or appended)"
-        )
-    if expected.scheme != "tensors":
-        raise CorruptCheckpointError(
-            f"{where}: listed with checksum scheme {expected.scheme!r}, expected 'tensors'"
-        )
-    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
-    header_end = entries[order[0]].offset if entries else actual_size
-    if header_end > _MAX_HEADER:
-        raise CorruptCheckpointError(
-            f"{where}: a {header_end}-byte header is beyond the {_MAX_HEADER}-byte limit"
-        )
-    pos = header_end
-    for i in order:  # check the layout from metadata alone, before reading any tensor
-        entry = entries[i]
-        if entry.offset != pos:
-            raise CorruptCheckpointError(
-                f"{where}: tensor {entry.name!r} starts at byte {entry.offset}, expected {pos} "
-                "(tensors must follow each other without gaps or overlaps)"
-            )
-        pos += entry.nbytes
-    if pos != actual_size:
-        raise CorruptCheckpointError(f"{where}: {actual_size - pos} bytes after the last tensor")
-    header = bytearray(header_end)
-    stream.readinto(0, memoryview(header))
-
-    def load(entry: TensorEntry) -> torch.Tensor:
-        tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=where))
-        view = tensor_bytes(tensor)
-        stream.readinto(entry.offset, view)
-        found = digest(view)
-        if found != entry.checksum:
-            raise CorruptCheckpointError(
-                f"{where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
-                f"has checksum {found}, expected {entry.checksum}"
-            )
-        if on_bytes:
-            on_bytes(entry.nbytes)
-        return tensor if keep else _EMPTY
-
-    # Reads and hashes release the GIL: a few threads keep the disk's queue full and hash in
-    # parallel with the reads. Tensors are verified before anything uses them.
-    tensors: list[torch.Tensor] = [_EMPTY] * len(entries)
-    with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
-        for i, tensor in zip(order, pool.map(load, [entries[i] for i in order]), strict=True):
-            tensors[i] = tensor
-    found = shard_checksum(bytes(header), [entries[i].checksum for i in order])
-    if found != expected.checksum:
-        raise CorruptCheckpointError(
-            f"{where}: shard checksum {found}, expected {expected.checksum}"
-        )
-    return tensors
+    """Read (``keep``) or only verify every tensor of a shard; see :class:`ShardRead`."""
+    reader = ShardRead(stream, entries, expected, where, keep=keep, on_bytes=on_bytes)
+    reader.verify()
+    return reader.fill()

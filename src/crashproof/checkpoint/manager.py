@@ -24,7 +24,7 @@ from crashproof.checkpoint._catalog import (
     prune_plan,
 )
 from crashproof.checkpoint._group import Group, default_group
-from crashproof.checkpoint._reader import checkpoint_not_found, load_rank_state, read_manifest
+from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._writer import (
@@ -307,16 +307,23 @@ class CheckpointManager:
         skipped: list[str] = []
         for candidate, path in found:
             started = time.perf_counter()
-            status, tree, reason = self._load_candidate(state, candidate, path)
-            statuses = self._group.all_gather((status, reason))
-            mismatch = next((r for s, r in statuses if s == "mismatch"), None)
-            if mismatch is not None:
-                raise StateMismatchError(mismatch)
-            problems = [r for s, r in statuses if s != "ok"]
-            if problems:
-                log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
-                skipped.append(f"step {candidate}: {problems[0]}")
-                continue
+            status, reader, reason = self._load_candidate(state, candidate, path)
+            try:
+                # Every rank verified its part before any rank writes into its live tensors.
+                statuses = self._group.all_gather((status, reason))
+                mismatch = next((r for s, r in statuses if s == "mismatch"), None)
+                if mismatch is not None:
+                    raise StateMismatchError(mismatch)
+                problems = [r for s, r in statuses if s != "ok"]
+                if problems:
+                    log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
+                    skipped.append(f"step {candidate}: {problems[0]}")
+                    continue
+                assert reader is not None
+                tree = reader.finish()
+            finally:
+                if reader is not None:
+                    reader.close()
             state.restore(tree, where=f"{self.storage.describe(path)}")
             self._warn_if_inexact(candidate)
             self._last_save_step, self._last_save_s = candidate, time.monotonic()
@@ -351,8 +358,15 @@ class CheckpointManager:
                 step,
             )
 
-    def _load_candidate(self, state: TrainState, step: int, path: str) -> tuple[str, Any, str]:
-        """``("ok", tree, "")``, ``("corrupt", None, why)`` or ``("mismatch", None, why)``."""
+    def _load_candidate(
+        self, state: TrainState, step: int, path: str
+    ) -> tuple[str, RankRead | None, str]:
+        """Check and verify one candidate without touching the live state.
+
+        Returns ``("ok", reader, "")`` (the caller finishes the read into the live tensors),
+        ``("corrupt", None, why)`` or ``("mismatch", None, why)``.
+        """
+        reader: RankRead | None = None
         try:
             manifest = read_manifest(self.storage, path)
             if manifest.step != step:
@@ -369,18 +383,27 @@ class CheckpointManager:
                         f"{self._group.world_size}; restoring across world sizes needs the same world size for now"
                     ),
                 )
-            tree = load_rank_state(self.storage, path, manifest, self._group.rank)
-            self._restored_environment = manifest.environment
-            if not isinstance(tree, dict):
+            reader = RankRead(
+                self.storage, path, manifest, self._group.rank, into=state.live_tensors()
+            )
+            # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
+            # Neither step writes into the live state: only finish() does, after all ranks agree.
+            reader.verify()
+            meta = reader.meta_tree()
+            if not isinstance(meta, dict):
                 raise CorruptCheckpointError(
                     f"{self.storage.describe(path)}: the state is not a mapping"
                 )
-            state.check(tree, where=self.storage.describe(path))
-            return "ok", tree, ""
+            state.check(meta, where=self.storage.describe(path))
+            self._restored_environment = manifest.environment
+            return "ok", reader, ""
         except StateMismatchError as exc:
-            return "mismatch", None, str(exc)
+            status, why = "mismatch", str(exc)
         except (CorruptCheckpointError, OSError) as exc:
-            return "corrupt", None, str(exc)
+            status, why = "corrupt", str(exc)
+        if reader is not None:
+            reader.close()
+        return status, None, why
 
     # -- inspection and lifecycle ------------------------------------------------------------
 

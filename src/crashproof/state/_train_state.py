@@ -127,6 +127,22 @@ class TrainState:
         }
         return tree
 
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors a restore may read straight into, by their names in a checkpoint.
+
+        The model's parameters and buffers, and those of ``extra`` modules (an EMA model): the
+        restore then needs no second copy of them in memory.
+        """
+        live: dict[str, torch.Tensor] = {}
+        if self.model is not None:
+            live.update({f"model/{k}": v for k, v in unwrap_model(self.model).state_dict().items()})
+        for key, value in self.extra.items():
+            if isinstance(value, nn.Module):
+                live.update(
+                    {f"extra/{key}/state_dict/{k}": v for k, v in value.state_dict().items()}
+                )
+        return live
+
     # -- restore -------------------------------------------------------------------------------
 
     def restore(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
