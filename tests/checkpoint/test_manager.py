@@ -100,8 +100,8 @@ def test_failure_of_an_async_save_is_raised_by_the_next_maybe_save() -> None:
     ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=True, every=cp.EverySteps(1))
     storage.armed = OSError(errno.EIO, "Input/output error")
     ckpt.save(1, state)
-    if ckpt._inflight is not None:
-        ckpt._inflight.exception()  # let the background write fail before the next call
+    for future, _ in ckpt._inflight:
+        future.exception()  # let the background write fail before the next call
     with pytest.raises(cp.CheckpointWriteError, match="Input/output error"):
         ckpt.maybe_save(2, state)
 
@@ -271,13 +271,13 @@ def test_staging_buffers_are_reused_across_saves() -> None:
     state = _state()
     ckpt = cp.CheckpointManager("/ck", storage=storage)
     ckpt.save(1, state)
-    assert ckpt._staging is not None
-    first = {name: buf.data_ptr() for name, buf in ckpt._staging._buffers.items()}
+    assert ckpt._stagings
+    first = {name: buf.data_ptr() for name, buf in ckpt._stagings[0]._buffers.items()}
     ckpt.save(2, state)
     ckpt.close()
-    assert {name: buf.data_ptr() for name, buf in ckpt._staging._buffers.items()} == first
+    assert {name: buf.data_ptr() for name, buf in ckpt._stagings[0]._buffers.items()} == first
     assert (
-        ckpt._staging.nbytes
+        ckpt._stagings[0].nbytes
         == sum(t.numel() * t.element_size() for t in _tensors(state).values())
         + state.capture()["rng"]["torch"].numel()
     )
@@ -323,3 +323,32 @@ def test_a_corrupt_model_tensor_never_reaches_the_live_model(tmp_path: Path) -> 
     before = _tensors(fresh)
     assert cp.CheckpointManager(str(tmp_path)).restore(fresh) == 0
     assert _equal(_tensors(fresh), before)
+
+
+def test_double_buffering_snapshots_the_next_save_while_the_previous_is_written() -> None:
+    storage = SlowStorage()
+    state = _state()
+    ckpt = cp.CheckpointManager("/ck", storage=storage, staging_buffers=2)
+    values = []
+    for step in (1, 2):
+        values.append(_tensors(state))
+        assert ckpt.save(step, state)
+        assert state.model is not None
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(1.0)
+    assert ckpt.stats.waited_busy == 0  # the second save did not wait for the first
+    assert len({id(s) for s in ckpt._stagings}) == 2
+    threading.Timer(0.3, storage.release.set).start()
+    assert ckpt.save(3, state)  # both buffers in use: this one waits for the oldest save
+    assert ckpt.stats.waited_busy == 1
+    ckpt.close()
+    for step, expected in zip((1, 2), values, strict=True):
+        fresh = _state(seed=9)
+        assert cp.CheckpointManager("/ck", storage=storage).restore(fresh, step=step) == step
+        assert _equal(_tensors(fresh), expected)
+
+
+def test_double_buffering_needs_async_saves() -> None:
+    with pytest.raises(cp.ConfigError, match="staging_buffers"):
+        cp.CheckpointManager("/ck", storage=MemoryStorage(), staging_buffers=2, async_save=False)

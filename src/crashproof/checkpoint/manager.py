@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal
@@ -65,6 +66,9 @@ class CheckpointManager:
             for it, or ``"skip"`` the new one. Either is logged and counted in :attr:`stats`.
         on_disk_full: when a save fails because the disk is full: ``"continue"`` training (the
             failure is logged and counted; earlier checkpoints stay) or ``"raise"``.
+        staging_buffers: 1 (host staging costs one copy of the state) or 2 (double buffering:
+            the next save can be snapshotted while the previous one is still being written, at the
+            cost of a second copy; two saves are then in flight, written one after the other).
         storage: the storage backend; default chosen from ``root``.
         timeout_s: how long ranks wait for each other during a save before giving up.
     """
@@ -78,6 +82,7 @@ class CheckpointManager:
         async_save: bool = True,
         on_busy: Literal["wait", "skip"] = "wait",
         on_disk_full: Literal["continue", "raise"] = "continue",
+        staging_buffers: int = 1,
         storage: Storage | None = None,
         timeout_s: float = 600.0,
     ) -> None:
@@ -98,13 +103,18 @@ class CheckpointManager:
         self.on_disk_full = on_disk_full
         self.stats = SaveStats()
         """What this manager did: saves, skips, waits, failures, bytes, timings."""
-        self._staging = StagingArea() if async_save else None
+        if staging_buffers not in (1, 2) or (staging_buffers == 2 and not async_save):
+            raise ConfigError(
+                f"CheckpointManager(staging_buffers={staging_buffers}): use 1, or 2 with async_save=True"
+            )
+        self._stagings = [StagingArea() for _ in range(staging_buffers)] if async_save else []
         # Two groups: the training thread's collectives (decisions, restore) and the background
         # writer's (commit) must never interleave on one group, or ranks would pair them wrongly.
         self._group: Group = default_group(timeout_s)
         self._persist_group: Group = default_group(timeout_s)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
-        self._inflight: Future[CommitResult] | None = None
+        # Saves not yet collected, oldest first, with the staging area each one reads from.
+        self._inflight: deque[tuple[Future[CommitResult], int]] = deque()
         self._closed = False
         self._last_save_step = 0
         self._last_save_s = time.monotonic()
@@ -154,8 +164,8 @@ class CheckpointManager:
             raise ConfigError(f"save(step={step}): steps are non-negative")
         self._raise_pending()
         started = time.perf_counter()
-        inflight = self._inflight
-        busy = inflight is not None and not inflight.done()
+        capacity = max(1, len(self._stagings))
+        busy = sum(not future.done() for future, _ in self._inflight) >= capacity
         if self._group.world_size > 1:  # every rank must skip, or none: agree on "busy"
             busy = any(self._group.all_gather(busy))
         if busy and self.on_busy == "skip":
@@ -165,7 +175,8 @@ class CheckpointManager:
                 step,
             )
             return False
-        self.wait()
+        while len(self._inflight) >= capacity:  # wait for the oldest save, freeing its buffers
+            self._collect(self._inflight.popleft()[0])
         if busy:
             self.stats.waited_busy += 1
             self.stats.waited_busy_s += time.perf_counter() - started
@@ -174,9 +185,11 @@ class CheckpointManager:
                 step,
                 time.perf_counter() - started,
             )
-        snapshot = take_snapshot(step, state.capture(), staging=self._staging, metadata=metadata)
+        free = min(set(range(capacity)) - {slot for _, slot in self._inflight})
+        staging = self._stagings[free] if self._stagings else None
+        snapshot = take_snapshot(step, state.capture(), staging=staging, metadata=metadata)
         tmp_name = self._group.broadcast(new_tmp_name(step))
-        self._inflight = self._executor.submit(self._persist, snapshot, tmp_name)
+        self._inflight.append((self._executor.submit(self._persist, snapshot, tmp_name), free))
         self.stats.saves_started += 1
         self._last_save_step, self._last_save_s = step, time.monotonic()
         if not self.async_save:
@@ -216,9 +229,14 @@ class CheckpointManager:
         return result
 
     def _wait_commit(self) -> CommitResult | None:
-        future, self._inflight = self._inflight, None
-        if future is None:
-            return None
+        """Collect every save in flight, oldest first; returns the newest commit."""
+        result = None
+        while self._inflight:
+            result = self._collect(self._inflight.popleft()[0]) or result
+        return result
+
+    def _collect(self, future: Future[CommitResult]) -> CommitResult | None:
+        """The outcome of one save: counted, logged, and raised unless the disk is merely full."""
         try:
             try:
                 result = future.result()
@@ -247,9 +265,8 @@ class CheckpointManager:
 
     def _raise_pending(self) -> None:
         """Surface a background failure on the next call into the manager."""
-        future = self._inflight
-        if future is not None and future.done() and future.exception() is not None:
-            self._wait_commit()
+        while self._inflight and self._inflight[0][0].done():
+            self._collect(self._inflight.popleft()[0])
 
     # -- retention ---------------------------------------------------------------------------
 
