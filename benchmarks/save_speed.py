@@ -47,7 +47,7 @@ import threading
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
@@ -233,7 +233,12 @@ def remove(path: Path) -> None:
 
 @dataclass
 class Method:
-    """One contender: ``prepare`` (untimed), ``run`` (timed), ``check`` (untimed, optional)."""
+    """One contender: ``prepare`` (untimed), ``run`` (timed), ``check`` (untimed, optional).
+
+    ``run`` may return a mapping of named parts of its time in seconds (say, the part of an
+    asynchronous save that blocks the caller); each is recorded as a series of its own, named
+    ``"<name> / <part>"``. Any other return value is ignored.
+    """
 
     name: str
     run: Callable[[], object]
@@ -248,7 +253,8 @@ def time_round_robin(
     """Seconds of each method's ``run``: ``warmup`` uncounted rounds, then ``repeats`` rounds.
 
     In every round each method is prepared, the system settled (``settle``: sync and drop the page
-    cache), the method timed, then checked.
+    cache), the method timed, then checked. Parts that ``run`` reports (see :class:`Method`) are
+    recorded next to the methods' own times.
     """
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for round_no in range(warmup + repeats):
@@ -257,12 +263,16 @@ def time_round_robin(
             method.prepare()
             settle()
             started = time.perf_counter()
-            method.run()
+            returned = method.run()
             elapsed = time.perf_counter() - started
             method.check()
-            log(f"  [{label}] {method.name}: {elapsed:.3f} s")
+            parts = dict(returned) if isinstance(returned, Mapping) else {}
+            detail = "".join(f", {part} {secs:.3f} s" for part, secs in parts.items())
+            log(f"  [{label}] {method.name}: {elapsed:.3f} s{detail}")
             if round_no >= warmup:
                 times[method.name].append(elapsed)
+                for part, secs in parts.items():
+                    times.setdefault(f"{method.name} / {part}", []).append(float(secs))
     return times
 
 
@@ -617,7 +627,9 @@ def profile_crashproof(
     raw = byte_views(flat_state(model, optimizer).values())
     raw_split: list[tuple[float, float]] = []
     saves: list[float] = []
-    with crashproof.CheckpointManager(str(root), keep=crashproof.KeepLast(1)) as manager:
+    with crashproof.CheckpointManager(
+        str(root), keep=crashproof.KeepLast(1), async_save=False
+    ) as manager:
         for step in range(1, repeats + 1):
             remove(raw_file)
             drop_page_cache()
@@ -790,7 +802,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["repeats"], out["warmup"] = args.repeats, args.warmup
 
     keep = crashproof.KeepLast(1)
-    with crashproof.CheckpointManager(str(work / "crashproof"), keep=keep) as manager:
+    # async_save=False: the manager saves asynchronously by default, and this section measures
+    # the synchronous save (the clean-up before each repeat also needs no save in flight).
+    with crashproof.CheckpointManager(
+        str(work / "crashproof"), keep=keep, async_save=False
+    ) as manager:
         methods = save_methods(work, model, optimizer, raw, manager)
         log("save:")
         times = time_round_robin(methods, args.repeats, args.warmup, drop_page_cache)
