@@ -91,7 +91,7 @@ from save_speed import (
     memcpy,
     new_model,
     raw_read,
-    raw_write,
+    raw_write_floors,
     remove,
     time_round_robin,
     trained_state,
@@ -290,18 +290,7 @@ def save_methods(
         managers.sync.save(next(steps), state)
 
     return [
-        Method(
-            RAW_BUFFER,
-            lambda: raw_write(raw_file, [raw]),
-            lambda: remove(raw_file),
-            note="one preallocated buffer; os.write 16 MiB chunks, fsync file + dir",
-        ),
-        Method(
-            RAW_TENSORS,
-            lambda: raw_write(raw_file2, live_bytes),
-            lambda: remove(raw_file2),
-            note="the same bytes straight from the live tensors",
-        ),
+        *raw_write_floors(raw_file, raw, raw_file2, live_bytes),
         Method(
             RAW_READ,
             lambda: raw_read(raw_file, read_view),
