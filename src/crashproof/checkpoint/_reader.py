@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from crashproof.checkpoint._dtypes import dtype_from_name
@@ -25,15 +24,13 @@ from crashproof.checkpoint._format import (
     parse_manifest,
     parse_rank_index,
 )
-from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest, new_hasher
-from crashproof.checkpoint._shard import ShardRead
+from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
+from crashproof.checkpoint._shard import ShardRead, hash_range
 from crashproof.checkpoint._tree import decode_tree
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
 from crashproof.storage import Storage, read_all
 
 __all__ = ["RankRead", "load_rank_state", "read_manifest", "read_rank_index", "verify_checkpoint"]
-
-_VERIFY_CHUNK = 16 * 1024 * 1024
 
 
 def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
@@ -218,19 +215,10 @@ def _verify_file(
             raise CorruptCheckpointError(
                 f"{where}: {stream.size()} bytes, the manifest lists {entry.size}"
             )
-        hasher = new_hasher()
-        buf = np.empty(min(entry.size, _VERIFY_CHUNK), dtype=np.uint8)
-        pos = 0
-        while pos < entry.size:
-            view = buf.data[: min(_VERIFY_CHUNK, entry.size - pos)]
-            stream.readinto(pos, view)
-            hasher.update(view)
-            pos += len(view)
-            if on_bytes:
-                on_bytes(len(view))
-        if hasher.hexdigest() != entry.checksum:
+        found = hash_range(stream, 0, entry.size, on_bytes)
+        if found != entry.checksum:
             raise CorruptCheckpointError(
-                f"{where}: checksum {hasher.hexdigest()}, the manifest lists {entry.checksum}"
+                f"{where}: checksum {found}, the manifest lists {entry.checksum}"
             )
     except (OSError, EOFError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None

@@ -23,7 +23,7 @@ from crashproof.checkpoint._hashing import digest, new_hasher
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 
-__all__ = ["ShardRead", "read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
+__all__ = ["ShardRead", "hash_range", "read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
 
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
@@ -196,13 +196,7 @@ class ShardRead:
     def _verify_one(self, i: int) -> None:
         entry = self._entries[i]
         if i in self._targets:
-            hasher = new_hasher()
-            bounce = _bounce_buffer()
-            for start in range(0, entry.nbytes, len(bounce)):
-                view = bounce[: min(len(bounce), entry.nbytes - start)]
-                self._stream.readinto(entry.offset + start, view)
-                hasher.update(view)
-            self._check(entry, hasher.hexdigest())
+            self._check(entry, hash_range(self._stream, entry.offset, entry.nbytes))
         else:
             tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=self._where))
             view = tensor_bytes(tensor)
@@ -260,6 +254,21 @@ def _bounce_buffer() -> memoryview:
     if buf is None:
         buf = _LOCAL.buf = memoryview(bytearray(_CHUNK))
     return buf
+
+
+def hash_range(
+    stream: ReadStream, offset: int, nbytes: int, on_bytes: Callable[[int], None] | None = None
+) -> str:
+    """The checksum of ``nbytes`` bytes from ``offset``, read through a per-thread buffer."""
+    hasher = new_hasher()
+    bounce = _bounce_buffer()
+    for start in range(0, nbytes, len(bounce)):
+        view = bounce[: min(len(bounce), nbytes - start)]
+        stream.readinto(offset + start, view)
+        hasher.update(view)
+        if on_bytes:
+            on_bytes(len(view))
+    return hasher.hexdigest()
 
 
 def read_shard(
