@@ -32,6 +32,8 @@ from crashproof.errors import (
 from crashproof.policy import AnyOf, EverySeconds, EverySteps, KeepAll, KeepEvery, KeepLast
 from crashproof.state import ResumableSampler, TrainState
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
+from crashproof.supervisor import heartbeat
+from crashproof.supervisor._worker import attach_to_supervisor
 
 __all__ = [
     "AnyOf",
@@ -58,4 +60,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedStateError",
     "__version__",
+    "heartbeat",
 ]
+
+attach_to_supervisor()  # under `crashproof run`: heartbeat record and stack dumps; else nothing

@@ -1,6 +1,8 @@
-"""The ``crashproof`` command line: look at, check, prune and export checkpoints.
+"""The ``crashproof`` command line: run training under supervision; look at, check, prune and
+export checkpoints.
 
-Exit codes: 0 success (and, for ``verify``, everything checked is valid); 1 a checkpoint is
+``crashproof run`` is :mod:`crashproof.supervisor._launch` (its exit codes are documented there).
+For the rest, exit codes: 0 success (and, for ``verify``, everything checked is valid); 1 a checkpoint is
 invalid; 2 a usage error, or nothing to act on (no such root or step).
 """
 
@@ -245,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what crashproof does")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # Listed for --help only: main() hands `run` to torchrun's parser before this one runs.
+    sub.add_parser(
+        "run", help="run a training script like torchrun, restarting it on failures", add_help=False
+    )
     p = sub.add_parser("ls", help="list checkpoints: step, created, size, kind, valid")
     p.add_argument("root")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
@@ -285,6 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Die quietly when piped into `head`, like other Unix tools.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's own option parser: see crashproof.supervisor._launch
+        from crashproof.supervisor._launch import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -45,6 +45,7 @@ from crashproof.errors import (
 from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext, SavePolicy
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
+from crashproof.supervisor._reporter import trainer_reporter
 
 __all__ = ["CheckpointManager"]
 
@@ -122,6 +123,8 @@ class CheckpointManager:
         self._restored_environment: dict[str, Any] = {}
         self.last_commit: CommitResult | None = None
         """The most recent committed save of this manager."""
+        # Under `crashproof run`: heartbeats, phases and events for the supervisor; else no-ops.
+        self._reporter = trainer_reporter(self._group.rank)
         if self._group.rank == 0:
             self.storage.make_dirs(self.root)
             for leftover in leftover_dirs(self.storage, self.root):
@@ -140,8 +143,12 @@ class CheckpointManager:
     def maybe_save(
         self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None
     ) -> bool:
-        """Save if the policy says so for the step just finished; returns whether it saved."""
+        """Save if the policy says so for the step just finished; returns whether it saved.
+
+        Also the trainer's heartbeat under ``crashproof run``: call it every step.
+        """
         self._check_open()
+        self._reporter.step_done(step)
         self._raise_pending()
         ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
         decision = self.every.should_save(ctx)
@@ -162,6 +169,10 @@ class CheckpointManager:
         self._check_open()
         if step < 0:
             raise ConfigError(f"save(step={step}): steps are non-negative")
+        with self._reporter.phase("save"):
+            return self._save(step, state, metadata)
+
+    def _save(self, step: int, state: TrainState, metadata: dict[str, Any] | None) -> bool:
         self._raise_pending()
         started = time.perf_counter()
         capacity = max(1, len(self._stagings))
@@ -189,7 +200,10 @@ class CheckpointManager:
         staging = self._stagings[free] if self._stagings else None
         snapshot = take_snapshot(step, state.capture(), staging=staging, metadata=metadata)
         tmp_name = self._group.broadcast(new_tmp_name(step))
-        self._inflight.append((self._executor.submit(self._persist, snapshot, tmp_name), free))
+        blocking_s = time.perf_counter() - started
+        self._inflight.append(
+            (self._executor.submit(self._persist, snapshot, tmp_name, blocking_s), free)
+        )
         self.stats.saves_started += 1
         self._last_save_step, self._last_save_s = step, time.monotonic()
         if not self.async_save:
@@ -202,8 +216,11 @@ class CheckpointManager:
         """How long the last :meth:`save` paused the training loop."""
         return self.stats.last_blocking_s
 
-    def _persist(self, snapshot: Snapshot, tmp_name: str) -> CommitResult:
+    def _persist(self, snapshot: Snapshot, tmp_name: str, blocking_s: float) -> CommitResult:
         result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
+        self._reporter.committed(
+            snapshot.step, result.path, blocking_s, result.persist_s, result.bytes_written
+        )
         self._newest_valid = max(self._newest_valid or 0, snapshot.step)
         log.info(
             "checkpoint step %d committed: %.1f MB in %.2f s",
@@ -313,6 +330,16 @@ class CheckpointManager:
         would not fit either, and silently starting over would discard the run.
         """
         self._check_open()
+        started = time.perf_counter()
+        with self._reporter.phase("restore"):
+            restored = self._restore(state, step)
+        if restored is not None:
+            self._reporter.restored(restored[0], restored[1], time.perf_counter() - started)
+            return restored[0]
+        return 0
+
+    def _restore(self, state: TrainState, step: int | None) -> tuple[int, str] | None:
+        """The step and path restored, or None when there was nothing valid to restore."""
         self.wait()
         found = self._group.broadcast(
             committed_steps(self.storage, self.root) if self._group.rank == 0 else None
@@ -348,7 +375,7 @@ class CheckpointManager:
             log.info(
                 "restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started
             )
-            return int(candidate)
+            return int(candidate), self.storage.describe(path)
         if step is not None:
             raise CorruptCheckpointError(
                 f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}"
@@ -359,7 +386,7 @@ class CheckpointManager:
                 self.root,
                 len(skipped),
             )
-        return 0
+        return None
 
     def _warn_if_inexact(self, step: int) -> None:
         """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
@@ -441,6 +468,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._reporter.closed()
 
     def _check_open(self) -> None:
         if self._closed:

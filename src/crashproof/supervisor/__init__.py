@@ -1,0 +1,12 @@
+"""The supervisor: ``crashproof run`` and the trainer's side of it (heartbeats, stack dumps).
+
+``_launch`` parses torchrun's options and runs ``_agent.CrashproofAgent`` (torch elastic's local
+agent, extended); ``_heartbeat``, ``_hang`` and ``_crashloop`` hold the facts and decisions;
+``_worker`` and ``_entry`` run inside the trainers.
+"""
+
+from __future__ import annotations
+
+from crashproof.supervisor._heartbeat import heartbeat
+
+__all__ = ["heartbeat"]

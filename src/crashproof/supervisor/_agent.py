@@ -1,0 +1,414 @@
+"""The per-node agent: torch elastic's ``LocalElasticAgent``, plus what it does not do.
+
+torch.distributed.elastic starts the trainers, runs the rendezvous, notices exits and restarts the
+group within its budget. On top of it this agent
+
+* tells its trainers where to heartbeat and report (environment set once, before any start);
+* checks every trainer's heartbeat each monitor interval and treats a silent one as a failure:
+  every trainer's Python stack is dumped to the run directory first (``SIGUSR2``, then
+  ``SIGCONT`` for a stopped process), then the group is stopped and restarted;
+* stops trainers with a short grace period (SIGTERM, then SIGKILL), not torch's 30 s;
+* backs off between failures that make no progress, and stops a crash loop with a report;
+* writes every start, exit, hang and restart to the event log.
+
+It does not parse options (:mod:`crashproof.supervisor._launch` does) or decide what a hang is
+(:mod:`crashproof.supervisor._hang`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
+from crashproof.supervisor._exits import ExitWatcher
+from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
+from crashproof.supervisor._heartbeat import (
+    ENV_HEARTBEAT_DIR,
+    Heartbeat,
+    heartbeat_path,
+    read_heartbeat,
+)
+from crashproof.supervisor._worker import STACK_DUMP_SIGNAL, stack_dump_path
+from crashproof.telemetry._events import ENV_RUN_DIR, EventLog
+
+__all__ = ["CrashproofAgent", "SupervisorConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class SupervisorConfig:
+    run_dir: str
+    """Where events, logs, heartbeats and stack dumps go."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """When a silent trainer is hung."""
+    crash_loop: CrashLoopPolicy = field(default_factory=CrashLoopPolicy)
+    """When repeated failures are a crash loop, and the backoff between them."""
+    shutdown_grace_s: float = 5.0
+    """After SIGTERM, how long trainers get to exit before SIGKILL."""
+    stack_dump_wait_s: float = 3.0
+    """How long to wait for the stack dumps of a hung group."""
+
+
+class CrashproofAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` that also detects hangs, stops crash loops and logs events."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        config: SupervisorConfig,
+        events: EventLog,
+        start_method: str = "spawn",
+        log_line_prefix_template: str | None = None,
+        exit_barrier_timeout: float = 300,
+    ) -> None:
+        super().__init__(
+            spec=spec,
+            logs_specs=logs_specs,
+            start_method=start_method,
+            exit_barrier_timeout=exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+        )
+        self.config = config
+        self.events = events
+        self.hangs = HangDetector(config.hang)
+        self.crash_loop: Failure | None = None
+        """The failure that made this run a crash loop, if one did."""
+        self.attempts = 0
+        """Worker groups started so far."""
+        agent_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.heartbeat_dir = os.path.join(config.run_dir, "heartbeats", agent_id)
+        os.makedirs(self.heartbeat_dir, exist_ok=True)
+        # Set before the first trainer starts, so the forkserver (started with the first group)
+        # and every exec'd trainer inherit them; per-trainer facts come from torch's own variables.
+        os.environ[ENV_RUN_DIR] = config.run_dir
+        os.environ[ENV_HEARTBEAT_DIR] = self.heartbeat_dir
+        self._started_s = time.monotonic()
+        self._failed_at_s: float | None = None
+        self._stop_reason = ""
+        self._exits: ExitWatcher | None = None
+
+    @property
+    def restart_count(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    # -- starting and stopping ---------------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        for stale in glob.glob(os.path.join(self.heartbeat_dir, "local_rank_*")):
+            os.remove(stale)  # a previous attempt's record must not vouch for a new trainer
+        started = time.monotonic()
+        pids: dict[int, Any] = super()._start_workers(worker_group)
+        if self._exits is not None:
+            self._exits.close()
+        self._exits = ExitWatcher(list(pids.values()))
+        self._shorten_shutdown_grace()
+        self.attempts += 1
+        self._started_s = time.monotonic()
+        for worker in worker_group.workers:
+            self.events.emit(
+                "rank_start",
+                rank=worker.global_rank,
+                local_rank=worker.local_rank,
+                world_size=worker.world_size,
+                pid=pids.get(worker.local_rank),
+                restart=self.restart_count,
+                start_s=round(self._started_s - started, 4),
+            )
+        return pids
+
+    def _shorten_shutdown_grace(self) -> None:
+        """On a failure torch's process context stops the survivors itself, with a fixed 30 s
+        grace: a survivor that ignores SIGTERM (stuck in a collective under a handler) would stall
+        the recovery that long. Give its ``close`` our grace period instead."""
+        pcontext = self._pcontext
+        if pcontext is None:
+            return
+        close = pcontext.close
+        grace = max(1, round(self.config.shutdown_grace_s))
+
+        def close_with_grace(death_sig: signal.Signals | None = None, timeout: int = grace) -> None:
+            close(death_sig, min(timeout, grace))
+
+        pcontext.close = close_with_grace  # type: ignore[method-assign]
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._shutdown(timeout=max(1, round(self.config.shutdown_grace_s)))
+        # Each trainer opens its stack file at start; keep only those that hold a dump.
+        attempt_dir = os.path.dirname(stack_dump_path(self.config.run_dir, self.restart_count, 0))
+        for path in glob.glob(os.path.join(attempt_dir, "rank_*.txt")):
+            if _size(path) == 0:
+                os.remove(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(attempt_dir)  # only if empty
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        membership_change = worker_group.state == WorkerState.HEALTHY
+        stop_started = time.monotonic()
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        stopped = time.monotonic()
+        backoff = 0.0 if membership_change else self.config.crash_loop.backoff()
+        self.events.emit(
+            "restart",
+            restart=self.restart_count,
+            reason="membership change" if membership_change else self._stop_reason,
+            remaining_restarts=self._remaining_restarts,
+            stop_s=round(stopped - stop_started, 4),
+            detect_s=(
+                round(stop_started - self._failed_at_s, 4)
+                if self._failed_at_s is not None
+                else None
+            ),
+            backoff_s=backoff,
+        )
+        if backoff:
+            log.warning(
+                "no progress since the last failure: waiting %.0f s before restarting", backoff
+            )
+            time.sleep(backoff)
+        self._initialize_workers(worker_group)
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result: RunResult = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.SUCCEEDED:
+            for worker in worker_group.workers:
+                self.events.emit("rank_exit", rank=worker.global_rank, exitcode=0)
+        elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._on_failure(worker_group, result.failures)
+        elif result.state == WorkerState.HEALTHY:
+            hung = self._hung_workers(worker_group)
+            if hung:
+                self._on_hang(worker_group, hung)
+                return RunResult(state=WorkerState.FAILED)
+        return result
+
+    def _beats(self, workers: Iterable[Worker]) -> dict[int, Heartbeat]:
+        """The heartbeat of each worker (by local rank) that has one from its current process."""
+        beats = {}
+        for worker in workers:
+            beat = read_heartbeat(heartbeat_path(self.heartbeat_dir, worker.local_rank))
+            if beat is not None and beat.pid == worker.id:
+                beats[worker.local_rank] = beat
+        return beats
+
+    def _furthest_step(self, worker_group: WorkerGroup) -> int:
+        return max((b.step for b in self._beats(worker_group.workers).values()), default=-1)
+
+    def _hung_workers(self, worker_group: WorkerGroup) -> list[tuple[Worker, Verdict]]:
+        now = time.monotonic()
+        beats = self._beats(worker_group.workers)
+        hung = []
+        for worker in worker_group.workers:
+            beat = beats.get(worker.local_rank)
+            if beat is None:
+                continue  # not (yet) heartbeating: a script that does not use crashproof
+            verdict = self.hangs.check(beat, now)
+            if verdict is not None:
+                hung.append((worker, verdict))
+        return hung
+
+    def _on_failure(self, worker_group: WorkerGroup, failures: dict[int, ProcessFailure]) -> None:
+        """Log every trainer's exit, the first one to exit as the root cause, and record it."""
+        self._failed_at_s = time.monotonic()
+        exits = self._exits
+        # torch reports one failure (or all, with the survivors it killed as failures too); the
+        # watcher saw the order in which the processes really ended.
+        workers = sorted(
+            worker_group.workers,
+            key=lambda w: (
+                exits.order(w.id) if exits else 0.0,
+                failures[w.global_rank].timestamp if w.global_rank in failures else 2**62,
+            ),
+        )
+        first: Failure | None = None
+        for worker in workers:
+            failure = failures.get(worker.global_rank)
+            exitcode = failure.exitcode if failure is not None else self._exit_code(worker)
+            if exitcode is None:
+                continue  # still running: torch stops it next
+            signame = signal.Signals(-exitcode).name if exitcode < 0 else None
+            how = f"killed by {signame}" if signame else f"exit code {exitcode}"
+            error = self._last_error(worker, failure)
+            self.events.emit(
+                "rank_exit",
+                rank=worker.global_rank,
+                pid=worker.id,
+                exitcode=exitcode,
+                signal=signame,
+                error=error,
+                first=first is None,
+            )
+            if first is None:
+                log.error(
+                    "rank %d (pid %s) failed first: %s%s",
+                    worker.global_rank,
+                    worker.id,
+                    how,
+                    f": {error}" if error else "",
+                )
+                first = Failure(
+                    attempt=self.restart_count,
+                    step=self._furthest_step(worker_group),
+                    rank=worker.global_rank,
+                    reason=how + (f": {error}" if error else ""),
+                )
+        if first is None:
+            first = Failure(
+                attempt=self.restart_count,
+                step=self._furthest_step(worker_group),
+                rank=None,
+                reason="the worker group became unhealthy",
+            )
+        self._record(first)
+
+    def _exit_code(self, worker: Worker) -> int | None:
+        """A trainer's exit code (negative: the signal), None while it runs or if unknown."""
+        pcontext: Any = self._pcontext
+        try:
+            if hasattr(pcontext, "subprocess_handlers"):  # exec'd trainers
+                code: int | None = pcontext.subprocess_handlers[worker.local_rank].proc.poll()
+                return code
+            mp_code: int | None = pcontext._pc.processes[worker.local_rank].exitcode
+            return mp_code
+        except (AttributeError, IndexError, KeyError):
+            return None
+
+    def _last_error(self, worker: Worker, failure: ProcessFailure | None) -> str | None:
+        """The failed trainer's own error: its error file, or the last line of its stderr log."""
+        message: Any = failure.message if failure is not None else None
+        while isinstance(message, dict):  # error files nest {"message": {"message": ...}}
+            message = message.get("message")
+        if isinstance(message, str) and message and not message.startswith("To enable traceback"):
+            return message.strip().splitlines()[-1][:500]
+        pcontext = self._pcontext
+        stderr = pcontext.stderrs.get(worker.local_rank) if pcontext is not None else None
+        if stderr and os.path.isfile(stderr):
+            with open(stderr, "rb") as f:
+                f.seek(max(0, os.path.getsize(stderr) - 8192))
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+            if lines:
+                return lines[-1][:500]
+        return None
+
+    def _on_hang(self, worker_group: WorkerGroup, hung: list[tuple[Worker, Verdict]]) -> None:
+        self._failed_at_s = time.monotonic()
+        # The states first: the dump sends SIGCONT, and a stopped process ("T") would look alive.
+        states = {w.global_rank: _process_state(w.id) for w in worker_group.workers}
+        stacks = self._dump_stacks(worker_group)
+        worst_worker, worst = max(hung, key=lambda wv: wv[1].silent_s)
+        for worker, verdict in hung:
+            self.events.emit(
+                "hang",
+                rank=worker.global_rank,
+                pid=worker.id,
+                step=verdict.step,
+                phase=verdict.phase,
+                silent_s=round(verdict.silent_s, 3),
+                timeout_s=round(verdict.timeout_s, 3),
+                process_state=states.get(worker.global_rank),
+                stacks=stacks.get(worker.global_rank),
+            )
+        log.error(
+            "hang: rank %d silent for %.1f s in phase %r (allowance %.1f s, process state %s); "
+            "stacks of every rank in %s",
+            worst_worker.global_rank,
+            worst.silent_s,
+            worst.phase,
+            worst.timeout_s,
+            states.get(worst_worker.global_rank),
+            os.path.dirname(next(iter(stacks.values()), self.config.run_dir)),
+        )
+        self._record(
+            Failure(
+                attempt=self.restart_count,
+                step=self._furthest_step(worker_group),
+                rank=worst_worker.global_rank,
+                reason=f"hang: silent for {worst.silent_s:.1f} s in phase {worst.phase}",
+            )
+        )
+
+    def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
+        """Ask every trainer for its Python stacks; returns the files written, by global rank."""
+        paths = {
+            w.global_rank: stack_dump_path(self.config.run_dir, self.restart_count, w.global_rank)
+            for w in worker_group.workers
+        }
+        sizes = {rank: _size(path) for rank, path in paths.items()}
+        for worker in worker_group.workers:
+            for sig in (STACK_DUMP_SIGNAL, signal.SIGCONT):  # a stopped process handles it on CONT
+                try:
+                    os.kill(worker.id, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+        deadline = time.monotonic() + self.config.stack_dump_wait_s
+        written: dict[int, str] = {}
+        while time.monotonic() < deadline and len(written) < len(paths):
+            time.sleep(0.05)
+            for rank, path in paths.items():
+                if rank not in written and _size(path) > sizes[rank]:
+                    written[rank] = path
+        time.sleep(0.05)  # let the last dumps finish their few lines
+        return written
+
+    def _record(self, failure: Failure) -> None:
+        policy = self.config.crash_loop
+        policy.record(failure)
+        self._stop_reason = failure.reason
+        if policy.is_crash_loop():
+            self.crash_loop = failure
+            self._remaining_restarts = 0  # the base loop then stops the group and returns FAILED
+            self.events.emit(
+                "crash_loop",
+                rank=failure.rank,
+                step=failure.step,
+                attempts=policy.attempts,
+                reason=failure.reason,
+            )
+            log.error(
+                "crash loop: %d failures in a row without progress past step %d; last: rank %s, %s",
+                policy.attempts,
+                failure.step,
+                failure.rank,
+                failure.reason,
+            )
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R running, S sleeping, T stopped, D disk ...)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

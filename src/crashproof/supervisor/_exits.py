@@ -1,0 +1,58 @@
+"""When did each trainer exit? A thread that wakes the moment a trainer process ends.
+
+torch elastic polls its trainers every monitor interval and, when one fails, stops the rest; the
+survivors then fail too (a peer's closed connection), often within the same interval. Which rank
+failed *first* is the root cause the user needs, so this watcher waits on a pidfd per trainer
+(Linux >= 5.3; it works for the forkserver's children as well, which are not the agent's) and
+records the order of exits as they happen. Where pidfds are missing it records nothing and the
+agent falls back to torch's own timestamps.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+
+__all__ = ["ExitWatcher"]
+
+
+class ExitWatcher:
+    def __init__(self, pids: list[int]) -> None:
+        self.exited_s: dict[int, float] = {}
+        """``time.monotonic()`` at which each trainer was seen to exit, by pid."""
+        self._fds: dict[int, int] = {}
+        for pid in pids:
+            try:
+                self._fds[os.pidfd_open(pid)] = pid
+            except (AttributeError, OSError):  # no pidfd support, or the process is gone
+                continue
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._watch, name="crashproof-exits", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        pending = set(self._fds)
+        while pending:
+            for fd, _ in poller.poll():
+                if fd == self._stop_r:
+                    return
+                self.exited_s.setdefault(self._fds[fd], time.monotonic())
+                poller.unregister(fd)
+                pending.discard(fd)
+
+    def order(self, pid: int) -> float:
+        """A sort key: when ``pid`` exited (infinity if not seen)."""
+        return self.exited_s.get(pid, float("inf"))
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=1)
+        for fd in (*self._fds, self._stop_r, self._stop_w):
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,323 @@
+"""``crashproof run``: torchrun's command line, launched through :class:`CrashproofAgent`.
+
+The options are torchrun's own parser (so every torchrun option keeps its name and meaning),
+plus crashproof's: ``--run-dir``, ``--hang-timeout``, the phase allowances, the crash-loop
+limit and ``--cold-start``. Differences in defaults, each for recovery speed or diagnosis:
+
+* rendezvous ``c10d`` (on ``localhost``, port chosen free, when one node and no endpoint);
+* ``--shutdown-timeout 5``: SIGKILL a trainer 5 s after SIGTERM, not 30 s;
+* trainers are forked from a warm forkserver holding torch and crashproof (``--cold-start``
+  execs ``python -u script.py`` per trainer, as torchrun does);
+* every rank's output is kept under ``RUN_DIR/logs`` and shown on the console prefixed with
+  ``[rank N]``.
+
+Exit codes (``docs/supervisor.md``): 0 the script finished on every rank; 75 stopped early by
+SIGTERM to the supervisor, resumable (preempted: requeue me); 76 the restart budget is spent;
+77 a crash loop; 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
+
+from crashproof.errors import ConfigError
+from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
+from crashproof.supervisor._crashloop import CrashLoopPolicy
+from crashproof.supervisor._hang import HangConfig
+from crashproof.telemetry._events import EVENTS_FILE, EventLog
+
+__all__ = [
+    "EXIT_BUDGET_SPENT",
+    "EXIT_CRASH_LOOP",
+    "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "EXIT_USAGE",
+    "build_parser",
+    "main",
+]
+
+log = logging.getLogger("crashproof.run")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75
+"""Stopped early by a signal to the supervisor; the run can resume from its checkpoints."""
+EXIT_BUDGET_SPENT = 76
+"""A trainer failed and ``--max-restarts`` restarts were already used."""
+EXIT_CRASH_LOOP = 77
+"""Trainers failed repeatedly without getting further; restarting again would not help."""
+
+
+def _seconds_or_auto(text: str) -> float | None:
+    if text == "auto":
+        return None
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds or 'auto'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser, with crashproof's options added and a few defaults changed."""
+    parser = get_args_parser()
+    parser.prog = "crashproof run"
+    parser.description = (
+        "Run a training script like torchrun, and keep it running: detect crashed and hung "
+        "ranks, dump their stacks, restart from the newest valid checkpoint, stop crash loops."
+    )
+    group = parser.add_argument_group("crashproof")
+    group.add_argument(
+        "--run-dir",
+        default=None,
+        help="events.jsonl, per-rank logs, heartbeats and stack dumps (default: ./crashproof-runs/<time>)",
+    )
+    group.add_argument(
+        "--hang-timeout",
+        type=_seconds_or_auto,
+        default=None,
+        metavar="auto|SECONDS",
+        help="seconds without a finished step before a rank is hung; 'auto' (default) calibrates "
+        "from the observed step times: 10x the longest step, at least 60 s",
+    )
+    group.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="allowance from start to first step"
+    )
+    group.add_argument(
+        "--restore-timeout", type=float, default=600.0, help="allowance for a restore"
+    )
+    group.add_argument(
+        "--save-timeout", type=float, default=600.0, help="allowance for a save's blocking part"
+    )
+    group.add_argument(
+        "--crash-loop-attempts",
+        type=int,
+        default=3,
+        help="failures in a row without progress that stop the run as a crash loop (0: never)",
+    )
+    group.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="exec a fresh 'python script.py' per trainer (torchrun's way) instead of forking "
+        "it from a warm process that already imported torch",
+    )
+    group.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also import MODULE in the warm process (repeatable), e.g. a heavy model library",
+    )
+    parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
+    return parser
+
+
+def _resolve_rendezvous(args: argparse.Namespace) -> None:
+    """torchrun's rules for --standalone and a lone node, with c10d as the default backend."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if args.standalone or (
+        args.rdzv_backend in ("c10d", "static") and not args.rdzv_endpoint and max_nodes == 1
+    ):
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        if args.standalone or args.rdzv_id == "none":
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _fresh_store_per_attempt() -> None:
+    """Give each attempt's trainers a store of their own.
+
+    By default torch elastic lets the trainers share the agent's rendezvous TCPStore, and keys
+    are not separated per attempt: after a restart a trainer can read the previous attempt's
+    keys (its peers' old gloo addresses) before the new peers overwrite them, and then fails to
+    connect ("Connection refused" / "reset by peer") or waits out a timeout. Disabling the sharing
+    makes rank 0 of every attempt host a new store on a new port.
+    """
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def _default_run_dir() -> str:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(os.getcwd(), "crashproof-runs", f"{stamp}-{os.getpid()}")
+
+
+def _entrypoint(
+    args: argparse.Namespace, cmd: Callable[..., Any] | str, cmd_args: list[str]
+) -> tuple[Callable[..., Any] | str, list[str], str]:
+    """What each trainer runs, and the start method: warm forks unless asked otherwise."""
+    if args.cold_start or args.no_python or args.run_path or not isinstance(cmd, str):
+        return cmd, cmd_args, args.start_method
+    from crashproof.supervisor._entry import run_script
+
+    rest = list(cmd_args)
+    if rest and rest[0] == "-u":
+        rest.pop(0)
+    kind = "script"
+    if rest and rest[0] == "-m":
+        kind = "module"
+        rest.pop(0)
+    return run_script, [kind, *rest], "forkserver"
+
+
+def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
+    """Every rank's output in the run directory, and on the console, unless the user chose."""
+    if args.log_dir is None:
+        args.log_dir = os.path.join(run_dir, "logs")
+    if args.redirects == "0" and args.tee == "0":
+        args.tee = "3"
+    if not os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
+        os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[crashproof run] %(levelname)s %(message)s")
+    # torch logs each failed trainer's whole traceback here; the trainer's own log (on the console
+    # and in the run directory) has it already, and the agent reports the failure in one line.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        hang = HangConfig(
+            step_timeout_s=args.hang_timeout,
+            startup_timeout_s=args.startup_timeout,
+            restore_timeout_s=args.restore_timeout,
+            save_timeout_s=args.save_timeout,
+        )
+        crash_loop = CrashLoopPolicy(attempts=max(0, args.crash_loop_attempts))
+    except ConfigError as exc:
+        print(f"crashproof run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = os.path.abspath(args.run_dir or _default_run_dir())
+    os.makedirs(run_dir, exist_ok=True)
+    _resolve_rendezvous(args)
+    _fresh_store_per_attempt()
+    _setup_logs(args, run_dir)
+    config, cmd, cmd_args = config_from_args(args)
+    entrypoint, entry_args, start_method = _entrypoint(args, cmd, cmd_args)
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["crashproof.supervisor._entry", *args.preload])
+    supervisor = SupervisorConfig(
+        run_dir=run_dir,
+        hang=hang,
+        crash_loop=crash_loop,
+        shutdown_grace_s=float(args.shutdown_timeout),
+    )
+    events = EventLog(
+        os.path.join(run_dir, EVENTS_FILE), node=os.uname().nodename, agent_pid=os.getpid()
+    )
+    return _launch(config, entrypoint, entry_args, start_method, supervisor, events, args)
+
+
+def _launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: list[str],
+    start_method: str,
+    supervisor: SupervisorConfig,
+    events: EventLog,
+    args: argparse.Namespace,
+) -> int:
+    rdzv = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(entry_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    assert config.logs_specs is not None
+    agent = CrashproofAgent(
+        spec,
+        config.logs_specs,
+        config=supervisor,
+        events=events,
+        start_method=start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+    )
+    started = time.monotonic()
+    events.emit(
+        "run_start",
+        run_id=config.run_id,
+        script=args.training_script,
+        args=list(args.training_script_args),
+        nproc_per_node=config.nproc_per_node,
+        nnodes=f"{config.min_nodes}:{config.max_nodes}",
+        max_restarts=config.max_restarts,
+        rdzv_backend=config.rdzv_backend,
+        start_method="exec" if isinstance(entrypoint, str) else start_method,
+        run_dir=supervisor.run_dir,
+    )
+    code, outcome = EXIT_USAGE, "error"
+    try:
+        result = agent.run()
+        if (
+            result is None or result.state == WorkerState.SUCCEEDED
+        ):  # the rendezvous closed: the other nodes finished
+            code, outcome = EXIT_OK, "succeeded"
+        elif agent.crash_loop is not None:
+            code, outcome = EXIT_CRASH_LOOP, "crash loop"
+            failure = agent.crash_loop
+            print(
+                f"crashproof run: crash loop: {supervisor.crash_loop.attempts} failures in a row "
+                f"without progress past step {failure.step}; the last one: rank {failure.rank}, "
+                f"{failure.reason}. Events: {events.path}; logs: {args.log_dir}",
+                file=sys.stderr,
+            )
+        else:
+            code, outcome = EXIT_BUDGET_SPENT, "restart budget spent"
+            print(
+                f"crashproof run: a trainer failed and all {config.max_restarts} restarts are used "
+                f"(--max-restarts). Events: {events.path}; logs: {args.log_dir}",
+                file=sys.stderr,
+            )
+    except SignalException as exc:
+        code, outcome = (
+            (EXIT_PREEMPTED, "preempted")
+            if exc.sigval.name == "SIGTERM"
+            else (
+                128 + int(exc.sigval),
+                f"stopped by {exc.sigval.name}",
+            )
+        )
+    finally:
+        events.emit(
+            "run_end",
+            outcome=outcome,
+            exitcode=code,
+            restarts=agent.restart_count,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        events.close()
+        try:
+            spec.rdzv_handler.shutdown()
+        except Exception as exc:
+            log.debug("rendezvous shutdown: %s", exc)
+    return code

@@ -1,0 +1,103 @@
+"""What a checkpoint manager tells ``crashproof run``: beats, phases and events.
+
+:class:`CheckpointManager` holds one reporter. Under the supervisor it is a
+:class:`SupervisedReporter`: each finished step beats the heartbeat, saves and restores run in
+their own phases (each with its own hang allowance), and rank 0 appends ``restore``,
+``checkpoint`` and periodic ``progress`` events to the run's log. Outside the supervisor it is an
+:class:`Unsupervised` reporter whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from crashproof.supervisor._heartbeat import HeartbeatWriter, Phase, worker_heartbeat
+from crashproof.telemetry._events import EventLog, worker_event_log
+
+__all__ = ["SupervisedReporter", "Unsupervised", "trainer_reporter"]
+
+PROGRESS_INTERVAL_S = 10.0
+"""How often rank 0 logs a ``progress`` event (step and step time)."""
+
+
+class Unsupervised:
+    """Not run by ``crashproof run``: nothing to tell."""
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        yield
+
+    def restored(self, step: int, source: str, seconds: float) -> None:
+        pass
+
+    def committed(
+        self, step: int, path: str, blocking_s: float, persist_s: float, nbytes: int
+    ) -> None:
+        pass
+
+    def closed(self) -> None:
+        pass
+
+
+class SupervisedReporter:
+    def __init__(self, heartbeat: HeartbeatWriter, events: EventLog | None, *, rank: int) -> None:
+        self._heartbeat = heartbeat
+        self._events = events if rank == 0 else None  # one voice per run is enough
+        self._progress_at: tuple[float, int] | None = None
+
+    def step_done(self, step: int) -> None:
+        self._heartbeat.beat(step)
+        if self._events is None:
+            return
+        now = time.monotonic()
+        if self._progress_at is None or step < self._progress_at[1]:
+            self._progress_at = (now, step)
+        elif now - self._progress_at[0] >= PROGRESS_INTERVAL_S and step > self._progress_at[1]:
+            since, since_step = self._progress_at
+            self._events.emit(
+                "progress", step=step, step_time_s=round((now - since) / (step - since_step), 6)
+            )
+            self._progress_at = (now, step)
+
+    @contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        previous = self._heartbeat.phase
+        self._heartbeat.set_phase(phase)
+        try:
+            yield
+        finally:
+            self._heartbeat.set_phase(previous)
+
+    def restored(self, step: int, source: str, seconds: float) -> None:
+        self._heartbeat.restored(step)
+        self._progress_at = None
+        if self._events is not None:
+            self._events.emit("restore", step=step, source=source, seconds=round(seconds, 4))
+
+    def committed(
+        self, step: int, path: str, blocking_s: float, persist_s: float, nbytes: int
+    ) -> None:
+        if self._events is not None:
+            self._events.emit(
+                "checkpoint",
+                step=step,
+                path=path,
+                blocking_s=round(blocking_s, 4),
+                persist_s=round(persist_s, 4),
+                bytes=nbytes,
+            )
+
+    def closed(self) -> None:
+        self._heartbeat.set_phase("done")
+
+
+def trainer_reporter(rank: int) -> SupervisedReporter | Unsupervised:
+    heartbeat = worker_heartbeat()
+    if heartbeat is None:
+        return Unsupervised()
+    return SupervisedReporter(heartbeat, worker_event_log(), rank=rank)

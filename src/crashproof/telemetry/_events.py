@@ -1,0 +1,104 @@
+"""The run's event log: ``RUN_DIR/events.jsonl``, one JSON object per line.
+
+Every process of a supervised run appends to the same file: the supervisor (run, rank, hang and
+restart events) and the trainers (restore, checkpoint, progress). Each line is written with one
+``write`` on a file opened with ``O_APPEND``, so lines from different processes never interleave.
+The schema is documented in ``docs/events.md``; the goodput report is computed from this file.
+
+This module does not decide *what* is an event; the supervisor and the checkpoint manager do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV_RUN_DIR", "EVENTS_FILE", "EventLog", "emit", "read_events", "worker_event_log"]
+
+log = logging.getLogger(__name__)
+
+ENV_RUN_DIR = "CRASHPROOF_RUN_DIR"
+"""Set by ``crashproof run`` for its trainers: the run directory they report into."""
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to one JSONL file; safe to share between threads and processes."""
+
+    def __init__(self, path: str | os.PathLike[str], **common: Any) -> None:
+        self.path = os.fspath(path)
+        self.common = common
+        """Fields added to every event of this writer (e.g. the trainer's rank)."""
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Append one event: ``{"ts": <unix seconds>, "event": event, **common, **fields}``."""
+        record = {"ts": round(time.time(), 6), "event": event, **self.common, **fields}
+        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                os.write(self._fd, line)
+            except OSError as exc:  # a full disk must not stop training over a log line
+                log.warning("could not append to %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+_worker_log: EventLog | None = None
+_worker_log_pid = 0
+
+
+def worker_event_log() -> EventLog | None:
+    """This trainer's writer into the supervisor's event log; None when not run by the supervisor.
+
+    Opened once per process (a forked child opens its own).
+    """
+    global _worker_log, _worker_log_pid
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return None
+    if _worker_log is None or _worker_log_pid != os.getpid():
+        _worker_log = EventLog(
+            os.path.join(run_dir, EVENTS_FILE),
+            rank=int(os.environ.get("RANK", "0")),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            pid=os.getpid(),
+        )
+        _worker_log_pid = os.getpid()
+    return _worker_log
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Append an event to the run's log if this process runs under ``crashproof run``."""
+    events = worker_event_log()
+    if events is not None:
+        events.emit(event, **fields)
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The events of a log, oldest first; a torn last line (a writer killed mid-write) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record

@@ -1,0 +1,185 @@
+"""``crashproof run`` end to end: real agents, real trainer processes, gloo, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crashproof.supervisor._launch import (
+    EXIT_BUDGET_SPENT,
+    EXIT_CRASH_LOOP,
+    EXIT_PREEMPTED,
+)
+from crashproof.telemetry import read_events
+
+TRAINER = Path(__file__).with_name("trainer.py")
+
+
+def _command(run_dir: Path, options: list[str], script_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "crashproof.cli",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        *options,
+        str(TRAINER),
+        "--ckpt",
+        str(run_dir / "ckpt"),
+        *script_args,
+    ]
+
+
+def crashproof_run(
+    run_dir: Path, options: list[str], script_args: list[str], timeout: float = 120
+) -> tuple[int, list[dict[str, Any]], str]:
+    proc = subprocess.run(
+        _command(run_dir, options, script_args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    events = list(read_events(run_dir / "events.jsonl"))
+    return proc.returncode, events, proc.stdout + proc.stderr
+
+
+def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == kind]
+
+
+def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path: Path) -> None:
+    code, events, output = crashproof_run(tmp_path, [], ["--steps", "12", "--exit-zero"])
+    assert code == 0, output
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    assert events[-1]["outcome"] == "succeeded"
+    assert len(of(events, "rank_start")) == 2
+    assert {e["rank"] for e in of(events, "rank_exit")} == {0, 1}
+    assert [e["step"] for e in of(events, "checkpoint")] == [5, 10]
+    assert all(e["bytes"] > 0 and e["persist_s"] >= 0 for e in of(events, "checkpoint"))
+    # every rank's output is on the console, prefixed, and in the run directory
+    assert "[rank 0] rank 0 finished at step 12" in output
+    assert "[rank 1] rank 1 finished at step 12" in output
+    logs = list((tmp_path / "logs").rglob("stdout.log"))
+    assert any("rank 1 finished" in p.read_text() for p in logs)
+
+
+def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    code, events, output = crashproof_run(
+        tmp_path,
+        ["--max-restarts", "3"],
+        ["--steps", "20", "--fail-at", "12", "--fail-attempts", "1"],
+    )
+    assert code == 0, output
+    exits = of(events, "rank_exit")
+    assert exits[0]["rank"] == 1 and exits[0]["exitcode"] == 3
+    assert "fails after step 12" in (exits[0]["error"] or "")
+    [restart] = of(events, "restart")
+    assert restart["restart"] == 1
+    [restore] = of(events, "restore")
+    assert restore["step"] == 10 and restore["restart"] == 1
+    assert "attempt 1 starts at step 10" in output
+    # the exit was noticed at the next monitor poll (0.1 s), far within 0.5 s of the trainer's exit
+    assert restart["detect_s"] < 0.5
+
+
+def test_a_rank_failing_at_the_same_step_every_time_is_a_crash_loop(tmp_path: Path) -> None:
+    code, events, output = crashproof_run(
+        tmp_path, ["--max-restarts", "10"], ["--steps", "30", "--fail-at", "12"]
+    )
+    assert code == EXIT_CRASH_LOOP, output
+    [loop] = of(events, "crash_loop")
+    assert loop["rank"] == 1 and loop["step"] == 12 and loop["attempts"] == 3
+    assert "exit code 3" in loop["reason"]
+    assert len(of(events, "rank_start")) == 2 * 3  # three attempts, not eleven
+    assert "crash loop" in output and "step 12" in output and "rank 1" in output
+    assert of(events, "restart")[-1]["backoff_s"] > 0  # no progress: it backed off
+
+
+def test_the_restart_budget_is_respected(tmp_path: Path) -> None:
+    code, events, output = crashproof_run(
+        tmp_path,
+        ["--max-restarts", "2"],
+        ["--steps", "60", "--fail-at", "7", "--fail-every-attempt"],
+    )
+    assert code == EXIT_BUDGET_SPENT, output
+    assert not of(events, "crash_loop")  # it progressed each time: not a loop
+    assert len(of(events, "rank_start")) == 2 * 3  # the first attempt and two restarts
+    assert [e["step"] for e in of(events, "restore")] == [5, 10]
+    assert "restarts are used" in output
+
+
+def test_a_hung_rank_is_detected_its_stacks_dumped_and_the_run_recovers(tmp_path: Path) -> None:
+    code, events, output = crashproof_run(
+        tmp_path,
+        ["--max-restarts", "2", "--hang-timeout", "2"],
+        ["--steps", "20", "--stop-at", "8", "--stop-rank", "1"],
+    )
+    assert code == 0, output
+    hangs = of(events, "hang")
+    assert hangs, output
+    stopped = [h for h in hangs if h["rank"] == 1]
+    assert stopped and stopped[0]["process_state"] == "T"  # SIGSTOP: the kernel says "stopped"
+    assert stopped[0]["silent_s"] > 2 and stopped[0]["phase"] == "step"
+    for hang in hangs:
+        dump = Path(hang["stacks"])
+        text = dump.read_text()
+        assert "Most recent call first" in text or "most recent call first" in text
+        assert "trainer.py" in text  # the Python stack reaches into the training loop
+    # The dump's SIGCONT lets the stopped rank run on until it is killed: it may commit step 10.
+    assert of(events, "restore")[0]["step"] in (5, 10)
+    assert "rank 1 finished at step 20" in output
+
+
+def test_sigterm_to_the_supervisor_stops_the_run_as_resumable(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        _command(tmp_path, [], ["--steps", "100000", "--step-s", "0.01"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        events_file = tmp_path / "events.jsonl"
+        while time.monotonic() < deadline:
+            if events_file.exists() and of(list(read_events(events_file)), "checkpoint"):
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_PREEMPTED, out
+    end = of(list(read_events(tmp_path / "events.jsonl")), "run_end")[0]
+    assert end["outcome"] == "preempted" and end["exitcode"] == EXIT_PREEMPTED
+
+
+@pytest.mark.parametrize("mode", ["--cold-start", "-m"])
+def test_cold_start_and_module_mode_run_like_torchrun(tmp_path: Path, mode: str) -> None:
+    options = ["--cold-start"] if mode == "--cold-start" else []
+    if mode == "-m":
+        command = _command(tmp_path, [], ["--steps", "6"])
+        i = command.index(str(TRAINER))
+        command[i : i + 1] = ["-m", "tests.supervisor.trainer"]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "rank 1 finished at step 6" in proc.stdout + proc.stderr
+        return
+    code, events, output = crashproof_run(tmp_path, options, ["--steps", "6"])
+    assert code == 0, output
+    assert events[0]["start_method"] == "exec"  # a fresh `python -u trainer.py` per rank

@@ -1,0 +1,83 @@
+"""A small DDP trainer for the supervisor's tests, with failures it can be told to stage.
+
+Every step all-reduces gradients over gloo, so a rank that stops leaves its peers blocked in a
+collective (a real hang), and a rank that dies leaves them with a broken connection.
+
+    --fail-at STEP        exit 3 after STEP, on every attempt (a crash loop)
+    --fail-attempts K     ... only on the first K attempts
+    --fail-every-attempt  fail STEP + 5 * attempt: progress each time (spends the budget)
+    --stop-at STEP        SIGSTOP rank --stop-rank after STEP on the first attempt (a hang)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import crashproof as cp
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.02, help="extra sleep per step")
+    p.add_argument("--fail-at", type=int, default=None)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--fail-attempts", type=int, default=None)
+    p.add_argument("--fail-every-attempt", action="store_true")
+    p.add_argument("--stop-at", type=int, default=None)
+    p.add_argument("--stop-rank", type=int, default=1)
+    p.add_argument("--exit-zero", action="store_true", help="finish with sys.exit(0)")
+    args = p.parse_args()
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = cp.TrainState(model=model, optimizer=optimizer)
+    ckpt = cp.CheckpointManager(args.ckpt, every=cp.EverySteps(args.every), keep=cp.KeepLast(2))
+    start = ckpt.restore(state)
+    print(f"attempt {attempt} starts at step {start}", flush=True)
+    for step in range(start, args.steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        time.sleep(args.step_s)
+        done = step + 1
+        ckpt.maybe_save(done, state)
+        fail_at = args.fail_at
+        if fail_at is not None and args.fail_every_attempt:
+            fail_at += 5 * attempt
+        if (
+            fail_at is not None
+            and done == fail_at
+            and rank == args.fail_rank
+            and (args.fail_attempts is None or attempt < args.fail_attempts)
+        ):
+            print(f"rank {rank} fails after step {done}", file=sys.stderr, flush=True)
+            os._exit(3)
+        if args.stop_at == done and rank == args.stop_rank and attempt == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    ckpt.close()
+    dist.destroy_process_group()
+    print(f"rank {rank} finished at step {args.steps}", flush=True)
+    if args.exit_zero:
+        sys.exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
