@@ -37,6 +37,11 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--stop-rank", type=int, default=1)
     p.add_argument("--exit-zero", action="store_true", help="finish with sys.exit(0)")
+    p.add_argument(
+        "--ckpt-per-world",
+        action="store_true",
+        help="a checkpoint root per world size (restoring across world sizes is resharding)",
+    )
     args = p.parse_args()
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -46,9 +51,13 @@ def main() -> int:
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = cp.TrainState(model=model, optimizer=optimizer)
-    ckpt = cp.CheckpointManager(args.ckpt, every=cp.EverySteps(args.every), keep=cp.KeepLast(2))
+    root = f"{args.ckpt}/world_{dist.get_world_size()}" if args.ckpt_per_world else args.ckpt
+    ckpt = cp.CheckpointManager(root, every=cp.EverySteps(args.every), keep=cp.KeepLast(2))
     start = ckpt.restore(state)
-    print(f"attempt {attempt} starts at step {start}", flush=True)
+    print(
+        f"attempt {attempt} starts at step {start} with world size {dist.get_world_size()}",
+        flush=True,
+    )
     for step in range(start, args.steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         loss = model(x).square().mean()

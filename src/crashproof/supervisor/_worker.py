@@ -5,6 +5,8 @@ Under the supervisor (``CRASHPROOF_HEARTBEAT_DIR`` is set), ``import crashproof`
 
 * creates the trainer's heartbeat record in phase "startup", so a trainer that hangs before its
   first step is noticed too;
+* asks the kernel to SIGKILL it when its parent dies: torch starts trainers in sessions of
+  their own, so a trainer whose agent was SIGKILLed would otherwise train on alone;
 * registers :mod:`faulthandler` on ``SIGUSR2`` to write every thread's Python stack to
   ``RUN_DIR/stacks/attempt_<k>/rank_<r>.txt``. The dump runs inside the signal handler, in C,
   so it works while the interpreter is stuck in a collective or holds the GIL in native code.
@@ -14,9 +16,11 @@ Outside the supervisor it does nothing.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
 import signal
+import sys
 from typing import IO
 
 from crashproof.supervisor._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
@@ -44,6 +48,7 @@ def attach_to_supervisor() -> None:
     if _attached_pid == os.getpid():
         return
     _attached_pid = os.getpid()
+    _die_with_parent()
     worker_heartbeat()
     run_dir = os.environ.get(ENV_RUN_DIR)
     if run_dir:
@@ -58,3 +63,15 @@ def attach_to_supervisor() -> None:
             _stack_file.close()
         _stack_file = open(path, "w", encoding="utf-8")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
