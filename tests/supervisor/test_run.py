@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -183,3 +184,59 @@ def test_cold_start_and_module_mode_run_like_torchrun(tmp_path: Path, mode: str)
     code, events, output = crashproof_run(tmp_path, options, ["--steps", "6"])
     assert code == 0, output
     assert events[0]["start_method"] == "exec"  # a fresh `python -u trainer.py` per rank
+
+
+FACTS = """
+import json, multiprocessing, os, sys, torch
+import numpy as np
+print("FACTS " + json.dumps({
+    "rank": int(os.environ["RANK"]),
+    "name": __name__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "start_method": multiprocessing.get_start_method(),
+    "torch_seed": torch.initial_seed(),
+    "numpy": float(np.random.random()),
+}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, cold: bool) -> None:
+    script = tmp_path / "facts.py"
+    script.write_text(FACTS)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crashproof.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *(["--cold-start"] if cold else []),
+            str(script),
+            "--flag",
+            "value",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = [
+        json.loads(line.split("FACTS ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if "FACTS " in line
+    ]
+    assert sorted(f["rank"] for f in facts) == [0, 1]
+    for f in facts:
+        assert f["name"] == "__main__"
+        assert f["argv"] == [str(script), "--flag", "value"]
+        assert f["path0"] == str(tmp_path)
+        assert f["start_method"] == "fork"  # the platform default, not the warm forkserver's
+    # unseeded generators differ between ranks, as in separate fresh interpreters
+    assert facts[0]["torch_seed"] != facts[1]["torch_seed"]
+    assert facts[0]["numpy"] != facts[1]["numpy"]

@@ -10,13 +10,14 @@ and execs ``python -u script.py`` per trainer, the way torchrun does.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import runpy
 import sys
 
 # Imported here so the forkserver, which preloads this module, holds them warm for every trainer.
 import torch
-import torch.distributed  # noqa: F401
+import torch.distributed
 
 import crashproof  # noqa: F401
 from crashproof.supervisor._worker import attach_to_supervisor
@@ -32,6 +33,11 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     ``atexit`` handlers run as at a normal interpreter exit.
     """
     is_module = kind == "module"
+    # A forkserver child inherits "forkserver" as its default start method; a fresh interpreter
+    # has the platform's default. Without this, a DataLoader's workers would come from a new
+    # forkserver of the trainer's, and outlive the trainer when it is killed.
+    multiprocessing.set_start_method(None, force=True)
+    _fresh_randomness()
     attach_to_supervisor()
     sys.argv = [target, *argv]
     sys.path[0] = "" if is_module else os.path.dirname(os.path.abspath(target))
@@ -47,3 +53,16 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+
+
+def _fresh_randomness() -> None:
+    """Seed torch and NumPy from the OS, as a fresh interpreter does.
+
+    Forked children share the forkserver's generator states: without this every rank (and every
+    restart) would start from the same unseeded torch and NumPy state, e.g. the same dropout
+    masks on every rank of a script that never seeds. Python's ``random`` reseeds itself at fork.
+    """
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
