@@ -10,6 +10,7 @@ and execs ``python -u script.py`` per trainer, the way torchrun does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -18,8 +19,14 @@ import sys
 # Imported here so the forkserver, which preloads this module, holds them warm for every trainer.
 import torch
 import torch.distributed
+import torch.nn.parallel
 
 import crashproof  # noqa: F401
+
+# The first DistributedDataParallel of a process imports torch._dynamo (and sympy, some 800
+# modules): 1-1.5 s of every restart on a small machine, the largest part left after torch.
+with contextlib.suppress(ImportError):  # a torch built without it
+    import torch._dynamo
 from crashproof.supervisor._worker import attach_to_supervisor
 
 __all__ = ["run_script"]
