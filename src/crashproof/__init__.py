@@ -29,6 +29,7 @@ from crashproof.errors import (
     UnsafeCheckpointError,
     UnsupportedStateError,
 )
+from crashproof.guard import EXIT_PREEMPTED, PreemptedExit
 from crashproof.policy import AnyOf, EverySeconds, EverySteps, KeepAll, KeepEvery, KeepLast
 from crashproof.state import ResumableSampler, TrainState
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
@@ -36,6 +37,7 @@ from crashproof.supervisor import heartbeat
 from crashproof.supervisor._worker import attach_to_supervisor
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "AnyOf",
     "CheckpointInfo",
     "CheckpointManager",
@@ -53,6 +55,7 @@ __all__ = [
     "KeepLast",
     "LocalStorage",
     "MemoryStorage",
+    "PreemptedExit",
     "ResumableSampler",
     "StateMismatchError",
     "Storage",

@@ -139,8 +139,9 @@ def test_a_hung_rank_is_detected_its_stacks_dumped_and_the_run_recovers(tmp_path
         text = dump.read_text()
         assert "Most recent call first" in text or "most recent call first" in text
         assert "trainer.py" in text  # the Python stack reaches into the training loop
-    # The dump's SIGCONT lets the stopped rank run on until it is killed: it may commit step 10.
-    assert of(events, "restore")[0]["step"] in (5, 10)
+    # The dump's SIGCONT lets the stopped rank run on for a moment before it is killed.
+    assert of(events, "restore")[0]["step"] >= 5
+    assert not of(events, "emergency_checkpoint")  # a hang is killed, not asked to checkpoint
     assert "rank 1 finished at step 20" in output
 
 

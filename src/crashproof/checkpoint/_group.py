@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["DistGroup", "Group", "SoloGroup", "default_group"]
@@ -32,6 +33,10 @@ class Group(Protocol):
         """Every rank's ``obj`` on every rank (in rank order)."""
         ...
 
+    def max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's ``values`` (cheap: one small all-reduce)."""
+        ...
+
 
 class SoloGroup:
     """A job of one process."""
@@ -47,6 +52,9 @@ class SoloGroup:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def max(self, values: list[int]) -> list[int]:
+        return list(values)
 
 
 class DistGroup:
@@ -72,6 +80,11 @@ class DistGroup:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def max(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return [int(v) for v in tensor.tolist()]
 
 
 def default_group(timeout_s: float = 600.0) -> Group:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
@@ -42,6 +42,7 @@ from crashproof.errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListener
 from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext, SavePolicy
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
@@ -72,6 +73,10 @@ class CheckpointManager:
             cost of a second copy; two saves are then in flight, written one after the other).
         storage: the storage backend; default chosen from ``root``.
         timeout_s: how long ranks wait for each other during a save before giving up.
+        handle_signals: treat SIGTERM, SIGUSR1 (SLURM's ``--signal``) and a first SIGINT as a
+            request to stop: at the next :meth:`maybe_save` all ranks agree, save that step and
+            raise :class:`PreemptedExit` (exit code 75, "resumable"). Handlers installed before
+            are still called. Needs the main thread; restored by :meth:`close`.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class CheckpointManager:
         staging_buffers: int = 1,
         storage: Storage | None = None,
         timeout_s: float = 600.0,
+        handle_signals: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -125,6 +131,10 @@ class CheckpointManager:
         """The most recent committed save of this manager."""
         # Under `crashproof run`: heartbeats, phases and events for the supervisor; else no-ops.
         self._reporter = trainer_reporter(self._group.rank)
+        # SIGTERM, SIGUSR1 and SIGINT become a request to stop at the next maybe_save.
+        self._preemption = PreemptionListener()
+        if handle_signals:
+            self._preemption.install()
         if self._group.rank == 0:
             self.storage.make_dirs(self.root)
             for leftover in leftover_dirs(self.storage, self.root):
@@ -152,12 +162,60 @@ class CheckpointManager:
         self._raise_pending()
         ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
         decision = self.every.should_save(ctx)
-        if self._group.world_size > 1 and not getattr(self.every, "same_on_every_rank", False):
-            # Time-based policies can disagree across ranks; rank 0's decision binds all.
-            decision = bool(self._group.broadcast(decision))
+        notice = self._preemption.pending()
+        if self._group.world_size > 1:
+            # One small all-reduce per step: every rank learns whether any rank was told to
+            # stop, and (for time-based policies, which can disagree) rank 0's save decision.
+            binding = decision if getattr(self.every, "same_on_every_rank", False) else None
+            votes = [notice is not None, decision if self._group.rank == 0 else False]
+            stop, rank0_decision = self._group.max([int(v) for v in votes])
+            decision = binding if binding is not None else bool(rank0_decision)
+            if stop and notice is None:
+                notice = Notice("another rank", time.monotonic())
+        if notice is not None:
+            self._stop_for(notice, step, state, metadata)
         if decision:
             self.save(step, state, metadata=metadata)
         return decision
+
+    def _stop_for(
+        self, notice: Notice, step: int, state: TrainState, metadata: dict[str, Any] | None
+    ) -> NoReturn:
+        """The emergency checkpoint of ``step``, then :class:`PreemptedExit` (exit code 75).
+
+        A save in flight is finished first (never abandoned half-written). When the notice has a
+        deadline the last save's timings say cannot be met, the newest committed checkpoint
+        stays the one to resume from, and the log says so.
+        """
+        started = time.monotonic()
+        self.wait()
+        needed_s = self.stats.last_blocking_s + self.stats.last_persist_s
+        late = notice.deadline_s is not None and started + needed_s > notice.deadline_s
+        late = bool(self._group.broadcast(late))  # every rank saves, or none
+        already = self._last_save_step == step and self.last_commit is not None
+        if already or late:
+            log.error(
+                "stop requested (%s) after step %d: %s; resuming from checkpoint step %s",
+                notice.source,
+                step,
+                "its checkpoint is committed"
+                if already
+                else f"an emergency checkpoint needs ~{needed_s:.1f} s, more than the notice leaves",
+                self._newest_valid,
+            )
+        else:
+            with self._reporter.phase("save"):
+                self._save(step, state, metadata)
+                self._wait_commit()
+            log.warning(
+                "stop requested (%s): emergency checkpoint of step %d committed in %.2f s",
+                notice.source,
+                step,
+                time.monotonic() - started,
+            )
+        self._reporter.preempted(notice.source, step, time.monotonic() - started, saved=not late)
+        self.close()
+        raise PreemptedExit(notice, step)
 
     def save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> bool:
         """Checkpoint ``state`` as the state after ``step`` steps; returns whether a save started.
@@ -469,6 +527,7 @@ class CheckpointManager:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._reporter.closed()
+            self._preemption.uninstall()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -39,6 +39,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from crashproof.guard._preemption import EXIT_PREEMPTED
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
 from crashproof.supervisor._exits import ExitWatcher
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
@@ -68,6 +69,8 @@ class SupervisorConfig:
     """After SIGTERM, how long trainers get to exit before SIGKILL."""
     stack_dump_wait_s: float = 3.0
     """How long to wait for the stack dumps of a hung group."""
+    preemption_grace_s: float = 30.0
+    """On a preemption, how long trainers get for their emergency checkpoint before SIGKILL."""
 
 
 class CrashproofAgent(LocalElasticAgent):
@@ -90,12 +93,17 @@ class CrashproofAgent(LocalElasticAgent):
             start_method=start_method,
             exit_barrier_timeout=exit_barrier_timeout,
             log_line_prefix_template=log_line_prefix_template,
+            # The final shutdown (SIGTERM to the supervisor: a preemption) gives trainers the time
+            # of an emergency checkpoint; restarts after a failure use shutdown_grace_s.
+            shutdown_timeout=max(1, round(config.preemption_grace_s)),
         )
         self.config = config
         self.events = events
         self.hangs = HangDetector(config.hang)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
+        self.preempted: str | None = None
+        """What stopped the run early and resumably (a signal or a cloud notice), if anything."""
         self.attempts = 0
         """Worker groups started so far."""
         agent_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -263,6 +271,9 @@ class CrashproofAgent(LocalElasticAgent):
                 error=error,
                 first=first is None,
             )
+            if first is None and exitcode == EXIT_PREEMPTED:
+                self._on_preempted(worker.global_rank, self._furthest_step(worker_group))
+                return
             if first is None:
                 log.error(
                     "rank %d (pid %s) failed first: %s%s",
@@ -285,6 +296,25 @@ class CrashproofAgent(LocalElasticAgent):
                 reason="the worker group became unhealthy",
             )
         self._record(first)
+
+    def _on_preempted(self, rank: int, step: int) -> None:
+        """A trainer stopped with exit code 75 after its emergency checkpoint: no restart."""
+        self.preempted = self.preempted or f"rank {rank} stopped on a notice"
+        self._remaining_restarts = 0
+        self.events.emit("preempted", rank=rank, step=step, source=self.preempted)
+        log.warning(
+            "the trainers stopped after step %d on a preemption notice: the run is resumable", step
+        )
+
+    def forward_notice(self, sig: signal.Signals, source: str) -> None:
+        """Pass a preemption notice (a signal the supervisor got, or a cloud notice) to every
+        trainer; they checkpoint at their next step and exit with code 75."""
+        self.preempted = source
+        self.events.emit("notice", source=source, signal=sig.name)
+        for worker in self._worker_group.workers:
+            if worker.id is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.id, sig)
 
     def _exit_code(self, worker: Worker) -> int | None:
         """A trainer's exit code (negative: the signal), None while it runs or if unknown."""
@@ -320,6 +350,11 @@ class CrashproofAgent(LocalElasticAgent):
         # The states first: the dump sends SIGCONT, and a stopped process ("T") would look alive.
         states = {w.global_rank: _process_state(w.id) for w in worker_group.workers}
         stacks = self._dump_stacks(worker_group)
+        # A hung group cannot checkpoint (its collectives do not complete), and a SIGTERM would
+        # only start an emergency save that waits out the grace period: kill it now.
+        for worker in worker_group.workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(worker.id, signal.SIGKILL)
         worst_worker, worst = max(hung, key=lambda wv: wv[1].silent_s)
         for worker, verdict in hung:
             self.events.emit(

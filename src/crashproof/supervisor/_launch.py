@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -36,7 +38,9 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from crashproof.errors import ConfigError
+from crashproof.guard._preemption import ENV_NOTICE_FILE, EXIT_PREEMPTED
 from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
+from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
 from crashproof.telemetry._events import EVENTS_FILE, EventLog
@@ -55,8 +59,6 @@ log = logging.getLogger("crashproof.run")
 
 EXIT_OK = 0
 EXIT_USAGE = 2
-EXIT_PREEMPTED = 75
-"""Stopped early by a signal to the supervisor; the run can resume from its checkpoints."""
 EXIT_BUDGET_SPENT = 76
 """A trainer failed and ``--max-restarts`` restarts were already used."""
 EXIT_CRASH_LOOP = 77
@@ -122,6 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="also import MODULE in the warm process (repeatable), e.g. a heavy model library",
     )
+    group.add_argument(
+        "--preemption",
+        choices=("auto", *PROVIDERS, "none"),
+        default="auto",
+        help="poll this cloud's metadata service for spot/preemption notices (auto: the cloud "
+        "this machine runs on, if any; the base URL can be set with CRASHPROOF_METADATA_URL)",
+    )
+    group.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on a preemption (SIGTERM to this command, or a notice), how long trainers get for "
+        "their emergency checkpoint before SIGKILL",
+    )
     parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
     return parser
 
@@ -168,6 +185,33 @@ def _fresh_store_per_attempt() -> None:
     makes rank 0 of every attempt host a new store on a new port.
     """
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> NoticePoller | None:
+    """Forward SIGUSR1 (SLURM's ``--signal``) to the trainers, and poll the cloud for notices.
+
+    Both reach the trainers as signals; a cloud notice also leaves its deadline in
+    ``RUN_DIR/notice.json``, where the trainers read it. (SIGTERM to this command is torch's to
+    forward: its agent stops the trainers with SIGTERM and waits ``--preemption-grace``.)
+    """
+    notice_file = os.path.join(run_dir, "notice.json")
+    os.environ[ENV_NOTICE_FILE] = notice_file
+    signal.signal(
+        signal.SIGUSR1, lambda signum, frame: agent.forward_notice(signal.SIGUSR1, "SIGUSR1")
+    )
+    if provider == "auto":
+        provider = detect_provider() or "none"
+    if provider == "none":
+        return None
+
+    def on_notice(notice: CloudNotice) -> None:
+        tmp = notice_file + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"source": notice.provider, "seconds_left": notice.seconds_left}, f)
+        os.replace(tmp, notice_file)
+        agent.forward_notice(signal.SIGTERM, f"{notice.provider} preemption notice")
+
+    return NoticePoller(provider, on_notice)
 
 
 def _default_run_dir() -> str:
@@ -236,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hang=hang,
         crash_loop=crash_loop,
         shutdown_grace_s=float(args.shutdown_timeout),
+        preemption_grace_s=args.preemption_grace,
     )
     events = EventLog(
         os.path.join(run_dir, EVENTS_FILE), node=os.uname().nodename, agent_pid=os.getpid()
@@ -280,6 +325,7 @@ def _launch(
         start_method=start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
+    notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     started = time.monotonic()
     events.emit(
         "run_start",
@@ -296,10 +342,16 @@ def _launch(
     code, outcome = EXIT_USAGE, "error"
     try:
         result = agent.run()
-        if (
-            result is None or result.state == WorkerState.SUCCEEDED
-        ):  # the rendezvous closed: the other nodes finished
+        # (no result: the rendezvous closed, the other nodes finished)
+        if result is None or result.state == WorkerState.SUCCEEDED:
             code, outcome = EXIT_OK, "succeeded"
+        elif agent.preempted is not None:
+            code, outcome = EXIT_PREEMPTED, "preempted"
+            print(
+                f"crashproof run: stopped early ({agent.preempted}); resumable: run the same "
+                f"command again. Events: {events.path}",
+                file=sys.stderr,
+            )
         elif agent.crash_loop is not None:
             code, outcome = EXIT_CRASH_LOOP, "crash loop"
             failure = agent.crash_loop
@@ -317,15 +369,18 @@ def _launch(
                 file=sys.stderr,
             )
     except SignalException as exc:
-        code, outcome = (
-            (EXIT_PREEMPTED, "preempted")
-            if exc.sigval.name == "SIGTERM"
-            else (
-                128 + int(exc.sigval),
-                f"stopped by {exc.sigval.name}",
+        if exc.sigval == signal.SIGTERM:
+            code, outcome = EXIT_PREEMPTED, "preempted"
+            print(
+                "crashproof run: stopped early (SIGTERM); resumable: run the same command again. "
+                f"Events: {events.path}",
+                file=sys.stderr,
             )
-        )
+        else:
+            code, outcome = 128 + int(exc.sigval), f"stopped by {exc.sigval.name}"
     finally:
+        if notices is not None:
+            notices.close()
         events.emit(
             "run_end",
             outcome=outcome,

@@ -40,6 +40,9 @@ class Unsupervised:
     ) -> None:
         pass
 
+    def preempted(self, source: str, step: int, seconds: float, *, saved: bool) -> None:
+        pass
+
     def closed(self) -> None:
         pass
 
@@ -90,6 +93,16 @@ class SupervisedReporter:
                 blocking_s=round(blocking_s, 4),
                 persist_s=round(persist_s, 4),
                 bytes=nbytes,
+            )
+
+    def preempted(self, source: str, step: int, seconds: float, *, saved: bool) -> None:
+        if self._events is not None:
+            self._events.emit(
+                "emergency_checkpoint",
+                source=source,
+                step=step,
+                seconds=round(seconds, 4),
+                saved=saved,
             )
 
     def closed(self) -> None:

@@ -1,0 +1,144 @@
+"""Preemption notices inside a trainer: signals become a flag, the work waits for a step boundary.
+
+A scheduler announces the end of a machine with a signal (SIGTERM from Kubernetes, SLURM and
+``crashproof run``; SIGUSR1 from SLURM's ``--signal``; SIGINT from a terminal) or a cloud
+metadata notice, which ``crashproof run`` turns into a SIGTERM for its trainers. The handler only
+records the notice: no I/O, no locks, nothing that could deadlock inside a signal handler. The
+checkpoint manager looks at the flag at the next ``maybe_save``, all ranks agree on that step,
+and the emergency save and the exit happen there, in ordinary code.
+
+Handlers the user installed before are called too (chained). The interpreter's default SIGINT
+handler is not: a first Ctrl-C asks for a clean stop with a checkpoint; a second one interrupts
+at once, as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "ENV_NOTICE_FILE",
+    "EXIT_PREEMPTED",
+    "PREEMPTION_SIGNALS",
+    "Notice",
+    "PreemptedExit",
+    "PreemptionListener",
+]
+
+log = logging.getLogger("crashproof.guard")
+
+EXIT_PREEMPTED = 75
+"""The exit code of a run stopped early that can resume (EX_TEMPFAIL: "requeue me")."""
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+ENV_NOTICE_FILE = "CRASHPROOF_NOTICE_FILE"
+"""Set by ``crashproof run``: a JSON file where it describes a cloud notice (source, deadline)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A request to stop: where it came from, when, and by when the work must be done."""
+
+    source: str
+    """``SIGTERM``, ``SIGUSR1``, ``SIGINT``, or a cloud provider's name."""
+    received_s: float
+    """``time.monotonic()`` when it arrived."""
+    deadline_s: float | None = None
+    """``time.monotonic()`` by which the machine goes away, when the notice says."""
+
+
+class PreemptedExit(SystemExit):
+    """Raised by the checkpoint manager after the emergency checkpoint: exits with code 75.
+
+    A ``SystemExit``, so ``finally`` blocks and context managers run and an uncaught one ends
+    the process with the code schedulers read as "stopped early, resumable".
+    """
+
+    def __init__(self, notice: Notice, step: int) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.notice = notice
+        self.step = step
+
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class PreemptionListener:
+    """Turns preemption signals into a :class:`Notice`; installed from the main thread only."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals = signals
+        self.notice: Notice | None = None
+        self._previous: dict[int, Handler] = {}
+
+    def install(self) -> bool:
+        """Install the handlers; False (and nothing installed) off the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "preemption signals are not handled: the manager was created off the main thread"
+            )
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Put back the handlers found at :meth:`install` (unless someone replaced ours since)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.notice is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if self.notice is None:
+            self.notice = Notice(signal.Signals(signum).name, time.monotonic())
+        previous = self._previous.get(signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def pending(self) -> Notice | None:
+        """The notice, with the deadline ``crashproof run`` wrote for a cloud notice, if any."""
+        notice = self.notice
+        if notice is None or notice.deadline_s is not None:
+            return notice
+        details = _read_notice_file()
+        if details is not None:
+            remaining = details.get("seconds_left")
+            self.notice = Notice(
+                str(details.get("source", notice.source)),
+                notice.received_s,
+                notice.received_s + float(remaining) if remaining is not None else None,
+            )
+        return self.notice
+
+    def request(self, source: str) -> None:
+        """Ask for a stop from code (e.g. a test, or a job's own time limit)."""
+        if self.notice is None:
+            self.notice = Notice(source, time.monotonic())
+
+
+def _read_notice_file() -> dict[str, Any] | None:
+    path = os.environ.get(ENV_NOTICE_FILE)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
