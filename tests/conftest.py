@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,3 +35,25 @@ def run_python(
             f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         )
     return proc  # type: ignore[no-any-return]
+
+
+def step_records(log: Path) -> dict[int, Any]:
+    """The last record of each step in a step log (``train_tiny.py --step-log``): a resumed run
+    recomputes the steps after its checkpoint, and its later record is the one that counts."""
+    records: dict[int, Any] = {}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    return records
+
+
+@pytest.fixture
+def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local server answering like the AWS, GCP and Azure metadata services, used by
+    crashproof through ``CRASHPROOF_METADATA_URL``."""
+    from tests.metadata_server import MetadataServer
+
+    server = MetadataServer(lead_s=90)
+    monkeypatch.setenv("CRASHPROOF_METADATA_URL", server.url)
+    yield server
+    server.close()

@@ -8,14 +8,13 @@ proves every step saw the same samples.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES, run_python
+from tests.conftest import EXAMPLES, run_python, step_records
 
 STEPS = 40  # 200 samples / batch 16 = 12 steps per epoch: the runs cross three epoch boundaries
 
@@ -37,15 +36,6 @@ def _train(run_dir: Path, log: Path, *extra: str, check: bool = True) -> int:
     return proc.returncode
 
 
-def _steps(log: Path) -> dict[int, dict[str, object]]:
-    """The last record of each step: a resumed run recomputes the steps after its checkpoint."""
-    records: dict[int, dict[str, object]] = {}
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return records
-
-
 @pytest.fixture(scope="module")
 def baseline(
     tmp_path_factory: pytest.TempPathFactory,
@@ -54,7 +44,7 @@ def baseline(
     _train(
         base / "run", base / "log.jsonl", "--every", "5", "--dump", str(base / "final.safetensors")
     )
-    return load_file(base / "final.safetensors"), _steps(base / "log.jsonl")
+    return load_file(base / "final.safetensors"), step_records(base / "log.jsonl")
 
 
 @pytest.mark.parametrize(
@@ -78,7 +68,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(
         tmp_path / "run", log, "--every", every, "--crash-at", str(crash_at), *extra, check=False
     )
     assert code == 17, "the first run should die at the simulated crash"
-    assert len(_steps(log)) == crash_at
+    assert len(step_records(log)) == crash_at
     _train(
         tmp_path / "run",
         log,
@@ -97,7 +87,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(
     different = [k for k in expected_tensors if not torch.equal(resumed[k], expected_tensors[k])]
     assert not different, f"tensors differ from the uninterrupted run: {different}"
     # Same samples, in the same order, and the same loss at every step (sample ids and floats).
-    assert _steps(log) == expected_steps
+    assert step_records(log) == expected_steps
 
 
 def test_resume_refuses_a_checkpoint_whose_data_order_no_longer_applies(tmp_path: Path) -> None:

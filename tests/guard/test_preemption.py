@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from safetensors.torch import load_file
 
 from crashproof.supervisor._heartbeat import read_heartbeat
 from crashproof.telemetry import read_events
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, step_records
 from tests.metadata_server import MetadataServer
 
 STEPS = 400
@@ -43,14 +42,6 @@ def _command(tmp: Path, name: str, *options: str) -> list[str]:
 def _events(tmp: Path, name: str) -> list[dict[str, Any]]:
     path = tmp / name / "supervisor" / "events.jsonl"
     return list(read_events(path)) if path.exists() else []
-
-
-def _steps(log: Path) -> dict[int, Any]:
-    records: dict[int, Any] = {}
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return records
 
 
 def _wait_mid_interval(tmp: Path, name: str, proc: subprocess.Popen[str]) -> int:
@@ -76,14 +67,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     done = subprocess.run(_command(tmp, "ref"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return tmp / "ref"
-
-
-@pytest.fixture
-def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[MetadataServer]:
-    server = MetadataServer(lead_s=90)
-    monkeypatch.setenv("CRASHPROOF_METADATA_URL", server.url)
-    yield server
-    server.close()
 
 
 def _stop_and_resume(
@@ -120,7 +103,7 @@ def _stop_and_resume(
     assert [k for k in expected if not torch.equal(expected[k], final[k])] == []
     for rank in (0, 1):
         log = f"steps.jsonl.rank{rank}"
-        assert _steps(tmp / "run" / log) == _steps(reference / log)
+        assert step_records(tmp / "run" / log) == step_records(reference / log)
     return stopped, out
 
 

@@ -11,7 +11,6 @@ part), and a random number of steps into training (which may land in a backgroun
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -27,7 +26,7 @@ from safetensors.torch import load_file
 
 from crashproof.supervisor._heartbeat import Heartbeat, read_heartbeat
 from crashproof.telemetry import read_events
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, step_records
 
 STEPS = 300
 MOMENTS = ["startup", "training", "restore", "save", "training"]
@@ -42,15 +41,6 @@ def _command(tmp: Path, name: str) -> list[str]:
         "--run-dir", str(tmp / name), "--steps", str(STEPS), "--every", "7", "--samples", "400",
         "--step-log", str(tmp / name / "steps.jsonl"), "--dump", str(tmp / name / "final.safetensors"),
     ]  # fmt: skip
-
-
-def _steps(log: Path) -> dict[int, Any]:
-    """The last record of each step: a resumed run recomputes the steps after its checkpoint."""
-    records: dict[int, Any] = {}
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return records
 
 
 def _starts(events_path: Path) -> list[dict[str, Any]]:
@@ -156,6 +146,6 @@ def test_random_kills_under_crashproof_run_end_bit_identical_to_an_uninterrupted
     )
     for rank in (0, 1):
         log = f"steps.jsonl.rank{rank}"
-        assert _steps(tmp_path / "chaos" / log) == _steps(tmp_path / "reference" / log), (
-            f"rank {rank} saw other samples or losses than the uninterrupted run (kills: {kills})"
-        )
+        assert step_records(tmp_path / "chaos" / log) == step_records(
+            tmp_path / "reference" / log
+        ), f"rank {rank} saw other samples or losses than the uninterrupted run (kills: {kills})"

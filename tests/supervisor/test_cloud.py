@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from crashproof.supervisor._cloud import CloudNotice, NoticePoller, poll_once
 from tests.metadata_server import MetadataServer
-
-
-@pytest.fixture
-def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[MetadataServer]:
-    server = MetadataServer(lead_s=90)
-    monkeypatch.setenv("CRASHPROOF_METADATA_URL", server.url)
-    yield server
-    server.close()
 
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
