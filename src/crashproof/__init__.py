@@ -25,11 +25,12 @@ from crashproof.errors import (
     CorruptCheckpointError,
     CrashproofError,
     InsufficientMemoryError,
+    NumericsError,
     StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedStateError,
 )
-from crashproof.guard import EXIT_PREEMPTED, PreemptedExit
+from crashproof.guard import EXIT_PREEMPTED, NumericsGuard, PreemptedExit
 from crashproof.policy import AnyOf, EverySeconds, EverySteps, KeepAll, KeepEvery, KeepLast
 from crashproof.state import ResumableSampler, TrainState
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
@@ -55,6 +56,8 @@ __all__ = [
     "KeepLast",
     "LocalStorage",
     "MemoryStorage",
+    "NumericsError",
+    "NumericsGuard",
     "PreemptedExit",
     "ResumableSampler",
     "StateMismatchError",

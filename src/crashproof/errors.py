@@ -11,6 +11,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── UnsupportedStateError(CrashproofError, TypeError)  (a value crashproof cannot save)
     ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
     ├── InsufficientMemoryError(CrashproofError, MemoryError) (no room for staging buffers)
+    ├── NumericsError(CrashproofError, ArithmeticError)   (training diverged; NumericsGuard stops)
     └── ConfigError(CrashproofError, ValueError)           (a bad argument or combination)
 
 Messages say what happened, where (file, step, key) and what to do about it.
@@ -25,6 +26,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CrashproofError",
     "InsufficientMemoryError",
+    "NumericsError",
     "StateMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
@@ -65,3 +67,7 @@ class InsufficientMemoryError(CrashproofError, MemoryError):
 
 class ConfigError(CrashproofError, ValueError):
     """An argument or a combination of arguments is invalid."""
+
+
+class NumericsError(CrashproofError, ArithmeticError):
+    """Training produced non-finite or exploding values and the guard's policy is to stop."""
