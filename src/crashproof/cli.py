@@ -288,14 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Die quietly when piped into `head`, like other Unix tools.
-    if hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # torchrun's own option parser: see crashproof.supervisor._launch
         from crashproof.supervisor._launch import main as run_main
 
-        return run_main(argv[1:])
+        return run_main(argv[1:])  # a supervisor must outlive a closed pipe: SIGPIPE stays ignored
+    # Die quietly when piped into `head`, like other Unix tools.
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

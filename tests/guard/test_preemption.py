@@ -70,7 +70,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _stop_and_resume(
-    tmp: Path, reference: Path, options: list[str], notify: Any
+    tmp: Path, reference: Path, options: list[str], notify: Any, *, new_machine: Any = None
 ) -> tuple[list[dict[str, Any]], str]:
     proc = subprocess.Popen(
         _command(tmp, "run", *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -89,6 +89,8 @@ def _stop_and_resume(
     assert emergency["saved"] and emergency["step"] % EVERY != 0  # the step of the notice itself
     assert stopped[-1]["event"] == "run_end" and stopped[-1]["outcome"] == "preempted"
     assert not [e for e in stopped if e["event"] == "restart"]  # a notice is no failure
+    if new_machine is not None:
+        new_machine()  # the requeued job runs where no notice is pending
     # the same command again: resumes from the emergency checkpoint and finishes
     again = subprocess.run(
         _command(tmp, "run", *options), capture_output=True, text=True, timeout=300
@@ -126,8 +128,17 @@ def test_a_cloud_notice_stops_the_run_resumably(
     def announce(proc: subprocess.Popen[str]) -> None:
         metadata.preempted = True
 
-    events, _ = _stop_and_resume(tmp_path, reference, ["--preemption", provider], announce)
+    written: dict[str, Any] = {}
+
+    def new_machine() -> None:
+        # what the supervisor told the trainers (a new run removes a previous run's notice)
+        written.update(json.loads((tmp_path / "run" / "supervisor" / "notice.json").read_text()))
+        metadata.preempted = False
+
+    events, _ = _stop_and_resume(
+        tmp_path, reference, ["--preemption", provider], announce, new_machine=new_machine
+    )
     [notice] = [e for e in events if e["event"] == "notice"]
     assert provider in notice["source"]
-    notice_file = json.loads((tmp_path / "run" / "supervisor" / "notice.json").read_text())
+    notice_file = written
     assert notice_file["source"] == provider and notice_file["seconds_left"] > 0

@@ -188,7 +188,7 @@ def test_cold_start_and_module_mode_run_like_torchrun(tmp_path: Path, mode: str)
 
 
 FACTS = """
-import json, multiprocessing, os, sys, torch
+import json, multiprocessing, os, signal, sys, torch
 import numpy as np
 print("FACTS " + json.dumps({
     "rank": int(os.environ["RANK"]),
@@ -198,6 +198,8 @@ print("FACTS " + json.dumps({
     "start_method": multiprocessing.get_start_method(),
     "torch_seed": torch.initial_seed(),
     "numpy": float(np.random.random()),
+    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
 }), flush=True)
 """
 
@@ -238,6 +240,8 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
         assert f["argv"] == [str(script), "--flag", "value"]
         assert f["path0"] == str(tmp_path)
         assert f["start_method"] == "fork"  # the platform default, not the warm forkserver's
+        # the forkserver ignores these (so a signal to the group cannot kill it): not the script
+        assert f["sigterm_default"] and f["sigusr1_default"]
     # unseeded generators differ between ranks, as in separate fresh interpreters
     assert facts[0]["torch_seed"] != facts[1]["torch_seed"]
     assert facts[0]["numpy"] != facts[1]["numpy"]

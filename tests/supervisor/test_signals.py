@@ -68,13 +68,15 @@ def test_the_step_timeout_is_calibrated_from_observed_steps() -> None:
     detector = HangDetector(HangConfig(auto_factor=10, auto_floor_s=1, calibration_steps=3))
     # While calibrating, the start-up allowance applies: a slow first step is not a hang.
     assert detector.timeout_s("step") == HangConfig().startup_timeout_s
-    for _ in range(3):
-        detector.observe(_beat("step", 0.0, max_gap_s=0.5))
+    for t in range(3):
+        detector.observe(_beat("step", float(t), max_gap_s=0.5))
     assert detector.step_timeout_s() == pytest.approx(5.0)
-    detector.observe(_beat("step", 0.0, max_gap_s=2.0))  # one slow step raises the allowance
+    for _ in range(5):  # the same record read again and again counts once
+        detector.observe(_beat("step", 3.0, max_gap_s=2.0))  # one slow step raises the allowance
     assert detector.step_timeout_s() == pytest.approx(20.0)
+    assert len(detector._gaps) == 4
     fast = HangDetector(HangConfig(auto_factor=10, auto_floor_s=60, calibration_steps=1))
-    fast.observe(_beat("step", 0.0, max_gap_s=0.01))
+    fast.observe(_beat("step", 1.0, max_gap_s=0.01))
     assert fast.step_timeout_s() == 60  # never below the floor
 
 

@@ -131,10 +131,8 @@ class CheckpointManager:
         """The most recent committed save of this manager."""
         # Under `crashproof run`: heartbeats, phases and events for the supervisor; else no-ops.
         self._reporter = trainer_reporter(self._group.rank)
-        # SIGTERM, SIGUSR1 and SIGINT become a request to stop at the next maybe_save.
         self._preemption = PreemptionListener()
-        if handle_signals:
-            self._preemption.install()
+        self._handle_signals = handle_signals
         if self._group.rank == 0:
             self.storage.make_dirs(self.root)
             for leftover in leftover_dirs(self.storage, self.root):
@@ -143,6 +141,10 @@ class CheckpointManager:
                     self.storage.describe(leftover),
                 )
                 self.storage.remove(leftover)
+        # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and
+        # SIGINT become a request to stop at the next maybe_save.
+        if handle_signals:
+            self._preemption.install()
 
     @property
     def rank(self) -> int:
@@ -163,10 +165,11 @@ class CheckpointManager:
         ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
         decision = self.every.should_save(ctx)
         notice = self._preemption.pending()
-        if self._group.world_size > 1:
+        same_everywhere = getattr(self.every, "same_on_every_rank", False)
+        if self._group.world_size > 1 and (self._handle_signals or not same_everywhere):
             # One small all-reduce per step: every rank learns whether any rank was told to
             # stop, and (for time-based policies, which can disagree) rank 0's save decision.
-            binding = decision if getattr(self.every, "same_on_every_rank", False) else None
+            binding = decision if same_everywhere else None
             votes = [notice is not None, decision if self._group.rank == 0 else False]
             stop, rank0_decision = self._group.max([int(v) for v in votes])
             decision = binding if binding is not None else bool(rank0_decision)
@@ -188,12 +191,16 @@ class CheckpointManager:
         stays the one to resume from, and the log says so.
         """
         started = time.monotonic()
-        self.wait()
+        with self._reporter.phase("save"):
+            self.wait()
         needed_s = self.stats.last_blocking_s + self.stats.last_persist_s
         late = notice.deadline_s is not None and started + needed_s > notice.deadline_s
-        late = bool(self._group.broadcast(late))  # every rank saves, or none
-        already = self._last_save_step == step and self.last_commit is not None
-        if already or late:
+        missing = self.last_commit is None or self.last_commit.step != step
+        # Every rank saves, or none: a deadline or a missing commit seen by any rank decides.
+        late, missing = (bool(v) for v in self._group.max([int(late), int(missing)]))
+        already = not missing
+        saved = not (already or late)
+        if not saved:
             log.error(
                 "stop requested (%s) after step %d: %s; resuming from checkpoint step %s",
                 notice.source,
@@ -213,7 +220,7 @@ class CheckpointManager:
                 step,
                 time.monotonic() - started,
             )
-        self._reporter.preempted(notice.source, step, time.monotonic() - started, saved=not late)
+        self._reporter.preempted(notice.source, step, time.monotonic() - started, saved=saved)
         self.close()
         raise PreemptedExit(notice, step)
 
@@ -522,7 +529,8 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self.wait()
+            with self._reporter.phase("save"):  # the last commit may take long: not a hang
+                self.wait()
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)

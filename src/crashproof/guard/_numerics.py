@@ -44,7 +44,8 @@ _ACTIONS = ("skip", "reduce_lr", "stop")
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """What the guard saw at one step (the same on every rank)."""
+    """What the guard saw at one step: ``kind`` and ``action`` are the same on every rank (they
+    agree); ``loss`` and ``grad_norm`` are this rank's."""
 
     step: int
     kind: Literal["ok", "nonfinite", "spike"]
@@ -84,9 +85,14 @@ class NumericsGuard:
                 raise ConfigError(
                     f"NumericsGuard({name}={getattr(self, name)!r}): use one of {', '.join(_ACTIONS)}"
                 )
-        if self.spike_factor <= 1 or not 0 < self.lr_factor < 1 or self.window < 1:
+        if (
+            self.spike_factor <= 1
+            or not 0 < self.lr_factor < 1
+            or not 1 <= self.min_history <= self.window
+        ):
             raise ConfigError(
-                "NumericsGuard: spike_factor must be > 1, lr_factor in (0, 1), window >= 1"
+                "NumericsGuard: spike_factor must be > 1, lr_factor in (0, 1), and "
+                "1 <= min_history <= window"
             )
         self._losses = deque(maxlen=self.window)
 
@@ -108,16 +114,18 @@ class NumericsGuard:
         value = (
             float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
         )
-        norm = _grad_norm(model) if model is not None else None
-        nonfinite = not math.isfinite(value) or (
-            scaler is None and norm is not None and not math.isfinite(norm)
-        )
+        # With a scaler, gradients may be inf by design: their norm decides nothing.
+        norm = _grad_norm(model) if model is not None and scaler is None else None
+        nonfinite = not math.isfinite(value) or (norm is not None and not math.isfinite(norm))
         spike = (
             not nonfinite
             and len(self._losses) >= self.min_history
-            and value > self.spike_factor * max(statistics.median(self._losses), 1e-12)
+            and value > self.spike_factor * statistics.median(self._losses)
+            and statistics.median(self._losses) > 0
         )
-        group = self.group or default_group()
+        if self.group is None:
+            self.group = default_group()  # once: creating a group is itself a collective
+        group = self.group
         if group.world_size > 1:
             nonfinite, spike = (bool(v) for v in group.max([int(nonfinite), int(spike)]))
         if not (nonfinite or spike):

@@ -104,6 +104,10 @@ class CrashproofAgent(LocalElasticAgent):
         """The failure that made this run a crash loop, if one did."""
         self.preempted: str | None = None
         """What stopped the run early and resumably (a signal or a cloud notice), if anything."""
+        self.attempt = 0
+        """The attempt (``TORCHELASTIC_RESTART_COUNT``) of the group running now."""
+        self._notice: tuple[signal.Signals, str] | None = None  # set by handlers, sent by the loop
+        self._long_close = False
         self.attempts = 0
         """Worker groups started so far."""
         agent_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -128,6 +132,7 @@ class CrashproofAgent(LocalElasticAgent):
         for stale in glob.glob(os.path.join(self.heartbeat_dir, "local_rank_*")):
             os.remove(stale)  # a previous attempt's record must not vouch for a new trainer
         started = time.monotonic()
+        self.attempt = self.restart_count
         pids: dict[int, Any] = super()._start_workers(worker_group)
         if self._exits is not None:
             self._exits.close()
@@ -158,14 +163,23 @@ class CrashproofAgent(LocalElasticAgent):
         grace = max(1, round(self.config.shutdown_grace_s))
 
         def close_with_grace(death_sig: signal.Signals | None = None, timeout: int = grace) -> None:
-            close(death_sig, min(timeout, grace))
+            close(death_sig, timeout if self._long_close else min(timeout, grace))
 
         pcontext.close = close_with_grace  # type: ignore[method-assign]
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # torch's final shutdown on a signal to the supervisor (a preemption) asks for the
+        # preemption grace: let that one through uncapped; every other close is a restart's.
+        self._long_close = timeout > self.config.shutdown_grace_s
+        try:
+            super()._shutdown(death_sig, timeout)
+        finally:
+            self._long_close = False
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=max(1, round(self.config.shutdown_grace_s)))
         # Each trainer opens its stack file at start; keep only those that hold a dump.
-        attempt_dir = os.path.dirname(stack_dump_path(self.config.run_dir, self.restart_count, 0))
+        attempt_dir = os.path.dirname(stack_dump_path(self.config.run_dir, self.attempt, 0))
         for path in glob.glob(os.path.join(attempt_dir, "rank_*.txt")):
             if _size(path) == 0:
                 os.remove(path)
@@ -202,6 +216,7 @@ class CrashproofAgent(LocalElasticAgent):
     # -- watching ----------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._send_pending_notice()
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state == WorkerState.SUCCEEDED:
             for worker in worker_group.workers:
@@ -259,7 +274,7 @@ class CrashproofAgent(LocalElasticAgent):
             exitcode = failure.exitcode if failure is not None else self._exit_code(worker)
             if exitcode is None:
                 continue  # still running: torch stops it next
-            signame = signal.Signals(-exitcode).name if exitcode < 0 else None
+            signame = _signal_name(-exitcode) if exitcode < 0 else None
             how = f"killed by {signame}" if signame else f"exit code {exitcode}"
             error = self._last_error(worker, failure)
             self.events.emit(
@@ -283,14 +298,14 @@ class CrashproofAgent(LocalElasticAgent):
                     f": {error}" if error else "",
                 )
                 first = Failure(
-                    attempt=self.restart_count,
+                    attempt=self.attempt,
                     step=self._furthest_step(worker_group),
                     rank=worker.global_rank,
                     reason=how + (f": {error}" if error else ""),
                 )
         if first is None:
             first = Failure(
-                attempt=self.restart_count,
+                attempt=self.attempt,
                 step=self._furthest_step(worker_group),
                 rank=None,
                 reason="the worker group became unhealthy",
@@ -307,10 +322,23 @@ class CrashproofAgent(LocalElasticAgent):
         )
 
     def forward_notice(self, sig: signal.Signals, source: str) -> None:
-        """Pass a preemption notice (a signal the supervisor got, or a cloud notice) to every
-        trainer; they checkpoint at their next step and exit with code 75."""
+        """Queue a preemption notice (a signal to the supervisor, or a cloud notice) for every
+        trainer; they checkpoint at their next step and exit with code 75.
+
+        Safe in a signal handler or another thread: it only records the notice; the monitor
+        loop sends it (and logs it) at its next turn, every ``--monitor-interval``.
+        """
+        self._notice = (sig, source)
+
+    def _send_pending_notice(self) -> None:
+        if self._notice is None:
+            return
+        sig, source = self._notice
+        self._notice = None
         self.preempted = source
+        self._remaining_restarts = 0  # from now on a failure ends the run: it is stopping
         self.events.emit("notice", source=source, signal=sig.name)
+        log.warning("preemption notice (%s): asking the trainers to checkpoint and stop", source)
         for worker in self._worker_group.workers:
             if worker.id is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -380,7 +408,7 @@ class CrashproofAgent(LocalElasticAgent):
         )
         self._record(
             Failure(
-                attempt=self.restart_count,
+                attempt=self.attempt,
                 step=self._furthest_step(worker_group),
                 rank=worst_worker.global_rank,
                 reason=f"hang: silent for {worst.silent_s:.1f} s in phase {worst.phase}",
@@ -390,7 +418,7 @@ class CrashproofAgent(LocalElasticAgent):
     def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
         """Ask every trainer for its Python stacks; returns the files written, by global rank."""
         paths = {
-            w.global_rank: stack_dump_path(self.config.run_dir, self.restart_count, w.global_rank)
+            w.global_rank: stack_dump_path(self.config.run_dir, self.attempt, w.global_rank)
             for w in worker_group.workers
         }
         sizes = {rank: _size(path) for rank, path in paths.items()}
@@ -447,3 +475,10 @@ def _process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"

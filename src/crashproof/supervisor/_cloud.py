@@ -137,7 +137,7 @@ class NoticePoller:
         while not self._stop.wait(self._interval_s):
             try:
                 notice = poll_once(self.provider)
-            except (OSError, ValueError, KeyError) as exc:
+            except Exception as exc:  # any bad answer: keep polling, say so
                 failures += 1
                 if failures in (1, 10, 100):  # say so, without flooding the log
                     log.warning("cannot read %s preemption notices: %s", self.provider, exc)

@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 
 # Imported here so the forkserver, which preloads this module, holds them warm for every trainer.
@@ -29,7 +30,10 @@ with contextlib.suppress(ImportError):  # a torch built without it
     import torch._dynamo
 from crashproof.supervisor._worker import attach_to_supervisor
 
-__all__ = ["run_script"]
+__all__ = ["FORKSERVER_IGNORES", "run_script"]
+
+FORKSERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+"""Ignored by the warm forkserver (:mod:`crashproof.supervisor._forkserver`), restored here."""
 
 
 def run_script(kind: str, target: str, *argv: str) -> None:
@@ -44,6 +48,8 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     # has the platform's default. Without this, a DataLoader's workers would come from a new
     # forkserver of the trainer's, and outlive the trainer when it is killed.
     multiprocessing.set_start_method(None, force=True)
+    for sig in FORKSERVER_IGNORES:  # the forkserver ignores them; a fresh interpreter does not
+        signal.signal(sig, signal.SIG_DFL)
     _fresh_randomness()
     attach_to_supervisor()
     sys.argv = [target, *argv]

@@ -72,11 +72,14 @@ class Verdict:
 class HangDetector:
     config: HangConfig = field(default_factory=HangConfig)
     _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    _seen: dict[int, float] = field(default_factory=dict)  # pid -> beat time of the last record
 
     def observe(self, beat: Heartbeat) -> None:
-        """Take in a record's step gap (records are read every monitor interval)."""
-        if beat.max_gap_s > 0:
+        """Take in a record's step gap, once per record (records are read every monitor
+        interval, and a trainer may not have written a new one since)."""
+        if beat.max_gap_s > 0 and self._seen.get(beat.pid) != beat.beat_s:
             self._gaps.append(beat.max_gap_s)
+        self._seen[beat.pid] = beat.beat_s
 
     def step_timeout_s(self) -> float | None:
         """The allowance of the step phase now; None while still calibrating."""

@@ -29,7 +29,6 @@ __all__ = [
     "heartbeat",
     "heartbeat_path",
     "read_heartbeat",
-    "set_phase",
     "worker_heartbeat",
 ]
 
@@ -186,13 +185,3 @@ def heartbeat(step: int | None = None) -> None:
     writer = worker_heartbeat()
     if writer is not None:
         writer.beat(step)
-
-
-def set_phase(phase: Phase) -> Phase | None:
-    """Enter ``phase``; returns the phase left (None when not supervised)."""
-    writer = worker_heartbeat()
-    if writer is None:
-        return None
-    previous = writer.phase
-    writer.set_phase(phase)
-    return previous

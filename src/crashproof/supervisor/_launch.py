@@ -19,6 +19,7 @@ SIGTERM to the supervisor, resumable (preempted: requeue me); 76 the restart bud
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -195,6 +196,8 @@ def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> N
     forward: its agent stops the trainers with SIGTERM and waits ``--preemption-grace``.)
     """
     notice_file = os.path.join(run_dir, "notice.json")
+    with contextlib.suppress(FileNotFoundError):  # a previous run's notice is not this one's
+        os.remove(notice_file)
     os.environ[ENV_NOTICE_FILE] = notice_file
     signal.signal(
         signal.SIGUSR1, lambda signum, frame: agent.forward_notice(signal.SIGUSR1, "SIGUSR1")
@@ -274,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if start_method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["crashproof.supervisor._entry", *args.preload])
+        multiprocessing.set_forkserver_preload(["crashproof.supervisor._forkserver", *args.preload])
     supervisor = SupervisorConfig(
         run_dir=run_dir,
         hang=hang,
@@ -385,7 +388,7 @@ def _launch(
             "run_end",
             outcome=outcome,
             exitcode=code,
-            restarts=agent.restart_count,
+            restarts=agent.attempt,
             seconds=round(time.monotonic() - started, 3),
         )
         events.close()

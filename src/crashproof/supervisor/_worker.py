@@ -50,6 +50,9 @@ def attach_to_supervisor() -> None:
     _attached_pid = os.getpid()
     _die_with_parent()
     worker_heartbeat()
+    # This process owns the record now; its children (spawned DataLoader workers, helper
+    # scripts) must not open it again, truncating the trainer's record and stack file.
+    os.environ.pop(ENV_HEARTBEAT_DIR, None)
     run_dir = os.environ.get(ENV_RUN_DIR)
     if run_dir:
         path = stack_dump_path(
