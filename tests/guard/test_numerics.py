@@ -4,7 +4,6 @@ agrees, and the configured action is taken."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.errors import ConfigError, NumericsError
+from tests.conftest import free_port
 
 
 def _train(
@@ -123,10 +123,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_skips_the_step_any_rank_found_bad(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, str(tmp_path / "applied")), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path / "applied")), nprocs=2, join=True)
     applied = [(tmp_path / f"applied.{r}").read_text() for r in (0, 1)]
     assert applied[0] == applied[1]
     assert "9" not in applied[0].split(",") and len(applied[0].split(",")) == 19

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import random
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader
 
 import crashproof
 from crashproof import ConfigError, ResumableSampler, StateMismatchError, TrainState
+from tests.conftest import free_port
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -164,16 +164,10 @@ def _assert_untouched(state: TrainState, before: dict[str, Any]) -> None:
     _assert_rng_state(before["rng"])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def gloo_world_of_one() -> Iterator[None]:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         yield

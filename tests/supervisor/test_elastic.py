@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from crashproof.supervisor._agent import _process_state
 from crashproof.telemetry import read_events
+from tests.conftest import free_port
 
 TRAINER = Path(__file__).with_name("trainer.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
@@ -77,7 +72,7 @@ def _progress_after(run_dir: Path, since: float) -> bool:
 
 
 def test_survivors_go_on_without_a_lost_node_and_take_back_a_new_one(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     ckpt = tmp_path / "ckpt"
     a, b, b2 = tmp_path / "node_a", tmp_path / "node_b", tmp_path / "node_b2"
     for d in (a, b, b2):
@@ -93,7 +88,11 @@ def test_survivors_go_on_without_a_lost_node_and_take_back_a_new_one(tmp_path: P
             node_b.wait(30)
             left = time.time()
             # its trainer must not train on alone (parent-death signal)
-            _wait_for(lambda: not any(_alive(p) for p in trainers_b), 10, "node B's trainer to die")
+            _wait_for(
+                lambda: not any(_process_state(p) not in (None, "Z") for p in trainers_b),
+                10,
+                "node B's trainer to die",
+            )
         _wait_for(lambda: _world_sizes(a)[-1:] == [1], 90, "node A alone, world size 1")
         _wait_for(lambda: _progress_after(a, left), 90, "node A training alone")
         alone = [e for e in _events(a) if e["event"] == "rank_start"][-1]
@@ -107,11 +106,3 @@ def test_survivors_go_on_without_a_lost_node_and_take_back_a_new_one(tmp_path: P
             _wait_for(lambda: _progress_after(a, regrown), 90, "training with the new node")
     restarts = [e for e in _events(a) if e["event"] == "restart"]
     assert any(e["reason"] == "membership change" for e in restarts)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

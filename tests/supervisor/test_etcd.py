@@ -7,7 +7,6 @@ torch's etcd backends speak etcd's v2 API (through python-etcd): the server runs
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ from pathlib import Path
 import pytest
 
 from crashproof.telemetry import read_events
+from tests.conftest import free_port
 
 TRAINER = Path(__file__).with_name("trainer.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -34,7 +28,7 @@ def etcd_endpoint(tmp_path: Path) -> Iterator[str]:
     if binary is None:
         pytest.skip("no etcd binary: install Debian's etcd-server (make test does, as root)")
     pytest.importorskip("etcd", reason="python-etcd is needed by torch's etcd rendezvous")
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     log = open(tmp_path / "etcd.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen(
         [

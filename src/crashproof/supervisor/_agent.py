@@ -108,8 +108,7 @@ class CrashproofAgent(LocalElasticAgent):
         """The attempt (``TORCHELASTIC_RESTART_COUNT``) of the group running now."""
         self._notice: tuple[signal.Signals, str] | None = None  # set by handlers, sent by the loop
         self._long_close = False
-        self.attempts = 0
-        """Worker groups started so far."""
+        self._grace = max(1, round(config.shutdown_grace_s))  # torch takes whole seconds
         agent_id = f"{socket.gethostname()}-{os.getpid()}"
         self.heartbeat_dir = os.path.join(config.run_dir, "heartbeats", agent_id)
         os.makedirs(self.heartbeat_dir, exist_ok=True)
@@ -117,7 +116,6 @@ class CrashproofAgent(LocalElasticAgent):
         # and every exec'd trainer inherit them; per-trainer facts come from torch's own variables.
         os.environ[ENV_RUN_DIR] = config.run_dir
         os.environ[ENV_HEARTBEAT_DIR] = self.heartbeat_dir
-        self._started_s = time.monotonic()
         self._failed_at_s: float | None = None
         self._stop_reason = ""
         self._exits: ExitWatcher | None = None
@@ -138,8 +136,7 @@ class CrashproofAgent(LocalElasticAgent):
             self._exits.close()
         self._exits = ExitWatcher(list(pids.values()))
         self._shorten_shutdown_grace()
-        self.attempts += 1
-        self._started_s = time.monotonic()
+        start_s = round(time.monotonic() - started, 4)
         for worker in worker_group.workers:
             self.events.emit(
                 "rank_start",
@@ -147,8 +144,8 @@ class CrashproofAgent(LocalElasticAgent):
                 local_rank=worker.local_rank,
                 world_size=worker.world_size,
                 pid=pids.get(worker.local_rank),
-                restart=self.restart_count,
-                start_s=round(self._started_s - started, 4),
+                restart=self.attempt,
+                start_s=start_s,
             )
         return pids
 
@@ -160,7 +157,7 @@ class CrashproofAgent(LocalElasticAgent):
         if pcontext is None:
             return
         close = pcontext.close
-        grace = max(1, round(self.config.shutdown_grace_s))
+        grace = self._grace
 
         def close_with_grace(death_sig: signal.Signals | None = None, timeout: int = grace) -> None:
             close(death_sig, timeout if self._long_close else min(timeout, grace))
@@ -170,14 +167,14 @@ class CrashproofAgent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # torch's final shutdown on a signal to the supervisor (a preemption) asks for the
         # preemption grace: let that one through uncapped; every other close is a restart's.
-        self._long_close = timeout > self.config.shutdown_grace_s
+        self._long_close = timeout > self._grace
         try:
             super()._shutdown(death_sig, timeout)
         finally:
             self._long_close = False
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=max(1, round(self.config.shutdown_grace_s)))
+        self._shutdown(timeout=self._grace)
         # Each trainer opens its stack file at start; keep only those that hold a dump.
         attempt_dir = os.path.dirname(stack_dump_path(self.config.run_dir, self.attempt, 0))
         for path in glob.glob(os.path.join(attempt_dir, "rank_*.txt")):
