@@ -12,6 +12,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
     ├── InsufficientMemoryError(CrashproofError, MemoryError) (no room for staging buffers)
     ├── NumericsError(CrashproofError, ArithmeticError)   (training diverged; NumericsGuard stops)
+    │   └── NonFiniteStateError        (a save found NaN or inf in parameters or optimizer state)
     └── ConfigError(CrashproofError, ValueError)           (a bad argument or combination)
 
 Messages say what happened, where (file, step, key) and what to do about it.
@@ -26,6 +27,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CrashproofError",
     "InsufficientMemoryError",
+    "NonFiniteStateError",
     "NumericsError",
     "StateMismatchError",
     "UnsafeCheckpointError",
@@ -71,3 +73,7 @@ class ConfigError(CrashproofError, ValueError):
 
 class NumericsError(CrashproofError, ArithmeticError):
     """Training produced non-finite or exploding values and the guard's policy is to stop."""
+
+
+class NonFiniteStateError(NumericsError):
+    """A save found NaN or inf in the model's parameters or the optimizer's state: refused."""

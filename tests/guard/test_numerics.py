@@ -107,7 +107,7 @@ def test_with_a_grad_scaler_overflowing_gradients_are_the_scalers_business() -> 
 
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ConfigError, match="on_spike"):
-        cp.NumericsGuard(on_spike="rollback")  # type: ignore[arg-type]
+        cp.NumericsGuard(on_spike="rewind")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="spike_factor"):
         cp.NumericsGuard(spike_factor=0.5)
 

@@ -181,6 +181,7 @@ def test_an_epoch_that_runs_out_rolls_over_to_the_next(drop_last: bool) -> None:
             "seed": 0,
             "epoch": epoch + 1,
             "consumed": 0,
+            "skipped": [],
         }
 
 
@@ -324,3 +325,84 @@ def test_a_position_saved_for_another_order_is_refused(field: str, value: Any) -
 def test_a_position_outside_the_epoch_is_refused(bad: dict[str, int]) -> None:
     with pytest.raises(StateMismatchError):
         _sampler(22).load_state_dict(_sampler(22).state_dict() | bad)
+
+
+# -- skipped windows (NumericsGuard rolls back past data that made training diverge) ---------
+
+
+def test_a_skipped_window_is_never_dealt_and_the_rest_of_the_epoch_is() -> None:
+    n = 20
+    loader, state = _loader(n)
+    assert state.sampler is not None
+    batches = iter(loader)
+    first = next(batches).tolist()
+    assert state.sampler.last_window == (0, 0, 4)
+    state.sampler.skip(0, 8, 12)  # positions 8..11 of epoch 0's order
+    rest = [i for batch in batches for i in batch.tolist()]  # the live iterator follows the skip
+    order = _epoch_order(n, 0)
+    assert first + rest == order[:8] + order[12:]
+    assert state.sampler.epoch == 1 and state.sampler.skipped == [(0, 8, 12)]
+    # The next epoch is whole again: a window belongs to the epoch it was seen in.
+    assert [i for batch in loader for i in batch.tolist()] == _epoch_order(n, 1)
+
+
+def test_receiving_a_batch_steps_over_a_skipped_window() -> None:
+    n = 20
+    loader, state = _loader(n)
+    assert state.sampler is not None
+    state.sampler.skip(0, 4, 6)
+    batches = iter(loader)
+    order = _epoch_order(n, 0)
+    assert next(batches).tolist() == order[0:4]
+    assert next(batches).tolist() == order[6:10]  # positions 4 and 5 passed over
+    assert state.sampler.consumed == 10 and state.sampler.last_window == (0, 4, 10)
+
+
+def test_skipped_windows_are_saved_and_a_resumed_loader_skips_them_too() -> None:
+    n = 24
+    loader, state = _loader(n)
+    assert state.sampler is not None
+    batches = iter(loader)
+    next(batches)
+    state.sampler.skip(0, 12, 16)
+    saved = state.sampler.state_dict()
+    uninterrupted = [i for batch in batches for i in batch.tolist()]
+    resumed_loader, resumed_state = _loader(n)
+    assert resumed_state.sampler is not None
+    resumed_state.sampler.load_state_dict(saved)
+    assert [i for batch in resumed_loader for i in batch.tolist()] == uninterrupted
+    assert resumed_state.sampler.epoch == 1 and resumed_state.sampler.skipped == [(0, 12, 16)]
+
+
+def test_setting_the_position_restarts_the_iteration_in_progress() -> None:
+    n = 20
+    loader, state = _loader(n)
+    assert state.sampler is not None
+    batches = iter(loader)
+    next(batches)
+    back_then = state.sampler.state_dict()
+    next(batches), next(batches)
+    state.sampler.load_state_dict(back_then)  # as a rollback restores it
+    order = _epoch_order(n, 0)
+    assert next(batches).tolist() == order[4:8]
+
+
+def test_every_rank_skips_the_same_global_window() -> None:
+    n = 24
+    dealt: list[int] = []
+    for rank in (0, 1):
+        sampler = ResumableSampler(n, shuffle=True, seed=0, rank=rank, world_size=2)
+        sampler.skip(0, 6, 10)
+        dealt += list(sampler)
+    order = _epoch_order(n, 0)
+    assert sorted(dealt) == sorted(order[:6] + order[10:])
+
+
+def test_malformed_skipped_windows_in_a_checkpoint_are_refused() -> None:
+    sampler = _sampler(10)
+    state = sampler.state_dict() | {"skipped": [[0, 5, 99]]}
+    with pytest.raises(StateMismatchError, match="skipped windows"):
+        sampler.load_state_dict(state)
+    legacy = {k: v for k, v in sampler.state_dict().items() if k != "skipped"}
+    sampler.load_state_dict(legacy)  # checkpoints from before skipping existed still load
+    assert sampler.skipped == []

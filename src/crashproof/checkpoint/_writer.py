@@ -37,15 +37,16 @@ from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
 from crashproof.checkpoint._shard import write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
-from crashproof.errors import CheckpointWriteError
+from crashproof.errors import CheckpointWriteError, NonFiniteStateError
 from crashproof.storage import Storage, write_all
 
 __all__ = ["TMP_PREFIX", "CommitResult", "Snapshot", "new_tmp_name", "persist", "take_snapshot"]
 
 TMP_PREFIX = ".tmp-"
 
-Failure = tuple[str, "int | None"]
-"""What went wrong on a rank, and its errno when it was an OSError (ENOSPC is treated apart)."""
+Failure = tuple[str, "int | None", bool]
+"""What went wrong on a rank, its errno when it was an OSError (ENOSPC is treated apart), and
+whether it was non-finite state (not a storage problem: raised as :class:`NonFiniteStateError`)."""
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class Snapshot:
     environment: dict[str, Any] = field(default_factory=dict)
     ready: Any = None
     """A CUDA event the writer waits for before reading the tensors (None: ready now)."""
+    must_be_finite: frozenset[str] = frozenset()
+    """Names of tensors that may hold no NaN or inf: the save is refused if one does."""
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +80,7 @@ def take_snapshot(
     *,
     staging: StagingArea | None,
     metadata: dict[str, Any] | None = None,
+    must_be_finite: frozenset[str] = frozenset(),
 ) -> Snapshot:
     """Encode ``state``; its tensors become CPU and contiguous.
 
@@ -107,6 +111,7 @@ def take_snapshot(
         metadata=dict(metadata or {}),
         environment=exactness_environment(),
         ready=ready,
+        must_be_finite=must_be_finite,
     )
 
 
@@ -148,21 +153,28 @@ def persist(
     try:
         if snapshot.ready is not None:
             snapshot.ready.synchronize()  # the device-to-host copies of the snapshot are done
+        _refuse_nonfinite(snapshot)
         storage.make_dirs(tmp_dir)
         files = _write_rank(storage, tmp_dir, snapshot, group.rank)
     except Exception as exc:
-        failure = (f"rank {group.rank}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None))
+        failure = (
+            f"rank {group.rank}: {type(exc).__name__}: {exc}",
+            getattr(exc, "errno", None),
+            isinstance(exc, NonFiniteStateError),
+        )
     reports = group.gather((files, failure))
     outcome: Failure | None = None
     if reports is not None:  # the coordinator
         outcome = _commit(storage, tmp_dir, final_dir, snapshot, reports, group.world_size)
     outcome = group.broadcast(outcome)
     if outcome is not None:
-        text, code = outcome
+        text, code, nonfinite = outcome
         message = (
             f"checkpoint of step {snapshot.step} was not committed ({text}); "
             f"the checkpoints committed before it in {storage.describe(root)} are intact"
         )
+        if nonfinite:
+            raise NonFiniteStateError(message)
         raise CheckpointWriteError(code, message) if code else CheckpointWriteError(message)
     return CommitResult(
         step=snapshot.step,
@@ -170,6 +182,29 @@ def persist(
         bytes_written=sum(e.size for e in (files or {}).values()),
         persist_s=time.perf_counter() - started,
     )
+
+
+def _refuse_nonfinite(snapshot: Snapshot) -> None:
+    """Raise if a parameter or optimizer state of the snapshot holds NaN or inf.
+
+    Runs on the writer (off the training loop's critical path). A sum is a fast first test (NaN
+    and inf propagate through it); only a non-finite sum, which overflow can also cause, is
+    confirmed element by element.
+    """
+    for name, tensor in snapshot.tensors:
+        if name not in snapshot.must_be_finite or not tensor.is_floating_point():
+            continue
+        if (
+            tensor.numel()
+            and not torch.isfinite(tensor.sum())
+            and not bool(tensor.isfinite().all())
+        ):
+            bad = int((~tensor.isfinite()).sum())
+            raise NonFiniteStateError(
+                f"tensor {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()} at step "
+                f"{snapshot.step}: a checkpoint of diverged weights is refused. Resume from an earlier "
+                "checkpoint; crashproof.NumericsGuard catches such steps before they are applied"
+            )
 
 
 def _write_rank(
@@ -201,7 +236,8 @@ def _commit(
     published = False
     try:
         if failures:
-            return "; ".join(text for text, _ in failures), failures[0][1]
+            text = "; ".join(text for text, _, _ in failures)
+            return text, failures[0][1], any(nonfinite for _, _, nonfinite in failures)
         files: dict[str, FileEntry] = {}
         for rank_files, _ in reports:
             files.update(rank_files)
@@ -222,7 +258,7 @@ def _commit(
         published = True
         return None
     except Exception as exc:
-        return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None)
+        return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
     finally:
         if not published:
             storage.remove(tmp_dir)

@@ -40,6 +40,8 @@ from crashproof.errors import (
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
+    NonFiniteStateError,
+    NumericsError,
     StateMismatchError,
 )
 from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListener
@@ -73,6 +75,9 @@ class CheckpointManager:
             cost of a second copy; two saves are then in flight, written one after the other).
         storage: the storage backend; default chosen from ``root``.
         timeout_s: how long ranks wait for each other during a save before giving up.
+        check_finite: refuse to commit a checkpoint whose parameters or optimizer state hold NaN
+            or inf (checked by the background writer: it costs training nothing); the refusal is
+            raised as :class:`NonFiniteStateError` at the next call, like any failed save.
         handle_signals: treat SIGTERM, SIGUSR1 (SLURM's ``--signal``) and a first SIGINT as a
             request to stop: at the next :meth:`maybe_save` all ranks agree, save that step and
             raise :class:`PreemptedExit` (exit code 75, "resumable"). Handlers installed before
@@ -92,6 +97,7 @@ class CheckpointManager:
         storage: Storage | None = None,
         timeout_s: float = 600.0,
         handle_signals: bool = True,
+        check_finite: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -108,6 +114,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.on_busy = on_busy
         self.on_disk_full = on_disk_full
+        self.check_finite = check_finite
         self.stats = SaveStats()
         """What this manager did: saves, skips, waits, failures, bytes, timings."""
         if staging_buffers not in (1, 2) or (staging_buffers == 2 and not async_save):
@@ -126,6 +133,7 @@ class CheckpointManager:
         self._last_save_step = 0
         self._last_save_s = time.monotonic()
         self._newest_valid: int | None = None
+        self._discard_save_of: int | None = None  # the step a NumericsGuard rollback abandoned
         self._restored_environment: dict[str, Any] = {}
         self.last_commit: CommitResult | None = None
         """The most recent committed save of this manager."""
@@ -175,6 +183,10 @@ class CheckpointManager:
             decision = binding if binding is not None else bool(rank0_decision)
             if stop and notice is None:
                 notice = Notice("another rank", time.monotonic())
+        if self._discard_save_of is not None:
+            if step == self._discard_save_of:  # the state was rolled back: it is not this step's
+                step, decision = self._last_save_step, False
+            self._discard_save_of = None
         if notice is not None:
             self._stop_for(notice, step, state, metadata)
         if decision:
@@ -263,7 +275,14 @@ class CheckpointManager:
             )
         free = min(set(range(capacity)) - {slot for _, slot in self._inflight})
         staging = self._stagings[free] if self._stagings else None
-        snapshot = take_snapshot(step, state.capture(), staging=staging, metadata=metadata)
+        tree = state.capture()
+        snapshot = take_snapshot(
+            step,
+            tree,
+            staging=staging,
+            metadata=metadata,
+            must_be_finite=state.must_be_finite(tree) if self.check_finite else frozenset(),
+        )
         tmp_name = self._group.broadcast(new_tmp_name(step))
         blocking_s = time.perf_counter() - started
         self._inflight.append(
@@ -322,12 +341,15 @@ class CheckpointManager:
         try:
             try:
                 result = future.result()
-            except CheckpointWriteError:
+            except (CheckpointWriteError, NonFiniteStateError):
                 raise
             except Exception as exc:
                 raise CheckpointWriteError(
                     f"saving a checkpoint in {self.root} failed: {type(exc).__name__}: {exc}"
                 ) from exc
+        except NonFiniteStateError:
+            self.stats.failures += 1
+            raise
         except CheckpointWriteError as exc:
             self.stats.failures += 1
             if exc.errno == errno.ENOSPC:
@@ -403,12 +425,46 @@ class CheckpointManager:
             return restored[0]
         return 0
 
-    def _restore(self, state: TrainState, step: int | None) -> tuple[int, str] | None:
+    def rollback(self, state: TrainState, *, before: int, anomaly_step: int) -> int:
+        """Go back to the newest valid checkpoint of a step before ``before``; returns its step.
+
+        For :class:`~crashproof.NumericsGuard`: training went wrong at ``anomaly_step`` (the
+        trouble began at ``before``). Every checkpoint after the one restored belongs to the
+        abandoned stretch and is removed, so a later restart cannot resume into it either. The
+        training loop's :meth:`maybe_save` of ``anomaly_step``, which comes after the rollback,
+        is ignored (the state is no longer that step's).
+        """
+        self._check_open()
+        started = time.perf_counter()
+        with self._reporter.phase("restore"):
+            restored = self._restore(state, None, below=before)
+            if restored is None:
+                raise NumericsError(
+                    f"step {anomaly_step}: cannot roll back: no valid checkpoint of a step before "
+                    f"{before} in {self.root}. Save more often, or let the guard skip or stop."
+                )
+            step, path = restored
+            if self._group.rank == 0:
+                for later, later_path in committed_steps(self.storage, self.root):
+                    if later > step:
+                        log.warning(
+                            "rollback: removing checkpoint step %d (after the anomaly)", later
+                        )
+                        self.storage.remove(later_path)
+        self._reporter.restored(step, path, time.perf_counter() - started)
+        self._discard_save_of = anomaly_step
+        return step
+
+    def _restore(
+        self, state: TrainState, step: int | None, *, below: int | None = None
+    ) -> tuple[int, str] | None:
         """The step and path restored, or None when there was nothing valid to restore."""
         self.wait()
         found = self._group.broadcast(
             committed_steps(self.storage, self.root) if self._group.rank == 0 else None
         )
+        if below is not None:
+            found = [(s, p) for s, p in found if s < below]
         if step is not None:
             found = [(s, p) for s, p in found if s == step]
             if not found:

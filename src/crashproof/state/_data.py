@@ -40,9 +40,27 @@ def find_resumable_sampler(loader: DataLoader[Any]) -> ResumableSampler | None:
 
 
 class _TrackedIterator:
-    def __init__(self, inner: Any, sampler: ResumableSampler, batch_size: int) -> None:
-        self._inner, self._sampler, self._batch_size = inner, sampler, batch_size
-        self._start_epoch = sampler.epoch
+    """The loader's own iterator, reporting each batch the loop receives to the sampler.
+
+    When the sampler's position is set from outside (a restore or a skipped window, e.g. a
+    ``NumericsGuard`` rollback) the iteration in progress starts over from the new position, so
+    a loop holding this iterator goes on with the right data without creating a new one.
+    """
+
+    def __init__(self, loader: Any, sampler: ResumableSampler, batch_size: int) -> None:
+        self._loader, self._sampler, self._batch_size = loader, sampler, batch_size
+        self._start()
+
+    def _start(self) -> None:
+        loader, sampler = self._loader, self._sampler
+        if not loader._crashproof_own_generator:
+            generator = torch.Generator()
+            generator.manual_seed(
+                (sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1)
+            )
+            loader.generator = generator
+        self._inner = _base_iter(loader)
+        self._start_epoch, self._generation = sampler.epoch, sampler.generation
 
     def __iter__(self) -> _TrackedIterator:
         return self
@@ -51,6 +69,8 @@ class _TrackedIterator:
         return len(self._inner)
 
     def __next__(self) -> Any:
+        if self._sampler.generation != self._generation:
+            self._start()
         try:
             batch = next(self._inner)
         except StopIteration:
@@ -61,18 +81,14 @@ class _TrackedIterator:
         return batch
 
 
+def _base_iter(loader: Any) -> Any:
+    """The iterator of the loader's own class (the one crashproof subclassed)."""
+    return super(loader._crashproof_base, loader).__iter__()
+
+
 def _tracked_iter(self: Any) -> _TrackedIterator:
-    sampler: ResumableSampler = self._crashproof_sampler
-    own_generator = self._crashproof_own_generator
-    if not own_generator:
-        generator = torch.Generator()
-        generator.manual_seed(
-            (sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1)
-        )
-        self.generator = generator
-    inner = super(self._crashproof_base, self).__iter__()
     batch_size = self.batch_size or getattr(self.batch_sampler, "batch_size", None) or 1
-    return _TrackedIterator(inner, sampler, batch_size)
+    return _TrackedIterator(self, self._crashproof_sampler, batch_size)
 
 
 def track_loader(loader: DataLoader[Any]) -> ResumableSampler:

@@ -8,6 +8,10 @@ even with another world size, without repeating or skipping a sample.
 
 The position advances only when the training loop *receives* a batch (see
 :mod:`crashproof.state._data`), never when DataLoader workers prefetch one.
+
+Windows of an epoch can be *skipped* (:meth:`ResumableSampler.skip`, used by ``NumericsGuard``
+when a stretch of data made training diverge): the positions in them are never dealt out again.
+The skipped windows are part of the saved state, so a resumed run skips them too.
 """
 
 from __future__ import annotations
@@ -58,7 +62,15 @@ class ResumableSampler(Sampler[int]):
         self.n, self.shuffle, self.seed = n, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
-        self.consumed = 0  # samples of this epoch received by the whole job
+        self.consumed = 0  # position in this epoch's order up to which the job has received
+        self.skipped: list[tuple[int, int, int]] = []
+        """Windows ``(epoch, start, end)`` of positions in the epoch's order never dealt out."""
+        self.last_window: tuple[int, int, int] | None = None
+        """The positions the last received batch came from: ``(epoch, start, end)``."""
+        self._received_from: tuple[int, int] | None = None  # see take_received()
+        self.generation = 0
+        """Changes whenever the position is set from outside (restore, skip, set_epoch): an
+        iteration in progress then starts over from the new position."""
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -68,8 +80,26 @@ class ResumableSampler(Sampler[int]):
         generator.manual_seed((self.seed * 1_000_003 + self.epoch) & ((1 << 63) - 1))
         return torch.randperm(self.n, generator=generator)
 
+    def _skipped_here(self) -> list[tuple[int, int]]:
+        """This epoch's skipped windows as sorted, non-overlapping ``(start, end)`` pairs."""
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted((a, b) for epoch, a, b in self.skipped if epoch == self.epoch):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def _kept_positions(self) -> torch.Tensor:
+        """Positions from ``consumed`` to the end of the epoch that are not skipped."""
+        kept = torch.ones(self.n - self.consumed, dtype=torch.bool)
+        for start, end in self._skipped_here():
+            kept[max(start - self.consumed, 0) : max(end - self.consumed, 0)] = False
+        return kept.nonzero().flatten() + self.consumed
+
     def _remaining(self) -> torch.Tensor:
-        rest = self._order()[self.consumed :]
+        order = self._order()
+        rest = order[self._kept_positions()] if self._skipped_here() else order[self.consumed :]
         # Every rank must get the same number of samples or collectives hang at the epoch's end:
         # wrap around to pad the tail, as torch's DistributedSampler does.
         if self.world_size > 1 and len(rest) % self.world_size:
@@ -85,14 +115,40 @@ class ResumableSampler(Sampler[int]):
         return iter(self._remaining().tolist())
 
     def __len__(self) -> int:
-        rest = self.n - self.consumed
+        rest = len(self._kept_positions()) if self._skipped_here() else self.n - self.consumed
         return -(-rest // self.world_size) if rest > 0 else 0
 
     # -- position, driven by the tracked DataLoader -------------------------------------------
 
     def record_received(self, per_rank_samples: int) -> None:
         """The training loop received a batch of ``per_rank_samples`` on every rank."""
-        self.consumed = min(self.n, self.consumed + per_rank_samples * self.world_size)
+        start = self.consumed
+        count = per_rank_samples * self.world_size
+        for skip_start, skip_end in self._skipped_here():  # step over windows never dealt out
+            if skip_end <= start:
+                continue
+            if skip_start >= start + count:
+                break
+            count += skip_end - max(skip_start, start)
+        self.consumed = min(self.n, start + count)
+        self.last_window = (self.epoch, start, self.consumed)
+        if self._received_from is None:
+            self._received_from = (self.epoch, start)
+
+    def take_received(self) -> list[tuple[int, int, int]]:
+        """The windows ``(epoch, start, end)`` received since the last call (or the last restore).
+
+        What one training step consumed, when called once per step; an epoch boundary splits it.
+        """
+        if self._received_from is None:
+            return []
+        epoch, start = self._received_from
+        self._received_from = None
+        if epoch == self.epoch:
+            return [(epoch, start, self.consumed)]
+        windows = [(epoch, start, self.n)] if start < self.n else []
+        windows += [(e, 0, self.n) for e in range(epoch + 1, self.epoch)]
+        return windows + ([(self.epoch, 0, self.consumed)] if self.consumed else [])
 
     def finish_epoch(self) -> None:
         """The loader's iteration ran out: the next iteration starts the next epoch."""
@@ -103,6 +159,17 @@ class ResumableSampler(Sampler[int]):
         """Jump to the start of ``epoch`` (for loops that manage epochs themselves)."""
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
+            self.generation += 1
+
+    def skip(self, epoch: int, start: int, end: int) -> None:
+        """Never deal out positions ``start:end`` of ``epoch``'s order (recorded in the state)."""
+        if not (0 <= start < end <= self.n and epoch >= 0):
+            raise ConfigError(
+                f"ResumableSampler.skip({epoch}, {start}, {end}): not a window of an epoch of {self.n}"
+            )
+        if (epoch, start, end) not in self.skipped:
+            self.skipped.append((epoch, start, end))
+            self.generation += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -111,11 +178,16 @@ class ResumableSampler(Sampler[int]):
             "seed": self.seed,
             "epoch": self.epoch,
             "consumed": self.consumed,
+            "skipped": [list(window) for window in self.skipped],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        # Checkpoints from before skipping existed have no "skipped": nothing was skipped then.
+        self.skipped = [(int(e), int(a), int(b)) for e, a, b in state.get("skipped", [])]
+        self._received_from = None
+        self.generation += 1
 
     def check_state_dict(self, state: Any) -> None:
         """Raise :class:`StateMismatchError` when ``state`` cannot be resumed by this sampler."""
@@ -133,3 +205,10 @@ class ResumableSampler(Sampler[int]):
                 )
         if not 0 <= int(state["consumed"]) <= self.n or int(state["epoch"]) < 0:
             raise StateMismatchError(f"data position: epoch/consumed out of range in {state!r}")
+        skipped = state.get("skipped", [])
+        if not isinstance(skipped, list) or not all(
+            isinstance(w, list) and len(w) == 3 and all(isinstance(v, int) for v in w)
+            and w[0] >= 0 and 0 <= w[1] < w[2] <= self.n
+            for w in skipped
+        ):  # fmt: skip
+            raise StateMismatchError(f"data position: malformed skipped windows {skipped!r}")

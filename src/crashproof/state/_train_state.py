@@ -143,6 +143,21 @@ class TrainState:
                 )
         return live
 
+    def must_be_finite(self, tree: Mapping[str, Any]) -> frozenset[str]:
+        """Names (as in a checkpoint) of the tensors of ``tree`` (from :meth:`capture`) that must
+        never be saved holding NaN or inf.
+
+        The model's parameters and the optimizer's state: buffers may hold infinities by design
+        (attention masks), parameters and moments may not.
+        """
+        names: set[str] = set()
+        if self.model is not None:
+            params = unwrap_model(self.model).named_parameters(remove_duplicate=False)
+            names.update(f"model/{k}" for k, _ in params)
+        for param_id, param_state in tree.get("optimizer", {}).get("state", {}).items():
+            names.update(f"optimizer/state/{param_id}/{k}" for k in param_state)
+        return frozenset(names)
+
     # -- restore -------------------------------------------------------------------------------
 
     def restore(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
