@@ -10,6 +10,9 @@ and the second run ends bit for bit where an uninterrupted run ends.
     python examples/train_tiny.py --run-dir runs/tiny --steps 60                 # resumes, finishes
 
 ``--step-log`` writes one JSON line per step (step, sample ids, loss) so runs can be compared.
+``--nan-sample ID`` makes every batch holding sample ID produce a NaN loss: the NumericsGuard
+rolls back to the checkpoint before it and skips that data, and the run finishes with finite
+weights.
 
 Launched by ``torchrun`` (or ``crashproof run``) with several processes, it trains with DDP over
 gloo; each rank logs to ``LOG.rank<r>`` and rank 0 writes the dump.
@@ -95,6 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dump", default=None, help="at the end, write model+optimizer tensors here (safetensors)"
     )
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument(
+        "--nan-sample", type=int, default=None, help="a batch holding this sample id has a NaN loss"
+    )
     return p.parse_args(argv)
 
 
@@ -139,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         keep=cp.KeepLast(args.keep),
         async_save=not args.sync,
     )
+    # Before each update: a NaN loss rolls back to the checkpoint before it and skips that data.
+    # In the state, so a resumed run judges loss spikes with the same history.
+    guard = cp.NumericsGuard(on_nonfinite="rollback", checkpoints=ckpt, state=state)
+    state.extra["guard"] = guard
     start = ckpt.restore(state)
     print(f"starting at step {start}", flush=True)
     log_file = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - closed below
     batches = iter(loader)
-    for step in range(start, args.steps):
+    for step in guard.steps(start, args.steps):  # range() that goes back after a rollback
         try:
             x, y, ids = next(batches)
         except StopIteration:  # end of an epoch: the sampler moves on to the next one
@@ -154,18 +164,21 @@ def main(argv: list[str] | None = None) -> int:
         x = x * (1.0 + 0.05 * random.random())
         model.train()
         loss = nn.functional.mse_loss(model(x), y)
+        if args.nan_sample is not None and args.nan_sample in ids.tolist():
+            loss = loss * float("nan")
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        ema.update(model)
-        state.extra["samples_seen"] += len(ids)
-        if log_file:
-            log_file.write(
-                json.dumps({"step": step + 1, "ids": ids.tolist(), "loss": loss.item()}) + "\n"
-            )
-            log_file.flush()
+        # False: skipped or rolled back, and then nothing else may change the state.
+        if guard.check(step + 1, loss, model, optimizer=optimizer, scaler=scaler):
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            ema.update(model)
+            state.extra["samples_seen"] += len(ids)
+            if log_file:
+                record = {"step": step + 1, "ids": ids.tolist(), "loss": loss.item()}
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
         ckpt.maybe_save(step + 1, state)
         if args.crash_at is not None and step + 1 == args.crash_at:
             print(f"simulated crash after step {step + 1}", flush=True)

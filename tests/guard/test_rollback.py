@@ -203,9 +203,11 @@ def test_without_a_sampler_a_repeated_nan_stops_instead_of_looping(tmp_path: Pat
         _run(tmp_path, 24, lambda step, ids: float("nan") if step == 10 else 1.0, with_data=False)
 
 
-def test_a_nan_before_any_checkpoint_stops_with_a_clear_report(tmp_path: Path) -> None:
-    with pytest.raises(NumericsError, match="no valid checkpoint of a step before 3"):
-        _run(tmp_path, 24, lambda step, ids: float("nan") if step == 3 else 1.0)
+def test_a_nan_before_any_checkpoint_skips_the_step_instead(tmp_path: Path) -> None:
+    run = _run(tmp_path, 24, lambda step, ids: float("nan") if step == 3 else 1.0)
+    [anomaly] = run.guard.anomalies
+    assert (anomaly.step, anomaly.action) == (3, "rollback") and run.guard.skipped == []
+    assert 3 not in run.applied and len(run.applied) == 23 and run.checks == list(range(1, 25))
 
 
 def test_a_loop_that_ignores_the_rollback_is_stopped(tmp_path: Path) -> None:

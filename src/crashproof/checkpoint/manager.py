@@ -41,7 +41,6 @@ from crashproof.errors import (
     ConfigError,
     CorruptCheckpointError,
     NonFiniteStateError,
-    NumericsError,
     StateMismatchError,
 )
 from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListener
@@ -425,8 +424,9 @@ class CheckpointManager:
             return restored[0]
         return 0
 
-    def rollback(self, state: TrainState, *, before: int, anomaly_step: int) -> int:
-        """Go back to the newest valid checkpoint of a step before ``before``; returns its step.
+    def rollback(self, state: TrainState, *, before: int, anomaly_step: int) -> int | None:
+        """Go back to the newest valid checkpoint of a step before ``before``; returns its step,
+        or None (and changes nothing) when there is none.
 
         For :class:`~crashproof.NumericsGuard`: training went wrong at ``anomaly_step`` (the
         trouble began at ``before``). Every checkpoint after the one restored belongs to the
@@ -439,10 +439,7 @@ class CheckpointManager:
         with self._reporter.phase("restore"):
             restored = self._restore(state, None, below=before)
             if restored is None:
-                raise NumericsError(
-                    f"step {anomaly_step}: cannot roll back: no valid checkpoint of a step before "
-                    f"{before} in {self.root}. Save more often, or let the guard skip or stop."
-                )
+                return None
             step, path = restored
             if self._group.rank == 0:
                 for later, later_path in committed_steps(self.storage, self.root):

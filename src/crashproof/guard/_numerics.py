@@ -228,7 +228,7 @@ class NumericsGuard:
             kind,
             value,
             norm,
-            "skipping the step" if action != "stop" else "stopping",
+            {"stop": "stopping", "rollback": "rolling back"}.get(action, "skipping the step"),
         )
         if action == "stop":
             raise NumericsError(
@@ -282,6 +282,19 @@ class NumericsGuard:
         self._replayed.add(seen_at)
         windows = self._ledger.between(onset, step) if skip else ()
         restored = self.checkpoints.rollback(self.state, before=onset, anomaly_step=step)
+        if restored is None:  # nothing to go back to: the step is skipped instead
+            log.warning(
+                "step %d: %s, but no valid checkpoint of a step before %d to roll back to: "
+                "skipping the step instead",
+                step,
+                kind,
+                onset,
+            )
+            emit(
+                "numerics_rollback", step=step, kind=kind, rolled_back_to=None, first_step=onset,
+                skipped=[],
+            )  # fmt: skip
+            return
         # After the restore, which set the sampler back to the checkpoint's position and windows.
         for window in windows:
             assert self._ledger.sampler is not None
