@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
     p.add_argument(
+        "--full-every", type=int, default=0, help="deltas between full checkpoints (0: all full)"
+    )
+    p.add_argument(
         "--nan-sample", type=int, default=None, help="a batch holding this sample id has a NaN loss"
     )
     return p.parse_args(argv)
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         every=cp.EverySteps(args.every),
         keep=cp.KeepLast(args.keep),
         async_save=not args.sync,
+        delta=cp.Delta(full_every=args.full_every) if args.full_every else None,
     )
     # Before each update: a NaN loss rolls back to the checkpoint before it and skips that data.
     # In the state, so a resumed run judges loss spikes with the same history.

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from crashproof.checkpoint import committed_steps, describe_checkpoint
+from crashproof.storage import LocalStorage
 from tests.conftest import EXAMPLES, run_python, step_records
 
 STEPS = 40  # 200 samples / batch 16 = 12 steps per epoch: the runs cross three epoch boundaries
@@ -53,6 +55,7 @@ def baseline(
         (23, "5", []),  # mid-epoch, 3 steps after the last checkpoint: they are recomputed
         (24, "6", []),  # exactly at an epoch boundary, right after a checkpoint
         (31, "4", ["--sync", "--workers", "0"]),  # synchronous saves, no worker processes
+        (26, "3", ["--full-every", "4"]),  # resumes from a delta checkpoint (24, on base 15)
     ],
 )
 def test_resumed_run_is_bit_identical_to_uninterrupted_run(
@@ -69,6 +72,11 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(
     )
     assert code == 17, "the first run should die at the simulated crash"
     assert len(step_records(log)) == crash_at
+    if "--full-every" in extra:  # the newest checkpoint, the one resumed from, is a delta
+        storage = LocalStorage()
+        root = str(tmp_path / "run" / "checkpoints")
+        step, path = committed_steps(storage, root)[0]
+        assert describe_checkpoint(storage, step, path).kind == "delta"
     _train(
         tmp_path / "run",
         log,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from crashproof.checkpoint import CheckpointInfo, CheckpointManager, CommitResult
+from crashproof.checkpoint import CheckpointInfo, CheckpointManager, CommitResult, Delta
 from crashproof.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -49,6 +49,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CrashproofError",
+    "Delta",
     "EverySeconds",
     "EverySteps",
     "InsufficientMemoryError",

@@ -90,11 +90,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([i.to_json() for i in infos], indent=2))
         return EXIT_OK
-    print(f"{'step':>10}  {'created (UTC)':<25}  {'size':>10}  {'kind':<6}  valid")
+    print(f"{'step':>10}  {'created (UTC)':<25}  {'size':>10}  {'kind':<18}  valid")
     for i in infos:
         note = "yes" if i.valid else f"NO  {i.problem}"
+        kind = f"delta (base {i.base_step})" if i.base_step is not None else i.kind
         print(
-            f"{i.step:>10}  {_iso(i.created):<25}  {_human(i.size_bytes):>10}  {i.kind:<6}  {note}"
+            f"{i.step:>10}  {_iso(i.created):<25}  {_human(i.size_bytes):>10}  {kind:<18}  {note}"
         )
     return EXIT_OK
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,19 @@ def test_large_finite_values_whose_sum_overflows_are_not_refused(tmp_path: Path)
     with cp.CheckpointManager(tmp_path, handle_signals=False) as ckpt:
         ckpt.save(1, state)
         assert ckpt.wait() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.complex64])
+def test_every_float_format_is_checked(tmp_path: Path, dtype: torch.dtype) -> None:
+    with warnings.catch_warnings():  # complex modules are "a new feature": not what is tested
+        warnings.simplefilter("ignore", UserWarning)
+        model = nn.Linear(64, 64).to(dtype)
+    state = cp.TrainState(model=model)
+    with cp.CheckpointManager(tmp_path, handle_signals=False) as ckpt:
+        ckpt.save(1, state)
+        assert ckpt.wait() is not None
+        with torch.no_grad():
+            model.weight.view(-1)[777] = float("inf")
+        ckpt.save(2, state)
+        with pytest.raises(cp.NonFiniteStateError, match="holds 1 NaN"):
+            ckpt.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from crashproof.checkpoint._catalog import CheckpointInfo, committed_steps, describe_checkpoint
+from crashproof.checkpoint._delta import Delta
 from crashproof.checkpoint._reader import load_rank_state, read_manifest, verify_checkpoint
 from crashproof.checkpoint._writer import CommitResult
 from crashproof.checkpoint.manager import CheckpointManager
@@ -11,6 +12,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CommitResult",
+    "Delta",
     "committed_steps",
     "describe_checkpoint",
     "load_rank_state",

@@ -13,6 +13,7 @@ from crashproof.storage import Storage
 
 __all__ = [
     "CheckpointInfo",
+    "bases_of",
     "committed_steps",
     "describe_checkpoint",
     "leftover_dirs",
@@ -30,10 +31,13 @@ class CheckpointInfo:
     """Unix time of the commit, from the manifest (None when the manifest is unreadable)."""
     size_bytes: int
     kind: str
+    """``"full"`` or ``"delta"`` (``"unknown"`` when the manifest is unreadable)."""
     world_size: int
     valid: bool
     """Manifest valid and every file present with its listed size (``verify`` checks checksums)."""
     problem: str = ""
+    base_step: int | None = None
+    """A delta's base: the full checkpoint it needs."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -42,6 +46,7 @@ class CheckpointInfo:
             "created": self.created,
             "size_bytes": self.size_bytes,
             "kind": self.kind,
+            "base_step": self.base_step,
             "world_size": self.world_size,
             "valid": self.valid,
             "problem": self.problem,
@@ -101,7 +106,23 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
         kind=manifest.kind,
         world_size=manifest.world_size,
         valid=True,
+        base_step=manifest.base_step,
     )
+
+
+def bases_of(storage: Storage, paths: dict[int, str], steps: set[int]) -> set[int]:
+    """The full checkpoints the deltas among ``steps`` are taken against (retention keeps them)."""
+    bases = set()
+    for step in steps:
+        if step not in paths:
+            continue
+        try:
+            manifest = read_manifest(storage, paths[step])
+        except (CorruptCheckpointError, OSError):
+            continue  # unreadable: it needs nothing, it will never be restored
+        if manifest.base_step is not None:
+            bases.add(manifest.base_step)
+    return bases
 
 
 def newest_verified(storage: Storage, root: str) -> int | None:
@@ -122,4 +143,5 @@ def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple
     newest_valid = newest_verified(storage, root)
     if newest_valid is not None:
         kept.add(newest_valid)
+    kept |= bases_of(storage, dict(found), kept)
     return [(step, path) for step, path in found if step not in kept]

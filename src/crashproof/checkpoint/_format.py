@@ -29,11 +29,13 @@ from crashproof.checkpoint._dtypes import dtype_from_name
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
+    "ENCODINGS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_INDEX_BYTES",
     "MAX_MANIFEST_BYTES",
+    "DeltaEntry",
     "FileEntry",
     "Manifest",
     "RankIndex",
@@ -58,7 +60,9 @@ MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 48  # even with zero-size dims, larger shapes overflow torch's stride maths
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _STEP_DIR = re.compile(r"^step_(\d{1,19})$")
-_KINDS = ("full",)
+_KINDS = ("full", "delta")
+ENCODINGS = ("same", "xor-zstd")
+"""How a delta checkpoint stores a tensor against its base (see :mod:`._delta`)."""
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -107,9 +111,12 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     """Settings that decide whether a resume can be bit-exact (deterministic algorithms, CUDA)."""
+    base_step: int | None = None
+    """``kind == "delta"``: the step of the full checkpoint the delta was taken against."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        extra = {"base_step": self.base_step} if self.base_step is not None else {}
+        return extra | {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -140,15 +147,35 @@ class TensorEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaEntry:
+    """In a delta checkpoint: tensor ``index`` of the shard is stored encoded against the base.
+
+    The shard entry is then a ``uint8`` blob; this is the logical tensor it decodes to."""
+
+    index: int
+    encoding: str
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: str
+    """Of the decoded tensor's bytes."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "encoding": self.encoding, "dtype": self.dtype,
+                "shape": list(self.shape), "checksum": self.checksum}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class RankIndex:
     rank: int
     step: int
     shard_file: str
     tensors: list[TensorEntry]
     state: Any
+    deltas: list[DeltaEntry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        extra = {"deltas": [d.to_json() for d in self.deltas]} if self.deltas else {}
+        return extra | {
             "format_version": FORMAT_VERSION,
             "rank": self.rank,
             "step": self.step,
@@ -249,7 +276,13 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     environment = obj.get("environment", {})
     if not isinstance(metadata, dict) or not isinstance(environment, dict):
         raise CorruptCheckpointError(f"{where}: field 'metadata' or 'environment' is not an object")
+    base_step = None
+    if kind == "delta":
+        base_step = _count(obj, "base_step", where)
+        if base_step >= _count(obj, "step", where):
+            raise CorruptCheckpointError(f"{where}: delta on base step {base_step}, not earlier")
     return Manifest(
+        base_step=base_step,
         step=_count(obj, "step", where),
         world_size=world_size,
         kind=kind,
@@ -290,19 +323,42 @@ def parse_rank_index(
     tensors = [
         _parse_tensor(t, f"{where} tensor #{i}", shard_size) for i, t in enumerate(tensors_obj)
     ]
+    deltas_obj = obj.get("deltas", [])
+    if not isinstance(deltas_obj, list):
+        raise CorruptCheckpointError(f"{where}: field 'deltas' is not a list")
+    deltas = [_parse_delta(d, f"{where} delta #{i}", tensors) for i, d in enumerate(deltas_obj)]
+    if len({d.index for d in deltas}) != len(deltas):
+        raise CorruptCheckpointError(f"{where}: a tensor has two delta entries")
     return RankIndex(
         rank=_count(obj, "rank", where, upper=MAX_WORLD_SIZE),
         step=_count(obj, "step", where),
         shard_file=shard_file,
         tensors=tensors,
         state=obj.get("state"),
+        deltas=deltas,
     )
 
 
-def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
-    name = _require(obj, "name", str, where)
+def _parse_delta(obj: Any, where: str, tensors: list[TensorEntry]) -> DeltaEntry:
+    index = _count(obj, "index", where)
+    if index >= len(tensors):
+        raise CorruptCheckpointError(f"{where}: tensor #{index}, the index lists {len(tensors)}")
+    encoding = _require(obj, "encoding", str, where)
+    if encoding not in ENCODINGS:
+        raise CorruptCheckpointError(f"{where}: unknown encoding {encoding!r}")
+    stored = tensors[index]
+    if stored.dtype != "uint8" or len(stored.shape) != 1 or (encoding == "same" and stored.nbytes):
+        raise CorruptCheckpointError(
+            f"{where}: tensor #{index} is stored as {stored.dtype}{list(stored.shape)}, not as "
+            f"the bytes of a {encoding!r} delta"
+        )
     dtype = _require(obj, "dtype", str, where)
-    itemsize = dtype_from_name(dtype, where=where).itemsize
+    dtype_from_name(dtype, where=where)
+    shape = _shape(obj, where, stored.name)
+    return DeltaEntry(index, encoding, dtype, shape, _require(obj, "checksum", str, where))
+
+
+def _shape(obj: Any, where: str, name: str) -> tuple[int, ...]:
     shape_obj = _require(obj, "shape", list, where)
     if len(shape_obj) > MAX_NDIM:
         raise CorruptCheckpointError(f"{where} ({name}): {len(shape_obj)} dimensions")
@@ -311,6 +367,14 @@ def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
         raise UnsafeCheckpointError(
             f"{where} ({name}): shape {list(shape)[:8]} is beyond any real tensor"
         )
+    return shape
+
+
+def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
+    name = _require(obj, "name", str, where)
+    dtype = _require(obj, "dtype", str, where)
+    itemsize = dtype_from_name(dtype, where=where).itemsize
+    shape = _shape(obj, where, name)
     offset = _count(obj, "offset", where)
     nbytes = _count(obj, "nbytes", where)
     expected = math.prod(shape) * itemsize

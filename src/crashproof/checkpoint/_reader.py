@@ -7,12 +7,14 @@ an out-of-bounds read or code execution.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from crashproof.checkpoint._dtypes import dtype_from_name
+from crashproof.checkpoint._delta import apply_delta
+from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
 from crashproof.checkpoint._format import (
     MANIFEST_NAME,
     MAX_INDEX_BYTES,
@@ -20,6 +22,7 @@ from crashproof.checkpoint._format import (
     FileEntry,
     Manifest,
     RankIndex,
+    checkpoint_dir_name,
     index_name,
     parse_manifest,
     parse_rank_index,
@@ -97,6 +100,10 @@ class RankRead:
     2. :meth:`verify`: every byte checked against its checksum (raises on corruption);
     3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
        state tree returned.
+
+    A delta checkpoint's rank also reads its base's rank (verified in step 2 as well): the base's
+    tensors go into the live destinations first and the deltas are applied to them in place, each
+    rebuilt tensor then checked against the checksum of the tensor that was saved.
     """
 
     def __init__(
@@ -112,6 +119,10 @@ class RankRead:
     ) -> None:
         self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
         self._index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
+        self._base: RankRead | None = None
+        if manifest.kind == "delta":
+            self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, on_bytes)
+            keep = True  # the encoded bytes are needed to rebuild the tensors
         self.shard_file = self._index.shard_file
         shard_path = storage.join(ckpt_dir, self.shard_file)
         self._where = storage.describe(shard_path)
@@ -124,13 +135,47 @@ class RankRead:
             into=into, keep=keep, on_bytes=on_bytes,
         )  # fmt: skip
 
+    def _open_base(
+        self,
+        storage: Storage,
+        ckpt_dir: str,
+        manifest: Manifest,
+        rank: int,
+        into: Mapping[str, Any] | None,
+        on_bytes: Callable[[int], None] | None,
+    ) -> RankRead:
+        """The base's rank, its live destinations limited to the tensors the deltas rebuild."""
+        assert manifest.base_step is not None
+        base_dir = storage.join(
+            posixpath.dirname(ckpt_dir.rstrip("/")), checkpoint_dir_name(manifest.base_step)
+        )
+        try:
+            base = read_manifest(storage, base_dir)
+            if (
+                base.kind != "full"
+                or base.step != manifest.base_step
+                or base.world_size != manifest.world_size
+            ):
+                raise CorruptCheckpointError(
+                    f"it is a {base.kind} checkpoint of step {base.step} by {base.world_size} ranks"
+                )
+            rebuilt = {self._index.tensors[d.index].name for d in self._index.deltas}
+            base_into = {k: v for k, v in (into or {}).items() if k in rebuilt}
+            return RankRead(storage, base_dir, base, rank, into=base_into, on_bytes=on_bytes)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"{storage.describe(ckpt_dir)}: a delta against step {manifest.base_step}, whose "
+                f"checkpoint cannot be used ({exc}); every delta on that base is unusable"
+            ) from None
+
     def meta_tree(self) -> Any:
         """The state tree with every tensor on the ``meta`` device: shapes and dtypes, no data."""
-        entries = self._index.tensors
+        shapes = {i: (e.shape, e.dtype) for i, e in enumerate(self._index.tensors)}
+        shapes.update({d.index: (d.shape, d.dtype) for d in self._index.deltas})
         return self._decode(
             lambda i: torch.empty(
-                entries[i].shape,
-                dtype=dtype_from_name(entries[i].dtype, where=self._index_where),
+                shapes[i][0],
+                dtype=dtype_from_name(shapes[i][1], where=self._index_where),
                 device="meta",
             )
         )
@@ -140,13 +185,42 @@ class RankRead:
             self._shard.verify()
         except (OSError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+        if self._base is not None:
+            try:
+                self._base.verify()
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"{self._where}: the base of this delta is corrupt ({exc}); every delta on "
+                    "that base is unusable"
+                ) from None
 
     def finish(self) -> Any:
+        tensors = self._tensors()
+        return self._decode(lambda i: tensors[i])
+
+    def _tensors(self) -> list[torch.Tensor]:
+        base = self._base._tensors() if self._base is not None else []
         try:
             tensors = self._shard.fill()
         except (OSError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
-        return self._decode(lambda i: tensors[i])
+        if self._base is not None:
+            by_name = {e.name: t for e, t in zip(self._base._index.tensors, base, strict=True)}
+            for delta in self._index.deltas:
+                name = self._index.tensors[delta.index].name
+                where = f"{self._where}: tensor {name!r}"
+                target = by_name.get(name)
+                if (
+                    target is None
+                    or tuple(target.shape) != delta.shape
+                    or dtype_name(target.dtype, where=where) != delta.dtype
+                ):
+                    raise CorruptCheckpointError(
+                        f"{where}: the base holds no {delta.dtype}{list(delta.shape)} tensor of that name"
+                    )
+                apply_delta(delta, tensors[delta.index], target, where)
+                tensors[delta.index] = target
+        return tensors
 
     def _decode(self, tensor_at: Callable[[int], torch.Tensor]) -> Any:
         count = len(self._index.tensors)
@@ -162,6 +236,8 @@ class RankRead:
 
     def close(self) -> None:
         self._stream.close()
+        if self._base is not None:
+            self._base.close()
 
 
 def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> Any:

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 import crashproof
+from crashproof.checkpoint._delta import Delta, DeltaBase, encode_delta
 from crashproof.checkpoint._format import (
     MANIFEST_NAME,
+    DeltaEntry,
     FileEntry,
     Manifest,
     RankIndex,
@@ -60,6 +64,8 @@ class Snapshot:
     """A CUDA event the writer waits for before reading the tensors (None: ready now)."""
     must_be_finite: frozenset[str] = frozenset()
     """Names of tensors that may hold no NaN or inf: the save is refused if one does."""
+    delta: tuple[Delta, DeltaBase] | None = None
+    """Save as a delta against this base (see :mod:`._delta`); None: a full checkpoint."""
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +78,9 @@ class CommitResult:
     path: str
     bytes_written: int
     persist_s: float
+    kind: str = "full"
+    checksums: Mapping[str, str] = field(default_factory=dict)
+    """This rank's tensors' checksums by name (of the stored bytes)."""
 
 
 def take_snapshot(
@@ -149,13 +158,14 @@ def persist(
     tmp_dir = storage.join(root, tmp_name)
     final_dir = storage.join(root, checkpoint_dir_name(snapshot.step))
     files: dict[str, FileEntry] | None = None
+    checksums: dict[str, str] = {}
     failure: Failure | None = None
     try:
         if snapshot.ready is not None:
             snapshot.ready.synchronize()  # the device-to-host copies of the snapshot are done
         _refuse_nonfinite(snapshot)
         storage.make_dirs(tmp_dir)
-        files = _write_rank(storage, tmp_dir, snapshot, group.rank)
+        files, checksums = _write_rank(storage, tmp_dir, snapshot, group.rank)
     except Exception as exc:
         failure = (
             f"rank {group.rank}: {type(exc).__name__}: {exc}",
@@ -181,25 +191,20 @@ def persist(
         path=final_dir,
         bytes_written=sum(e.size for e in (files or {}).values()),
         persist_s=time.perf_counter() - started,
+        kind="full" if snapshot.delta is None else "delta",
+        checksums=checksums,
     )
 
 
 def _refuse_nonfinite(snapshot: Snapshot) -> None:
-    """Raise if a parameter or optimizer state of the snapshot holds NaN or inf.
-
-    Runs on the writer (off the training loop's critical path). A sum is a fast first test (NaN
-    and inf propagate through it); only a non-finite sum, which overflow can also cause, is
-    confirmed element by element.
-    """
+    """Raise if a parameter or optimizer state of the snapshot holds NaN or inf."""
     for name, tensor in snapshot.tensors:
-        if name not in snapshot.must_be_finite or not tensor.is_floating_point():
-            continue
-        if (
-            tensor.numel()
-            and not torch.isfinite(tensor.sum())
-            and not bool(tensor.isfinite().all())
-        ):
-            bad = int((~tensor.isfinite()).sum())
+        if name in snapshot.must_be_finite and not _all_finite(tensor):
+            flat = tensor.reshape(-1)
+            bad = sum(
+                int((~flat[i : i + _FINITE_CHUNK].isfinite()).sum())
+                for i in range(0, flat.numel(), _FINITE_CHUNK)
+            )  # only on the way to an error: torch's own ops are fine here
             raise NonFiniteStateError(
                 f"tensor {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()} at step "
                 f"{snapshot.step}: a checkpoint of diverged weights is refused. Resume from an earlier "
@@ -207,20 +212,73 @@ def _refuse_nonfinite(snapshot: Snapshot) -> None:
             )
 
 
+_FINITE_CHUNK = 1 << 22  # elements: keeps the temporaries of a bfloat16 check small
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor holds no NaN or inf, checked with NumPy on this thread alone.
+
+    It runs on the background writer, beside the training loop: a torch op here would start its
+    own OpenMP team, and two teams spinning on two cores slowed training by 15% (measured).
+    A sum is the fast first test (NaN and inf propagate through it; about 13 ms per 200 MB of
+    float32); a chunk whose sum is not finite, which overflow can also cause, is checked element
+    by element. bfloat16 is widened to float32 a chunk at a time; other formats (float8) are not
+    checked.
+    """
+    dtype = tensor.dtype
+    if tensor.is_complex():
+        return _all_finite(torch.view_as_real(tensor))
+    flat = tensor.reshape(-1)
+    if dtype == torch.bfloat16:
+        bits = flat.view(torch.int16).numpy().view(np.uint16)
+        chunks: Iterator[np.ndarray[Any, Any]] = (
+            (bits[i : i + _FINITE_CHUNK].astype(np.uint32) << 16).view(np.float32)
+            for i in range(0, len(bits), _FINITE_CHUNK)
+        )
+    elif dtype in _NUMPY_FLOATS:
+        values = (
+            flat.view(torch.int16).numpy().view(np.float16)
+            if dtype == torch.float16
+            else flat.numpy()
+        )
+        chunks = (values[i : i + _FINITE_CHUNK] for i in range(0, len(values), _FINITE_CHUNK))
+    else:
+        return True  # integers cannot be NaN; float8 formats are not checked
+    for chunk in chunks:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is what the test catches
+            total = np.add.reduce(
+                chunk, dtype=np.float64 if chunk.dtype == np.float64 else np.float32
+            )
+        if not np.isfinite(total) and not bool(np.isfinite(chunk).all()):
+            return False
+    return True
+
+
 def _write_rank(
     storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int
-) -> dict[str, FileEntry]:
+) -> tuple[dict[str, FileEntry], dict[str, str]]:
+    """Write this rank's shard and index; returns their file entries and the tensor checksums."""
     shard_file = shard_name(rank)
-    entries, shard_entry = write_shard(storage, storage.join(tmp_dir, shard_file), snapshot.tensors)
+    tensors, deltas = snapshot.tensors, list[DeltaEntry]()
+    if snapshot.delta is not None:
+        tensors, deltas = encode_delta(tensors, snapshot.delta[1], snapshot.delta[0])
+    entries, shard_entry = write_shard(storage, storage.join(tmp_dir, shard_file), tensors)
     index = RankIndex(
-        rank=rank, step=snapshot.step, shard_file=shard_file, tensors=entries, state=snapshot.tree
+        rank=rank,
+        step=snapshot.step,
+        shard_file=shard_file,
+        tensors=entries,
+        state=snapshot.tree,
+        deltas=deltas,
     )
     index_bytes = dumps(index.to_json())
     write_all(storage, storage.join(tmp_dir, index_name(rank)), index_bytes)
-    return {
+    files = {
         shard_file: shard_entry,
         index_name(rank): FileEntry(len(index_bytes), digest(index_bytes)),
     }
+    return files, {entry.name: entry.checksum for entry in entries}
 
 
 def _commit(
@@ -244,7 +302,7 @@ def _commit(
         manifest = Manifest(
             step=snapshot.step,
             world_size=world_size,
-            kind="full",
+            kind="full" if snapshot.delta is None else "delta",
             created_unix=time.time(),
             library_version=crashproof.__version__,
             torch_version=str(torch.__version__),
@@ -252,6 +310,7 @@ def _commit(
             files=files,
             metadata=snapshot.metadata,
             environment=snapshot.environment,
+            base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
         )
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), dumps(manifest.to_json()))
         storage.publish(tmp_dir, final_dir)

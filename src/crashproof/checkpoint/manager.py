@@ -19,11 +19,13 @@ from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
+    bases_of,
     committed_steps,
     describe_checkpoint,
     leftover_dirs,
     prune_plan,
 )
+from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
 from crashproof.checkpoint._staging import StagingArea
@@ -74,6 +76,9 @@ class CheckpointManager:
             cost of a second copy; two saves are then in flight, written one after the other).
         storage: the storage backend; default chosen from ``root``.
         timeout_s: how long ranks wait for each other during a save before giving up.
+        delta: save deltas between full checkpoints (:class:`~crashproof.Delta`): only how each
+            tensor changed since the newest full one, losslessly. Costs one more host copy of the
+            state (the base). None: every checkpoint is full.
         check_finite: refuse to commit a checkpoint whose parameters or optimizer state hold NaN
             or inf (checked by the background writer: it costs training nothing); the refusal is
             raised as :class:`NonFiniteStateError` at the next call, like any failed save.
@@ -97,6 +102,7 @@ class CheckpointManager:
         timeout_s: float = 600.0,
         handle_signals: bool = True,
         check_finite: bool = True,
+        delta: Delta | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -114,6 +120,10 @@ class CheckpointManager:
         self.on_busy = on_busy
         self.on_disk_full = on_disk_full
         self.check_finite = check_finite
+        self.delta = delta
+        # The newest committed full checkpoint's tensors, to take deltas against. Only the writer
+        # thread touches it, in save order, so every rank sees the same base for the same save.
+        self._delta_base: DeltaBase | None = None
         self.stats = SaveStats()
         """What this manager did: saves, skips, waits, failures, bytes, timings."""
         if staging_buffers not in (1, 2) or (staging_buffers == 2 and not async_save):
@@ -275,6 +285,10 @@ class CheckpointManager:
         free = min(set(range(capacity)) - {slot for _, slot in self._inflight})
         staging = self._stagings[free] if self._stagings else None
         tree = state.capture()
+        # Every rank counts the same saves, so all agree on which may be deltas.
+        may_be_delta = (
+            self.delta is not None and self.stats.saves_started % self.delta.full_every != 0
+        )
         snapshot = take_snapshot(
             step,
             tree,
@@ -285,7 +299,10 @@ class CheckpointManager:
         tmp_name = self._group.broadcast(new_tmp_name(step))
         blocking_s = time.perf_counter() - started
         self._inflight.append(
-            (self._executor.submit(self._persist, snapshot, tmp_name, blocking_s), free)
+            (
+                self._executor.submit(self._persist, snapshot, tmp_name, blocking_s, may_be_delta),
+                free,
+            )
         )
         self.stats.saves_started += 1
         self._last_save_step, self._last_save_s = step, time.monotonic()
@@ -299,8 +316,19 @@ class CheckpointManager:
         """How long the last :meth:`save` paused the training loop."""
         return self.stats.last_blocking_s
 
-    def _persist(self, snapshot: Snapshot, tmp_name: str, blocking_s: float) -> CommitResult:
-        result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
+    def _persist(
+        self, snapshot: Snapshot, tmp_name: str, blocking_s: float, may_be_delta: bool
+    ) -> CommitResult:
+        if may_be_delta and self.delta is not None and self._delta_base is not None:
+            snapshot.delta = (self.delta, self._delta_base)
+        try:
+            result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
+        except BaseException:
+            if snapshot.delta is None:
+                self._delta_base = None  # the full save failed: the next save is a full one
+            raise
+        if self.delta is not None and result.kind == "full":
+            self._delta_base = keep_as_base(snapshot, result.checksums, self._delta_base)
         self._reporter.committed(
             snapshot.step, result.path, blocking_s, result.persist_s, result.bytes_written
         )
@@ -385,6 +413,9 @@ class CheckpointManager:
             keep = self.keep.keep(steps) | {keep_always}
             if self._newest_valid is not None:
                 keep.add(self._newest_valid)
+            if self._delta_base is not None:  # the next deltas are taken against it
+                keep.add(self._delta_base.step)
+            keep |= bases_of(self.storage, dict(found), keep)
             for step, path in found:
                 if step not in keep:
                     log.info("retention: removing checkpoint step %d", step)
