@@ -92,3 +92,17 @@ def test_every_float_format_is_checked(tmp_path: Path, dtype: torch.dtype) -> No
         ckpt.save(2, state)
         with pytest.raises(cp.NonFiniteStateError, match="holds 1 NaN"):
             ckpt.wait()
+
+
+def test_a_delta_holding_nan_is_refused_too(tmp_path: Path) -> None:
+    model, _, state = _state()
+    with cp.CheckpointManager(tmp_path, delta=cp.Delta(full_every=5), handle_signals=False) as c:
+        c.save(1, state)
+        c.wait()
+        with torch.no_grad():
+            model.linear.weight.add_(0.01)  # changed: stored as an encoded delta
+            model.linear.weight[0, 0] = float("nan")
+        c.save(2, state)
+        with pytest.raises(cp.NonFiniteStateError, match=r"'model/linear\.weight' holds 1 NaN"):
+            c.wait()
+        assert [info.step for info in c.list()] == [1]

@@ -31,6 +31,7 @@ import torch
 import zstandard
 
 from crashproof.checkpoint._dtypes import dtype_name
+from crashproof.checkpoint._finite import FiniteCheck
 from crashproof.checkpoint._format import DeltaEntry
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._shard import tensor_bytes
@@ -128,9 +129,14 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 
 def encode_delta(
-    tensors: Sequence[tuple[str, torch.Tensor]], base: DeltaBase, config: Delta
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    base: DeltaBase,
+    config: Delta,
+    check: FiniteCheck | None = None,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[DeltaEntry]]:
-    """The tensors to store in place of ``tensors`` (CPU, contiguous), and how to decode them."""
+    """The tensors to store in place of ``tensors`` (CPU, contiguous), and how to decode them.
+
+    ``check`` is told of each tensor stored encoded (its bytes are not written as they are)."""
 
     def encode(i: int) -> tuple[torch.Tensor, DeltaEntry | None]:
         name, tensor = tensors[i]
@@ -146,6 +152,8 @@ def encode_delta(
         dtype = dtype_name(tensor.dtype, where=name)
         if np.array_equal(now, then):  # bitwise: NaN payloads and -0.0 count as they are
             return _EMPTY, DeltaEntry(i, "same", dtype, tuple(tensor.shape), base.checksums[name])
+        if check is not None:
+            check.tensor(i)
         xor = _planes(np.bitwise_xor(now, then), tensor.element_size())
         blob = _compressor(config.level).compress(xor.data)
         if len(blob) > _WORTH_IT * now.size:

@@ -14,6 +14,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -77,12 +78,14 @@ def write_shard(
     path: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
+    inspect: Callable[[int, memoryview], None] | None = None,
 ) -> tuple[list[TensorEntry], FileEntry]:
     """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's.
 
     ``metadata`` goes into the safetensors header's ``__metadata__`` (string values only). Each
     byte is hashed once, on a helper thread that trails the writes: xxHash and ``os.write`` both
-    release the GIL, so on two cores the checksums cost almost no wall time.
+    release the GIL, so on two cores the checksums cost almost no wall time. ``inspect(i, chunk)``
+    is called on that thread too, with every chunk of tensor ``i``, after it is hashed.
     """
     header, ranges = _header(
         tensors, metadata if metadata is not None else {"format": "crashproof"}
@@ -95,9 +98,9 @@ def write_shard(
             # One worker runs the updates in submission order, so each hasher sees its chunks in
             # order; the tensors cannot change during the save, so nothing waits per chunk.
             pending = []
-            for (_, tensor), hasher in zip(tensors, hashers, strict=True):
+            for i, ((_, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
                 for chunk in _chunks(tensor_bytes(tensor)):
-                    pending.append(hash_pool.submit(hasher.update, chunk))
+                    pending.append(hash_pool.submit(_hash_chunk, hasher, chunk, i, inspect))
                     stream.write(chunk)
             for future in pending:
                 future.result()
@@ -119,6 +122,14 @@ def write_shard(
     size = len(header) + sum(nbytes for _, nbytes in ranges)
     checksum = shard_checksum(header, [e.checksum for e in entries])
     return entries, FileEntry(size=size, checksum=checksum, scheme="tensors")
+
+
+def _hash_chunk(
+    hasher: Any, chunk: memoryview, index: int, inspect: Callable[[int, memoryview], None] | None
+) -> None:
+    hasher.update(chunk)
+    if inspect is not None:
+        inspect(index, chunk)
 
 
 class ShardRead:
