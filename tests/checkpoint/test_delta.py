@@ -185,3 +185,32 @@ def test_verify_rebuilds_the_deltas(tmp_path: Path) -> None:
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(cp.ConfigError, match="full_every"):
         cp.Delta(full_every=1)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda blob: blob[:-1],  # truncated
+        lambda blob: b"\x07" + blob[1:],  # unknown mode
+        lambda blob: blob + b"\x00",  # trailing bytes
+        lambda blob: blob[:1] + (10**12).to_bytes(8, "little") + blob[9:],  # length beyond the blob
+        lambda blob: blob[:9] + bytes(len(blob) - 9),  # a zeroed zstd frame
+    ],
+)
+def test_a_hostile_delta_blob_is_refused_cleanly(damage: object) -> None:
+    from crashproof.checkpoint._delta import DeltaBase, apply_delta, encode_delta
+    from crashproof.checkpoint._hashing import digest
+    from crashproof.checkpoint._shard import tensor_bytes
+
+    base = torch.randn(4096)
+    now = base * (1 + 1e-3 * torch.randn(4096))
+    stored, [entry] = encode_delta(
+        [("w", now)], DeltaBase(0, {"w": base}, {"w": digest(tensor_bytes(base))}), cp.Delta()
+    )
+    blob = bytes(tensor_bytes(stored[0][1]))
+    target = base.clone()
+    apply_delta(entry, torch.frombuffer(bytearray(blob), dtype=torch.uint8), target, "w")
+    assert torch.equal(target, now)
+    bad = damage(blob)  # type: ignore[operator]
+    with pytest.raises(cp.CorruptCheckpointError):
+        apply_delta(entry, torch.frombuffer(bytearray(bad), dtype=torch.uint8), base.clone(), "w")

@@ -20,6 +20,7 @@ restore rebuilt it.
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -115,6 +116,66 @@ def _unplanes(planes: np.ndarray[Any, Any], itemsize: int) -> np.ndarray[Any, An
     return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
 
 
+# An encoded tensor is one record per byte plane: a mode byte (0: the plane as is, 1: zstd), the
+# payload's length (8 bytes, little-endian), the payload. A plane of low mantissa bytes is close
+# to random and zstd would spend time for nothing on it: a sample decides.
+_RAW, _ZSTD = 0, 1
+_RECORD = struct.Struct("<BQ")
+_SAMPLE = 64 * 1024
+_COMPRESSIBLE = 0.9
+
+
+def _pack_planes(
+    planes: np.ndarray[Any, Any], itemsize: int, compressor: zstandard.ZstdCompressor
+) -> bytes:
+    parts: list[bytes | memoryview] = []
+    for plane in planes.reshape(itemsize, -1):
+        sample = plane[:_SAMPLE]
+        if len(compressor.compress(sample.data)) > _COMPRESSIBLE * sample.size:
+            parts += [_RECORD.pack(_RAW, plane.size), plane.data]
+        else:
+            payload = compressor.compress(plane.data)
+            parts += [_RECORD.pack(_ZSTD, len(payload)), payload]
+    return b"".join(parts)
+
+
+def _unpack_planes(
+    blob: np.ndarray[Any, Any], count: int, itemsize: int, where: str
+) -> np.ndarray[Any, Any]:
+    """The ``itemsize`` planes of ``count`` bytes each that ``blob`` holds, validated."""
+    planes = np.empty((itemsize, count), dtype=np.uint8)
+    data, pos = memoryview(blob.data).cast("B"), 0
+    for k in range(itemsize):
+        if pos + _RECORD.size > len(data):
+            raise CorruptCheckpointError(f"{where}: the delta ends inside plane {k} of {itemsize}")
+        mode, length = _RECORD.unpack_from(data, pos)
+        pos += _RECORD.size
+        if mode not in (_RAW, _ZSTD) or length > len(data) - pos:
+            raise CorruptCheckpointError(
+                f"{where}: plane {k} of the delta has mode {mode} and {length} bytes, "
+                f"{len(data) - pos} left"
+            )
+        payload = data[pos : pos + length]
+        pos += length
+        if mode == _ZSTD:
+            try:
+                payload = memoryview(
+                    zstandard.ZstdDecompressor().decompress(payload, max_output_size=count)
+                )
+            except zstandard.ZstdError as exc:
+                raise CorruptCheckpointError(
+                    f"{where}: plane {k} cannot be decoded ({exc})"
+                ) from None
+        if len(payload) != count:
+            raise CorruptCheckpointError(
+                f"{where}: plane {k} holds {len(payload)} bytes, the tensor needs {count}"
+            )
+        planes[k] = np.frombuffer(payload, dtype=np.uint8)
+    if pos != len(data):
+        raise CorruptCheckpointError(f"{where}: {len(data) - pos} bytes after the last plane")
+    return planes.reshape(-1)
+
+
 _LOCAL = threading.local()
 
 
@@ -154,8 +215,8 @@ def encode_delta(
             return _EMPTY, DeltaEntry(i, "same", dtype, tuple(tensor.shape), base.checksums[name])
         if check is not None:
             check.tensor(i)
-        xor = _planes(np.bitwise_xor(now, then), tensor.element_size())
-        blob = _compressor(config.level).compress(xor.data)
+        planes = _planes(np.bitwise_xor(now, then), tensor.element_size())
+        blob = _pack_planes(planes, tensor.element_size(), _compressor(config.level))
         if len(blob) > _WORTH_IT * now.size:
             return tensor, None
         stored = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -172,18 +233,8 @@ def encode_delta(
 def apply_delta(entry: DeltaEntry, blob: torch.Tensor, target: torch.Tensor, where: str) -> None:
     """Turn ``target``, holding the base's tensor, into the saved one; verify its checksum."""
     if entry.encoding == "xor-zstd":
-        expected = target.numel() * target.element_size()
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                tensor_bytes(blob), max_output_size=expected
-            )
-        except zstandard.ZstdError as exc:
-            raise CorruptCheckpointError(f"{where}: the delta cannot be decoded ({exc})") from None
-        if len(raw) != expected:
-            raise CorruptCheckpointError(
-                f"{where}: the delta decodes to {len(raw)} bytes, the tensor has {expected}"
-            )
-        xor = _unplanes(np.frombuffer(raw, dtype=np.uint8), target.element_size())
+        planes = _unpack_planes(_bytes(blob), target.numel(), target.element_size(), where)
+        xor = _unplanes(planes, target.element_size())
         target_bytes = _bytes(target)
         np.bitwise_xor(target_bytes, xor, out=target_bytes)
     found = digest(tensor_bytes(target))
