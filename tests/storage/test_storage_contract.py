@@ -8,22 +8,36 @@ what only a POSIX filesystem can do (symbolic links).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from crashproof.storage import LocalStorage, MemoryStorage, Storage, read_all, write_all
+from crashproof.storage import (
+    LocalStorage,
+    MemoryStorage,
+    Storage,
+    read_all,
+    storage_for,
+    write_all,
+)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "fsspec-memory", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Storage, str]]:
-    """``(storage, root)``: an empty, existing directory on a fresh backend."""
+    """``(storage, root)``: an empty, existing directory on a fresh backend. ``s3`` is a real
+    S3-protocol server on loopback (moto's), reached through ``AWS_ENDPOINT_URL``."""
     storage: Storage
     if request.param == "local":
         storage, root = LocalStorage(), str(tmp_path / "root")
-    else:
+    elif request.param == "memory":
         storage, root = MemoryStorage(), "/mem/root"
+    elif request.param == "fsspec-memory":
+        root, storage = storage_for(f"memory://contract-{uuid.uuid4().hex}/root")
+    else:
+        request.getfixturevalue("s3_server")
+        root, storage = storage_for(f"s3://contract-{uuid.uuid4().hex}/root")
     storage.make_dirs(root)
     yield storage, root
 

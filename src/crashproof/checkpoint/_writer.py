@@ -259,7 +259,7 @@ def _commit(
             base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
         )
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), dumps(manifest.to_json()))
-        storage.publish(tmp_dir, final_dir)
+        storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
         published = True
         return None
     except Exception as exc:

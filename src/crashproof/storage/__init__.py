@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from crashproof.errors import ConfigError
 from crashproof.storage._base import ReadStream, Storage, WriteStream, read_all, write_all
+from crashproof.storage._fsspec import FsspecStorage
 from crashproof.storage._local import LocalStorage
 from crashproof.storage._memory import MemoryStorage
 
 __all__ = [
+    "FsspecStorage",
     "LocalStorage",
     "MemoryStorage",
     "ReadStream",
@@ -19,12 +22,26 @@ __all__ = [
 
 
 def storage_for(root: str) -> tuple[str, Storage]:
-    """The path and backend for a checkpoint root: the local filesystem for plain paths and file://."""
+    """The path and backend for a checkpoint root: the local filesystem for plain paths and
+    ``file://``; fsspec for every other URI (``s3://``, ``gs://``, ``az://``, ``memory://``, ...),
+    which needs fsspec and the protocol's package (``pip install crashproof[s3]``, ...)."""
     if root.startswith("file://"):
         return root[len("file://") :], LocalStorage()
-    if "://" in root:
-        raise ValueError(
-            f"{root!r}: remote storage URIs are not supported yet; use a local or mounted path, "
-            "or pass storage= explicitly"
+    if "://" not in root:
+        return root, LocalStorage()
+    protocol = root.split("://", 1)[0]
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(protocol)
+    except ImportError as exc:
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(
+            protocol, "all"
         )
-    return root, LocalStorage()
+        raise ConfigError(
+            f"{root!r}: storage for {protocol}:// needs a package that is not installed ({exc}); "
+            f"pip install 'crashproof[{extra}]'"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"{root!r}: unknown storage protocol {protocol!r} ({exc})") from None
+    return root.rstrip("/"), FsspecStorage(fs, protocol)

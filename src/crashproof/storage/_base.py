@@ -6,7 +6,8 @@ guarantees and every backend must provide them:
 
 - ``WriteStream.commit()`` returns only once the bytes are durable (fsync on a filesystem);
 - ``publish(tmp, final)`` makes a fully written directory visible under its final name in one
-  step, durably, or not at all.
+  step, durably, or not at all; where a store cannot (object stores: no rename), the directory
+  counts as complete only once its ``commit_marker`` file, copied last, is there.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class ReadStream(Protocol):
 
 @runtime_checkable
 class Storage(Protocol):
-    """Where checkpoint bytes go. Implementations: :class:`LocalStorage`, :class:`MemoryStorage`."""
+    """Where checkpoint bytes go. Implementations: :class:`LocalStorage`, :class:`MemoryStorage`,
+    :class:`FsspecStorage` (object stores and every other fsspec filesystem)."""
 
     def join(self, base: str, *names: str) -> str:
         """``base`` followed by the plain names ``names``."""
@@ -70,8 +72,12 @@ class Storage(Protocol):
         """Open a regular file for reading; symbolic links are refused (``FileNotFoundError``)."""
         ...
 
-    def publish(self, tmp_dir: str, final_dir: str) -> None:
-        """Atomically and durably rename a finished ``tmp_dir`` to ``final_dir`` (replacing it)."""
+    def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
+        """Atomically and durably rename a finished ``tmp_dir`` to ``final_dir`` (replacing it).
+
+        Stores that cannot rename (object stores) copy instead, and copy the file named
+        ``commit_marker`` last: until it is there, ``final_dir`` is not a complete directory.
+        """
         ...
 
     def remove(self, path: str) -> None:

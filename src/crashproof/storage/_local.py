@@ -100,7 +100,8 @@ class LocalStorage:
     def open(self, path: str) -> _LocalReadStream:
         return _LocalReadStream(path)
 
-    def publish(self, tmp_dir: str, final_dir: str) -> None:
+    def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
+        # A rename is atomic here: the marker needs no special order.
         # The files were fsynced when written; their directory entries are durable only once the
         # directory itself is, and the rename only once the parent is.
         _fsync_dir(tmp_dir)

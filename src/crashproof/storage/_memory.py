@@ -88,7 +88,8 @@ class MemoryStorage:
             except KeyError:
                 raise FileNotFoundError(path) from None
 
-    def publish(self, tmp_dir: str, final_dir: str) -> None:
+    def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
+        # A rename is atomic here: the marker needs no special order.
         src, dst = tmp_dir.rstrip("/") + "/", final_dir.rstrip("/") + "/"
         with self._lock:
             for p in [p for p in self._files if p.startswith(dst)]:
