@@ -57,7 +57,7 @@ class Delta:
     level: int = 1
     """zstd's level: 1 is fast enough to keep up with a disk; higher levels shrink little more."""
     threads: int = 2
-    """Tensors encoded at the same time (zstd and the tensor operations release the GIL)."""
+    """Tensors encoded at the same time (zstd and NumPy release the GIL)."""
 
     def __post_init__(self) -> None:
         if self.full_every < 2 or not 1 <= self.level <= 19 or self.threads < 1:
