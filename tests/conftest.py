@@ -68,9 +68,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
+def s3_server(s3_server_process: subprocess.Popen[bytes]) -> str:
     """A real S3-protocol server on loopback (moto's standalone server, its own process), set up
     the way a user points tools at S3: ``AWS_ENDPOINT_URL`` and credentials in the environment."""
+    return os.environ["AWS_ENDPOINT_URL"]
+
+
+@pytest.fixture(scope="session")
+def s3_server_process() -> Iterator[subprocess.Popen[bytes]]:
+    """The process behind :func:`s3_server` (to freeze it with SIGSTOP, as a hung store)."""
     import time
 
     port = free_port()
@@ -98,7 +104,7 @@ def s3_server() -> Iterator[str]:
         AWS_DEFAULT_REGION="us-east-1",
     )
     try:
-        yield url
+        yield proc
     finally:
         for key, value in saved.items():
             if value is None:

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from crashproof.checkpoint import CheckpointInfo, CheckpointManager, CommitResult, Delta
+from crashproof.checkpoint import (
+    CheckpointInfo,
+    CheckpointManager,
+    CommitResult,
+    Delta,
+    Tier,
+    TierStatus,
+)
 from crashproof.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -32,7 +39,20 @@ from crashproof.errors import (
     UnsupportedStateError,
 )
 from crashproof.guard import EXIT_PREEMPTED, NumericsGuard, PreemptedExit
-from crashproof.policy import AnyOf, EverySeconds, EverySteps, KeepAll, KeepEvery, KeepLast
+from crashproof.policy import (
+    AnyOf,
+    CheckpointFacts,
+    EverySeconds,
+    EverySteps,
+    KeepAll,
+    KeepBest,
+    KeepDaily,
+    KeepEvery,
+    KeepHourly,
+    KeepLast,
+    KeepWeekly,
+    KeepWithin,
+)
 from crashproof.state import ResumableSampler, TrainState
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
 from crashproof.supervisor import heartbeat
@@ -41,6 +61,7 @@ from crashproof.supervisor._worker import attach_to_supervisor
 __all__ = [
     "EXIT_PREEMPTED",
     "AnyOf",
+    "CheckpointFacts",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
@@ -54,8 +75,13 @@ __all__ = [
     "EverySteps",
     "InsufficientMemoryError",
     "KeepAll",
+    "KeepBest",
+    "KeepDaily",
     "KeepEvery",
+    "KeepHourly",
     "KeepLast",
+    "KeepWeekly",
+    "KeepWithin",
     "LocalStorage",
     "MemoryStorage",
     "NonFiniteStateError",
@@ -65,6 +91,8 @@ __all__ = [
     "ResumableSampler",
     "StateMismatchError",
     "Storage",
+    "Tier",
+    "TierStatus",
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedStateError",

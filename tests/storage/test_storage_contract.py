@@ -243,6 +243,32 @@ def test_make_dirs_creates_parents_and_is_idempotent(backend: tuple[Storage, str
     assert _read(storage, storage.join(deep, "kept")) == b"x"
 
 
+def test_put_file_copies_a_local_file_and_replaces_what_was_there(
+    backend: tuple[Storage, str], tmp_path: Path
+) -> None:
+    storage, root = backend
+    big = os.urandom(3 * 1024 * 1024 + 17)
+    local = tmp_path / "upload.bin"
+    local.write_bytes(big)
+    target = storage.join(root, "uploaded.bin")
+    write_all(storage, target, b"older content")
+
+    storage.put_file(str(local), target)
+
+    assert storage.list(root) == ["uploaded.bin"]
+    assert _read(storage, target) == big
+    assert _read(storage, target, offset=1024 * 1024 + 5, size=9) == big[1024 * 1024 + 5 :][:9]
+
+
+def test_put_file_of_a_missing_local_file_raises_and_writes_nothing(
+    backend: tuple[Storage, str], tmp_path: Path
+) -> None:
+    storage, root = backend
+    with pytest.raises(FileNotFoundError):
+        storage.put_file(str(tmp_path / "absent"), storage.join(root, "x"))
+    assert storage.list(root) == []
+
+
 def _write_dir(storage: Storage, directory: str, files: dict[str, bytes]) -> None:
     storage.make_dirs(directory)
     for name, data in files.items():

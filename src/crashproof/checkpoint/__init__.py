@@ -5,6 +5,7 @@ from __future__ import annotations
 from crashproof.checkpoint._catalog import CheckpointInfo, committed_steps, describe_checkpoint
 from crashproof.checkpoint._delta import Delta
 from crashproof.checkpoint._reader import load_rank_state, read_manifest, verify_checkpoint
+from crashproof.checkpoint._replication import Tier, TierStatus
 from crashproof.checkpoint._writer import CommitResult
 from crashproof.checkpoint.manager import CheckpointManager
 
@@ -13,6 +14,8 @@ __all__ = [
     "CheckpointManager",
     "CommitResult",
     "Delta",
+    "Tier",
+    "TierStatus",
     "committed_steps",
     "describe_checkpoint",
     "load_rank_state",

@@ -8,16 +8,18 @@ from crashproof.checkpoint._format import parse_step_dir
 from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
-from crashproof.policy import RetentionPolicy
+from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
 from crashproof.storage import Storage
 
 __all__ = [
     "CheckpointInfo",
     "bases_of",
+    "checkpoint_facts",
     "committed_steps",
     "describe_checkpoint",
     "leftover_dirs",
     "prune_plan",
+    "retention_plan",
 ]
 
 
@@ -136,12 +138,41 @@ def newest_verified(storage: Storage, root: str) -> int | None:
     return None
 
 
+def checkpoint_facts(storage: Storage, found: list[tuple[int, str]]) -> list[CheckpointFacts]:
+    """What retention policies judge by, from each checkpoint's manifest (only the step when the
+    manifest is unreadable)."""
+    facts = []
+    for step, path in found:
+        try:
+            manifest = read_manifest(storage, path)
+            facts.append(CheckpointFacts(step, manifest.created_unix, manifest.metadata))
+        except (CorruptCheckpointError, OSError):
+            facts.append(CheckpointFacts(step))
+    return facts
+
+
+def retention_plan(
+    storage: Storage,
+    found: list[tuple[int, str]],
+    keep: RetentionPolicy,
+    *,
+    keep_always: set[int],
+    facts: list[CheckpointFacts] | None = None,
+) -> list[tuple[int, str]]:
+    """Of ``found``, the checkpoints to remove: what ``keep`` does not keep, sparing
+    ``keep_always`` and every full checkpoint a kept delta needs. ``facts``: those of ``found``
+    when the caller has them (else read from the manifests)."""
+    if facts is None:
+        facts = checkpoint_facts(storage, found)
+    kept = retained(keep, facts) | keep_always
+    kept |= bases_of(storage, dict(found), kept)
+    return [(step, path) for step, path in found if step not in kept]
+
+
 def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:
     """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies."""
     found = committed_steps(storage, root)
-    kept = keep.keep(sorted(step for step, _ in found))
     newest_valid = newest_verified(storage, root)
-    if newest_valid is not None:
-        kept.add(newest_valid)
-    kept |= bases_of(storage, dict(found), kept)
-    return [(step, path) for step, path in found if step not in kept]
+    return retention_plan(
+        storage, found, keep, keep_always=set() if newest_valid is None else {newest_valid}
+    )

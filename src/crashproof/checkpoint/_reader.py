@@ -33,11 +33,23 @@ from crashproof.checkpoint._tree import decode_tree
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
 from crashproof.storage import Storage, read_all
 
-__all__ = ["RankRead", "load_rank_state", "read_manifest", "read_rank_index", "verify_checkpoint"]
+__all__ = [
+    "RankRead",
+    "load_rank_state",
+    "read_manifest",
+    "read_manifest_bytes",
+    "read_rank_index",
+    "verify_checkpoint",
+]
 
 
 def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
     """The parsed manifest; :class:`CorruptCheckpointError` when it is missing or invalid."""
+    return read_manifest_bytes(storage, ckpt_dir)[1]
+
+
+def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifest]:
+    """The manifest's bytes as stored (to copy it unchanged) and parsed."""
     path = storage.join(ckpt_dir, MANIFEST_NAME)
     where = storage.describe(path)
     try:
@@ -53,7 +65,7 @@ def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
         raise CorruptCheckpointError(
             f"{where}: checksums use {manifest.hash_algorithm!r}, expected {HASH_ALGORITHM!r}"
         )
-    return manifest
+    return data, manifest
 
 
 def _file_entry(manifest: Manifest, name: str, where: str) -> FileEntry:

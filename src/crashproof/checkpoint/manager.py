@@ -8,28 +8,34 @@ synchronous save is the same save, waited on.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import errno
 import logging
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
-    bases_of,
     committed_steps,
     describe_checkpoint,
     leftover_dirs,
     prune_plan,
+    retention_plan,
 )
 from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
+from crashproof.checkpoint._format import checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
+from crashproof.checkpoint._replication import Tier, TierReplicator, TierStatus, open_tiers
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
+from crashproof.checkpoint._transfer import download_checkpoint
 from crashproof.checkpoint._writer import (
     CommitResult,
     Snapshot,
@@ -50,6 +56,7 @@ from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext,
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
 from crashproof.supervisor._reporter import trainer_reporter
+from crashproof.telemetry._events import emit
 
 __all__ = ["CheckpointManager"]
 
@@ -82,6 +89,14 @@ class CheckpointManager:
         check_finite: refuse to commit a checkpoint whose parameters or optimizer state hold NaN
             or inf (checked by the background writer: it costs training nothing); the refusal is
             raised as :class:`NonFiniteStateError` at the next call, like any failed save.
+        remote: durable tiers behind the local root: a URI (``"s3://bucket/run"``), a
+            :class:`~crashproof.Tier` (its own retention, options, backlog), or a list of them
+            (e.g. two regions). Each committed checkpoint is copied to every tier in the
+            background, verified there, and :meth:`restore` takes the newest valid checkpoint of
+            any tier. Rank 0 copies (the root must be one directory all ranks write into).
+        remote_timeout_s: how long :meth:`close` waits for the newest checkpoint to be durable in
+            every tier before it gives up, logging what is still pending (it stays on the local
+            disk and the next manager with the same tiers uploads it).
         handle_signals: treat SIGTERM, SIGUSR1 (SLURM's ``--signal``) and a first SIGINT as a
             request to stop: at the next :meth:`maybe_save` all ranks agree, save that step and
             raise :class:`PreemptedExit` (exit code 75, "resumable"). Handlers installed before
@@ -103,6 +118,8 @@ class CheckpointManager:
         handle_signals: bool = True,
         check_finite: bool = True,
         delta: Delta | None = None,
+        remote: str | Tier | Sequence[str | Tier] | None = None,
+        remote_timeout_s: float = 600.0,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -158,6 +175,23 @@ class CheckpointManager:
                     self.storage.describe(leftover),
                 )
                 self.storage.remove(leftover)
+        self._tiers = open_tiers(remote)
+        self.remote_timeout_s = remote_timeout_s
+        self._replicators = (
+            [
+                TierReplicator(
+                    self.storage,
+                    self.root,
+                    tier,
+                    keep=self.keep,
+                    emit=emit,
+                    on_durable=self._retention_after_upload,
+                )
+                for tier in self._tiers
+            ]
+            if self._group.rank == 0
+            else []
+        )
         # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and
         # SIGINT become a request to stop at the next maybe_save.
         if handle_signals:
@@ -339,6 +373,8 @@ class CheckpointManager:
             result.bytes_written / 1e6,
             result.persist_s,
         )
+        for replicator in self._replicators:
+            replicator.notify()
         if self._group.rank == 0:
             # Queued behind this save on the same thread, so a synchronous save returns as soon as
             # it is committed, and the next save starts only after the clean-up.
@@ -408,22 +444,28 @@ class CheckpointManager:
         save's. Abandoned ones are removed when a manager starts.
         """
         try:
-            found = committed_steps(self.storage, self.root)
-            steps = sorted(step for step, _ in found)
-            keep = self.keep.keep(steps) | {keep_always}
+            keep = {keep_always}
             if self._newest_valid is not None:
                 keep.add(self._newest_valid)
             if self._delta_base is not None:  # the next deltas are taken against it
                 keep.add(self._delta_base.step)
-            keep |= bases_of(self.storage, dict(found), keep)
-            for step, path in found:
-                if step not in keep:
-                    log.info("retention: removing checkpoint step %d", step)
-                    self.storage.remove(path)
+            for replicator in self._replicators:  # not yet copied to a durable tier
+                keep |= replicator.protected()
+            found = committed_steps(self.storage, self.root)
+            for step, path in retention_plan(self.storage, found, self.keep, keep_always=keep):
+                log.info("retention: removing checkpoint step %d", step)
+                self.storage.remove(path)
         except OSError as exc:  # a failed clean-up must not fail the save that just committed
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", self.root, exc
             )
+
+    def _retention_after_upload(self) -> None:
+        """A tier took a checkpoint: local retention may now remove what it spared for it."""
+        if self._newest_valid is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the writer thread is shut down: close() runs it
+            self._executor.submit(self._apply_retention, keep_always=self._newest_valid)
 
     def prune(self, keep: RetentionPolicy, *, dry_run: bool = False) -> list[int]:
         """Apply ``keep`` now; returns the steps removed (or that would be, with ``dry_run``).
@@ -479,6 +521,8 @@ class CheckpointManager:
                             "rollback: removing checkpoint step %d (after the anomaly)", later
                         )
                         self.storage.remove(later_path)
+                for replicator in self._replicators:
+                    replicator.forget_after(step)
         self._reporter.restored(step, path, time.perf_counter() - started)
         self._discard_save_of = anomaly_step
         return step
@@ -486,45 +530,33 @@ class CheckpointManager:
     def _restore(
         self, state: TrainState, step: int | None, *, below: int | None = None
     ) -> tuple[int, str] | None:
-        """The step and path restored, or None when there was nothing valid to restore."""
+        """The step and path restored, or None when there was nothing valid to restore.
+
+        Candidates are the checkpoints of every tier, newest first; of one step, the local copy is
+        tried first and each remote copy after it (downloaded into the local root by rank 0,
+        verified, then loaded like a local one).
+        """
         self.wait()
-        found = self._group.broadcast(
-            committed_steps(self.storage, self.root) if self._group.rank == 0 else None
-        )
+        candidates = self._group.broadcast(self._candidates() if self._group.rank == 0 else None)
         if below is not None:
-            found = [(s, p) for s, p in found if s < below]
+            candidates = [c for c in candidates if c[0] < below]
         if step is not None:
-            found = [(s, p) for s, p in found if s == step]
-            if not found:
+            candidates = [c for c in candidates if c[0] == step]
+            if not candidates:
                 raise checkpoint_not_found(self.storage.describe(self.root), step)
         skipped: list[str] = []
-        for candidate, path in found:
-            started = time.perf_counter()
-            status, reader, reason = self._load_candidate(state, candidate, path)
-            try:
-                # Every rank verified its part before any rank writes into its live tensors.
-                statuses = self._group.all_gather((status, reason))
-                mismatch = next((r for s, r in statuses if s == "mismatch"), None)
-                if mismatch is not None:
-                    raise StateMismatchError(mismatch)
-                problems = [r for s, r in statuses if s != "ok"]
-                if problems:
-                    log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
-                    skipped.append(f"step {candidate}: {problems[0]}")
-                    continue
-                assert reader is not None
-                tree = reader.finish()
-            finally:
-                if reader is not None:
-                    reader.close()
-            state.restore(tree, where=f"{self.storage.describe(path)}")
-            self._warn_if_inexact(candidate)
-            self._last_save_step, self._last_save_s = candidate, time.monotonic()
-            self._newest_valid = candidate
-            log.info(
-                "restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started
-            )
-            return int(candidate), self.storage.describe(path)
+        for candidate, path, sources in candidates:
+            for source in sources:
+                if source is not None:  # a remote copy: bring it here first
+                    fetched = self._group.broadcast(
+                        self._fetch(candidate, source) if self._group.rank == 0 else None
+                    )
+                    if fetched:
+                        skipped.append(f"step {candidate} in {source}: {fetched}")
+                        continue
+                restored = self._try_restore(state, candidate, path, skipped)
+                if restored is not None:
+                    return restored
         if step is not None:
             raise CorruptCheckpointError(
                 f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}"
@@ -536,6 +568,88 @@ class CheckpointManager:
                 len(skipped),
             )
         return None
+
+    def _candidates(self) -> list[tuple[int, str, list[str | None]]]:
+        """``(step, local path, sources)`` newest first; a source is None for the local copy or
+        a tier's URI. A tier that cannot be listed is logged and left out."""
+        local = dict(committed_steps(self.storage, self.root))
+        sources: dict[int, list[str | None]] = {s: [None] for s in local}
+        for tier in self._tiers:
+            root, storage = tier.open()
+            try:
+                remote = committed_steps(storage, root)
+            except Exception as exc:  # a dead tier must not stop a restore from the others
+                log.error("cannot list %s to restore from it: %s", tier.uri, exc)
+                continue
+            for remote_step, _ in remote:
+                sources.setdefault(remote_step, []).append(tier.uri)
+        return [
+            (s, local.get(s) or self.storage.join(self.root, checkpoint_dir_name(s)), sources[s])
+            for s in sorted(sources, reverse=True)
+        ]
+
+    def _fetch(self, step: int, uri: str) -> str:
+        """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
+        ``uri`` into the local root; returns "" on success, else why not."""
+        tier = next(t for t in self._tiers if t.uri == uri)
+        root, storage = tier.open()
+        started = time.perf_counter()
+        try:
+            manifest = download_checkpoint(
+                storage,
+                storage.join(root, checkpoint_dir_name(step)),
+                self.storage,
+                self.root,
+                checkpoint_dir_name(step),
+            )
+            base = manifest.base_step
+            if base is not None and checkpoint_dir_name(base) not in self.storage.list(self.root):
+                download_checkpoint(
+                    storage,
+                    storage.join(root, checkpoint_dir_name(base)),
+                    self.storage,
+                    self.root,
+                    checkpoint_dir_name(base),
+                )
+        except Exception as exc:
+            log.warning("cannot restore checkpoint step %d from %s: %s", step, uri, exc)
+            return f"{type(exc).__name__}: {exc}"
+        log.info(
+            "downloaded checkpoint step %d from %s in %.2f s",
+            step,
+            uri,
+            time.perf_counter() - started,
+        )
+        return ""
+
+    def _try_restore(
+        self, state: TrainState, candidate: int, path: str, skipped: list[str]
+    ) -> tuple[int, str] | None:
+        """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if not."""
+        started = time.perf_counter()
+        status, reader, reason = self._load_candidate(state, candidate, path)
+        try:
+            # Every rank verified its part before any rank writes into its live tensors.
+            statuses = self._group.all_gather((status, reason))
+            mismatch = next((r for s, r in statuses if s == "mismatch"), None)
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
+            problems = [r for s, r in statuses if s != "ok"]
+            if problems:
+                log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
+                skipped.append(f"step {candidate}: {problems[0]}")
+                return None
+            assert reader is not None
+            tree = reader.finish()
+        finally:
+            if reader is not None:
+                reader.close()
+        state.restore(tree, where=f"{self.storage.describe(path)}")
+        self._warn_if_inexact(candidate)
+        self._last_save_step, self._last_save_s = candidate, time.monotonic()
+        self._newest_valid = candidate
+        log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
+        return int(candidate), self.storage.describe(path)
 
     def _warn_if_inexact(self, step: int) -> None:
         """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
@@ -608,18 +722,48 @@ class CheckpointManager:
             for s, p in committed_steps(self.storage, self.root)
         ]
 
+    def replication_status(self) -> builtins.list[TierStatus]:
+        """Where each durable tier stands (rank 0; other ranks copy nothing: empty)."""
+        return [r.status() for r in self._replicators]
+
     def close(self) -> None:
-        """Wait for the save in flight, then release the writer thread. Safe to call twice."""
+        """Wait for the save in flight and for the newest checkpoint to be durable in every tier
+        (at most ``remote_timeout_s``), then release the threads. Safe to call twice."""
         if self._closed:
             return
         try:
             with self._reporter.phase("save"):  # the last commit may take long: not a hang
                 self.wait()
+                self._wait_durable()
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            for replicator in self._replicators:
+                replicator.stop()
+            if self._replicators and self._newest_valid is not None:
+                self._apply_retention(keep_always=self._newest_valid)
             self._reporter.closed()
             self._preemption.uninstall()
+
+    def _wait_durable(self) -> None:
+        if not self._replicators or self._newest_valid is None:
+            return
+        deadline = time.monotonic() + self.remote_timeout_s
+        for replicator in self._replicators:
+            left = max(0.0, deadline - time.monotonic())
+            if not replicator.wait_durable(self._newest_valid, left):
+                status = replicator.status()
+                log.error(
+                    "checkpoint step %d is not durable in %s after %.0f s (pending: steps %s; "
+                    "last error: %s); it stays in %s and is uploaded when a manager with this "
+                    "remote starts again",
+                    self._newest_valid,
+                    status.uri,
+                    self.remote_timeout_s,
+                    status.pending,
+                    status.last_error or "none",
+                    self.storage.describe(self.root),
+                )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
-from crashproof.policy._retention import KeepAll, KeepEvery, KeepLast, RetentionPolicy
+from crashproof.policy._retention import (
+    CheckpointFacts,
+    KeepAll,
+    KeepBest,
+    KeepDaily,
+    KeepEvery,
+    KeepHourly,
+    KeepLast,
+    KeepWeekly,
+    KeepWithin,
+    RetentionPolicy,
+    retained,
+)
 from crashproof.policy._save import AnyOf, EverySeconds, EverySteps, SaveContext, SavePolicy
 
 __all__ = [
     "AnyOf",
+    "CheckpointFacts",
     "EverySeconds",
     "EverySteps",
     "KeepAll",
+    "KeepBest",
+    "KeepDaily",
     "KeepEvery",
+    "KeepHourly",
     "KeepLast",
+    "KeepWeekly",
+    "KeepWithin",
     "RetentionPolicy",
     "SaveContext",
     "SavePolicy",
+    "retained",
 ]

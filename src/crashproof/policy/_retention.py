@@ -1,18 +1,51 @@
-"""What to keep: small objects with one method, combined with ``|`` (keep what either keeps).
+"""What to keep: small objects combined with ``|`` (keep what either keeps).
 
-A retention policy only proposes; the manager always also keeps the newest valid checkpoint and
-never touches one being written, whatever the policy says.
+A retention policy only proposes; the manager always also keeps the newest valid checkpoint, the
+full checkpoints its kept deltas need, and one being written, whatever the policy says.
+
+Policies of steps alone implement ``keep(steps)``. Policies that need more (when a checkpoint was
+made, the metrics saved with it) implement ``select(checkpoints)`` over :class:`CheckpointFacts`;
+the seeds' tiered "checkpoint zoo" is then one expression::
+
+    KeepWithin(hours=6) | KeepDaily(7) | KeepWeekly(12) | KeepEvery(10_000) | KeepBest("val_loss")
+
+Time-based policies count from the newest checkpoint, not from the clock (as restic's
+``--keep-within`` does): pruning a run that stopped a month ago does not wipe it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from crashproof.errors import ConfigError
 
-__all__ = ["KeepAll", "KeepEvery", "KeepLast", "RetentionPolicy"]
+__all__ = [
+    "CheckpointFacts",
+    "KeepAll",
+    "KeepBest",
+    "KeepDaily",
+    "KeepEvery",
+    "KeepHourly",
+    "KeepLast",
+    "KeepWeekly",
+    "KeepWithin",
+    "RetentionPolicy",
+    "retained",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFacts:
+    """What a retention policy may look at: a committed checkpoint's step, commit time and the
+    ``metadata`` saved with it (``save(..., metadata={"val_loss": 0.31})``)."""
+
+    step: int
+    created_unix: float | None = None
+    """Unix time of the commit (None: unknown, e.g. an unreadable manifest)."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RetentionPolicy(Protocol):
@@ -21,6 +54,15 @@ class RetentionPolicy(Protocol):
         ...
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy: ...
+
+
+def retained(policy: RetentionPolicy, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+    """The steps ``policy`` keeps of ``checkpoints``: through ``select`` where the policy has it
+    (it may use times and metrics), else through ``keep`` on the steps."""
+    select = getattr(policy, "select", None)
+    if select is not None:
+        return set(select(checkpoints))
+    return set(policy.keep(sorted(c.step for c in checkpoints)))
 
 
 class _Combinable:
@@ -64,6 +106,122 @@ class KeepAll(_Combinable):
         return set(steps)
 
 
+class _ByFacts(_Combinable):
+    """A policy that needs :class:`CheckpointFacts`. Given steps alone it keeps them all: with
+    no times or metrics to judge by, deleting would be a guess."""
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set(steps)
+
+    def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+        raise NotImplementedError
+
+
+def _newest_time(checkpoints: Sequence[CheckpointFacts]) -> float | None:
+    times = [c.created_unix for c in checkpoints if c.created_unix is not None]
+    return max(times) if times else None
+
+
+@dataclass(frozen=True, slots=True)
+class KeepWithin(_ByFacts):
+    """Keep every checkpoint made within this span before the newest one (``hours=6``)."""
+
+    seconds: float = 0.0
+    minutes: float = 0.0
+    hours: float = 0.0
+    days: float = 0.0
+
+    @property
+    def span_s(self) -> float:
+        return self.seconds + 60 * self.minutes + 3600 * self.hours + 86400 * self.days
+
+    def __post_init__(self) -> None:
+        if not self.span_s > 0:
+            raise ConfigError(f"{self!r}: the span must be positive")
+
+    def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+        newest = _newest_time(checkpoints)
+        if newest is None:
+            return {c.step for c in checkpoints}  # no times at all: keep, do not guess
+        return {
+            c.step
+            for c in checkpoints
+            if c.created_unix is None or c.created_unix >= newest - self.span_s
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _KeepOnePer(_ByFacts):
+    """The newest checkpoint of each of the ``n`` most recent periods that have checkpoints."""
+
+    n: int
+    period_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"{type(self).__name__}({self.n}): keep at least 1 period")
+
+    def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+        newest_of: dict[int, CheckpointFacts] = {}
+        for c in checkpoints:
+            if c.created_unix is None:
+                continue  # judged by other policies; the manager keeps what it must
+            period = math.floor(c.created_unix / self.period_s)  # UTC-aligned hours/days/weeks
+            best = newest_of.get(period)
+            if best is None or (c.created_unix, c.step) > (best.created_unix or 0.0, best.step):
+                newest_of[period] = c
+        recent = sorted(newest_of, reverse=True)[: self.n]
+        return {newest_of[p].step for p in recent}
+
+
+@dataclass(frozen=True, slots=True)
+class KeepHourly(_KeepOnePer):
+    """One checkpoint (the newest) of each of the last ``n`` hours that have checkpoints."""
+
+    period_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepDaily(_KeepOnePer):
+    """One checkpoint (the newest) of each of the last ``n`` UTC days that have checkpoints."""
+
+    period_s: float = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepWeekly(_KeepOnePer):
+    """One checkpoint (the newest) of each of the last ``n`` weeks that have checkpoints."""
+
+    period_s: float = 7 * 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepBest(_ByFacts):
+    """Keep the ``n`` checkpoints with the best value of ``metric`` in their metadata
+    (``mode="min"`` for a loss, ``"max"`` for an accuracy). Checkpoints without a finite numeric
+    value of ``metric`` do not compete."""
+
+    metric: str
+    n: int = 1
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"KeepBest({self.metric!r}, n={self.n}): keep at least 1")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"KeepBest(mode={self.mode!r}): use 'min' or 'max'")
+
+    def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+        scored = []
+        for c in checkpoints:
+            value = c.metadata.get(self.metric)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                scored.append((value if self.mode == "min" else -value, -c.step, c.step))
+        return {step for _, _, step in sorted(scored)[: self.n]}
+
+
 @dataclass(frozen=True, slots=True)
 class _Union(_Combinable):
     policies: tuple[RetentionPolicy, ...]
@@ -72,4 +230,10 @@ class _Union(_Combinable):
         kept: set[int] = set()
         for policy in self.policies:
             kept |= policy.keep(steps)
+        return kept
+
+    def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
+        kept: set[int] = set()
+        for policy in self.policies:
+            kept |= retained(policy, checkpoints)
         return kept

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from crashproof.errors import ConfigError
 from crashproof.storage._base import ReadStream, Storage, WriteStream, read_all, write_all
 from crashproof.storage._fsspec import FsspecStorage
@@ -21,10 +24,11 @@ __all__ = [
 ]
 
 
-def storage_for(root: str) -> tuple[str, Storage]:
+def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[str, Storage]:
     """The path and backend for a checkpoint root: the local filesystem for plain paths and
     ``file://``; fsspec for every other URI (``s3://``, ``gs://``, ``az://``, ``memory://``, ...),
-    which needs fsspec and the protocol's package (``pip install crashproof[s3]``, ...)."""
+    which needs fsspec and the protocol's package (``pip install crashproof[s3]``, ...).
+    ``options`` go to the fsspec filesystem (credentials, endpoint, timeouts)."""
     if root.startswith("file://"):
         return root[len("file://") :], LocalStorage()
     if "://" not in root:
@@ -33,7 +37,7 @@ def storage_for(root: str) -> tuple[str, Storage]:
     try:
         import fsspec
 
-        fs = fsspec.filesystem(protocol)
+        fs = fsspec.filesystem(protocol, **dict(options or {}))
     except ImportError as exc:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(
             protocol, "all"

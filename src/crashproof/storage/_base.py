@@ -72,6 +72,11 @@ class Storage(Protocol):
         """Open a regular file for reading; symbolic links are refused (``FileNotFoundError``)."""
         ...
 
+    def put_file(self, local_path: str, path: str) -> None:
+        """Copy the local file ``local_path`` to ``path`` (replacing it), durably, as fast as the
+        store takes it: object stores upload large files in parallel parts (multipart)."""
+        ...
+
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
         """Atomically and durably rename a finished ``tmp_dir`` to ``final_dir`` (replacing it).
 

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import posixpath
 import threading
 from typing import Any
 
-__all__ = ["FsspecStorage"]
+__all__ = ["PUT_CONCURRENCY", "FsspecStorage"]
+
+PUT_CONCURRENCY = 8
+"""Parts of one file uploaded at once, where the store uploads in parts (multipart)."""
 
 
 class _FsspecWriteStream:
@@ -93,6 +97,13 @@ class FsspecStorage:
         self.fs, self.protocol = fs, protocol
         self._writing: set[str] = set()
         self._lock = threading.Lock()
+        # Stores whose upload takes parts in parallel (s3fs) are told how many at once.
+        put = getattr(fs, "_put_file", None) or fs.put_file
+        self._put_options: dict[str, Any] = (
+            {"max_concurrency": PUT_CONCURRENCY}
+            if "max_concurrency" in inspect.signature(put).parameters
+            else {}
+        )
 
     def _key(self, path: str) -> str:
         """The filesystem's own path for a URI (``bucket/key`` for ``s3://bucket/key``)."""
@@ -151,6 +162,11 @@ class FsspecStorage:
         if info.get("type") != "file":
             raise FileNotFoundError(f"{path}: not a file")
         return _FsspecReadStream(self, path, int(info["size"]))
+
+    def put_file(self, local_path: str, path: str) -> None:
+        key = self._key(path)
+        self.fs.put_file(local_path, key, **self._put_options)
+        self.fs.invalidate_cache(posixpath.dirname(key))
 
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
         """Copy ``tmp_dir`` to ``final_dir`` (replacing it), ``commit_marker`` last; see above."""

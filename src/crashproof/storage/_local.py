@@ -100,6 +100,21 @@ class LocalStorage:
     def open(self, path: str) -> _LocalReadStream:
         return _LocalReadStream(path)
 
+    def put_file(self, local_path: str, path: str) -> None:
+        # Copy under a temporary name and rename, so a reader never sees half a file.
+        tmp = f"{path}.put-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(local_path, "rb") as src, open(tmp, "xb") as dst:
+                shutil.copyfileobj(src, dst, _WRITE_CHUNK)  # kernel-side copy where it can
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
         # A rename is atomic here: the marker needs no special order.
         # The files were fsynced when written; their directory entries are durable only once the

@@ -88,6 +88,12 @@ class MemoryStorage:
             except KeyError:
                 raise FileNotFoundError(path) from None
 
+    def put_file(self, local_path: str, path: str) -> None:
+        with open(local_path, "rb") as f:
+            data = f.read()
+        with self._lock:
+            self._files[path] = data
+
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
         # A rename is atomic here: the marker needs no special order.
         src, dst = tmp_dir.rstrip("/") + "/", final_dir.rstrip("/") + "/"

@@ -1,0 +1,512 @@
+"""Durable tiers: committed checkpoints copied from the local root to remote storage, in the
+background, one thread per tier.
+
+Each :class:`TierReplicator` keeps its tier in step with the local root by repeated rounds, each
+doing one thing, most urgent first: forget what a rollback abandoned, upload the newest checkpoint
+the tier lacks, upload older ones the tier's retention would keep (at most ``max_backlog``
+pending), apply the tier's retention. Rounds start when a save commits (:meth:`notify`) and every
+few seconds anyway, so work left by an earlier process is picked up too.
+
+A round that fails (the store is down, hangs past its timeout, refuses) is retried after an
+exponential backoff with full jitter, as cloud SDKs recommend; training never waits for any of it.
+While a tier is failing its backlog is bounded: only the newest ``max_backlog`` pending
+checkpoints are kept for it (the manager spares them locally), older ones are dropped and
+reported. Every upload, failure, recovery and drop is logged and, under ``crashproof run``,
+recorded as an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from crashproof.checkpoint._catalog import committed_steps, retention_plan
+from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._reader import read_manifest_bytes
+from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
+from crashproof.errors import ConfigError, CorruptCheckpointError
+from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
+from crashproof.storage import Storage, storage_for
+
+__all__ = ["Tier", "TierReplicator", "TierStatus", "open_tiers"]
+
+log = logging.getLogger("crashproof.replication")
+
+Emit = Callable[..., None]
+"""``emit(event, **fields)``: where replication events go (the run's event log, or nowhere)."""
+
+POLL_S = 5.0
+"""A round at least this often even without a commit: picks up checkpoints of earlier runs."""
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A durable copy of the checkpoints: an object-store prefix (``s3://bucket/run``), another
+    filesystem, or any fsspec URI.
+
+    Args:
+        uri: where the checkpoints go; one ``step_<N>`` prefix each, as in the local root.
+        keep: the tier's own retention (default: the manager's ``keep``). The newest valid
+            checkpoint of the tier is never removed, nor a full checkpoint a kept delta needs.
+        storage_options: for the fsspec filesystem (endpoint, credentials, timeouts, ...).
+        max_backlog: while the tier is slow or down, at most this many checkpoints wait for it
+            (the newest ones); older pending checkpoints are dropped for this tier and reported.
+        verify: read every upload back and check every checksum before counting it durable.
+        parallel: files uploaded at once (large files also go up in parallel parts).
+    """
+
+    uri: str
+    keep: RetentionPolicy | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    max_backlog: int = 4
+    verify: bool = True
+    parallel: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_backlog < 1:
+            raise ConfigError(f"Tier({self.uri!r}, max_backlog={self.max_backlog}): at least 1")
+        if self.parallel < 1:
+            raise ConfigError(f"Tier({self.uri!r}, parallel={self.parallel}): at least 1")
+
+    def open(self) -> tuple[str, Storage]:
+        """The tier's root and storage."""
+        return storage_for(self.uri, self.storage_options)
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """Where a tier stands, as :meth:`TierReplicator.status` reports it."""
+
+    uri: str
+    newest_durable: int | None
+    """The newest step whose checkpoint is complete (and verified) in the tier."""
+    pending: list[int]
+    """Local checkpoints waiting for the tier, newest first."""
+    uploading: tuple[int, float] | None
+    """The checkpoint being uploaded and since when (Unix time): a long one means a slow or
+    hung store."""
+    failing_since: float | None
+    """Unix time of the first failure of the current outage; None while the tier works."""
+    last_error: str
+    uploaded: int
+    bytes_uploaded: int
+    dropped: list[int]
+    """Checkpoints given up for this tier while it was down (the backlog was full)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uri": self.uri,
+            "newest_durable": self.newest_durable,
+            "pending": self.pending,
+            "uploading": None
+            if self.uploading is None
+            else {"step": self.uploading[0], "since": self.uploading[1]},
+            "failing_since": self.failing_since,
+            "last_error": self.last_error,
+            "uploaded": self.uploaded,
+            "bytes_uploaded": self.bytes_uploaded,
+            "dropped": self.dropped,
+        }
+
+
+@dataclass
+class _Local:
+    """A local checkpoint as a round sees it."""
+
+    path: str
+    manifest: bytes
+    facts: CheckpointFacts
+    base_step: int | None
+
+
+class TierReplicator:
+    """Keeps one tier in step with a local checkpoint root, on its own daemon thread."""
+
+    def __init__(
+        self,
+        local: Storage,
+        local_root: str,
+        tier: Tier,
+        *,
+        keep: RetentionPolicy,
+        emit: Emit,
+        on_durable: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.tier = tier
+        self._local, self._local_root = local, local_root
+        self._keep = tier.keep if tier.keep is not None else keep
+        self._emit = emit
+        self._on_durable = on_durable  # local retention may now remove what it had to spare
+        self._remote_root, self._remote = tier.open()
+        self._cond = threading.Condition()
+        self._wake = False
+        self._stopping = False
+        self._forget_after: int | None = None
+        # The tier as this replicator knows it: step -> digest of its manifest (None: unknown
+        # until the first successful listing).
+        self._durable: dict[int, str] | None = None
+        self._relist = False
+        self._retention_due = False
+        self._remote_facts: dict[int, CheckpointFacts] = {}
+        self._local_cache: dict[str, _Local] = {}
+        self._scan_lock = threading.Lock()
+        self._pending: list[int] = []
+        self._dropped: list[int] = []
+        self._failing_since: float | None = None
+        self._uploading: tuple[int, float] | None = None
+        self._failures = 0
+        self._last_error = ""
+        self._uploaded = 0
+        self._bytes = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"crashproof-replicate-{tier.uri}", daemon=True
+        )
+        self._thread.start()
+
+    # -- what the manager calls -------------------------------------------------------------
+
+    def notify(self) -> None:
+        """A checkpoint was committed (or removed) locally: start a round now."""
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+
+    def forget_after(self, step: int) -> None:
+        """A rollback abandoned every checkpoint after ``step``: remove them from the tier too,
+        before anything else is uploaded."""
+        with self._cond:
+            self._forget_after = (
+                step if self._forget_after is None else min(step, self._forget_after)
+            )
+            self._wake = True
+            self._cond.notify_all()
+
+    def protected(self) -> set[int]:
+        """Local checkpoints the tier still waits for: local retention must spare them. Computed
+        afresh, so a checkpoint committed a moment ago is covered before any round has run."""
+        return set(self._backlog(self._scan_local())[0])  # tier not listed yet: all missing
+
+    def status(self) -> TierStatus:
+        """Where the tier stands now; the backlog is computed afresh, not from the last round
+        (which may be stuck in a transfer to a store that hangs)."""
+        pending = sorted(self.protected(), reverse=True)
+        with self._cond:
+            durable = self._durable or {}
+            return TierStatus(
+                uri=self.tier.uri,
+                newest_durable=max(durable) if durable else None,
+                pending=pending,
+                uploading=self._uploading,
+                failing_since=self._failing_since,
+                last_error=self._last_error,
+                uploaded=self._uploaded,
+                bytes_uploaded=self._bytes,
+                dropped=list(self._dropped),
+            )
+
+    def wait_durable(self, step: int, timeout_s: float) -> bool:
+        """Wait until checkpoint ``step`` (or a newer one) is durable in the tier and nothing else
+        is pending for it; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+            while not (self._is_durable(step) and not self._pending):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 1.0))
+            return True
+
+    def _is_durable(self, step: int) -> bool:
+        durable = self._durable or {}
+        return any(s >= step for s in durable)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread after the transfer in progress (waiting at most ``timeout_s``: a hung
+        store cannot hold up the process; the daemon thread dies with it)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+            try:
+                busy = self._round()
+            except Exception as exc:  # anything the store throws: back off and try again
+                self._failed(exc)
+                delay = random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self._failures))
+                self._sleep(delay, wake_early=False)
+                continue
+            self._recovered()
+            if not busy:
+                self._sleep(POLL_S, wake_early=True)
+
+    def _sleep(self, seconds: float, *, wake_early: bool) -> None:
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self._stopping:
+                if wake_early and self._wake:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._wake = False
+
+    def _round(self) -> bool:
+        """One unit of work; True when there may be more to do at once."""
+        if self._durable is None or self._relist:
+            self._list_remote()
+            self._relist, self._retention_due = False, True
+        with self._cond:
+            forget, self._forget_after = self._forget_after, None
+        if forget is not None:
+            self._forget(forget)
+            return True
+        local = self._scan_local()
+        todo = self._plan(local)
+        if todo:
+            self._upload(todo[0], local)
+            return True
+        if self._retention_due:
+            self._apply_retention()
+            self._retention_due = False
+        return False
+
+    def _list_remote(self) -> None:
+        """Learn what the tier holds; remove uploads that never committed (no manifest)."""
+        self._remote.make_dirs(self._remote_root)
+        durable: dict[int, str] = {}
+        facts: dict[int, CheckpointFacts] = {}
+        for step, path in committed_steps(self._remote, self._remote_root):
+            try:
+                data, manifest = read_manifest_bytes(self._remote, path)
+            except CorruptCheckpointError as exc:
+                if MANIFEST_NAME not in self._remote.list(path):
+                    log.info(
+                        "%s: removing an upload that never committed", self._remote.describe(path)
+                    )
+                    remove_checkpoint(self._remote, path)
+                else:
+                    log.warning("%s; it will be replaced", exc)
+                continue
+            durable[step] = digest(data)
+            facts[step] = CheckpointFacts(step, manifest.created_unix, manifest.metadata)
+        with self._cond:
+            self._durable, self._remote_facts = durable, facts
+            self._cond.notify_all()
+
+    def _scan_local(self) -> dict[int, _Local]:
+        """The local root's committed checkpoints with readable manifests (cached: immutable)."""
+        with self._scan_lock:  # the replicator and the manager's retention both scan
+            return self._scan_local_locked()
+
+    def _scan_local_locked(self) -> dict[int, _Local]:
+        found: dict[int, _Local] = {}
+        paths = set()
+        for step, path in committed_steps(self._local, self._local_root):
+            paths.add(path)
+            entry = self._local_cache.get(path)
+            if entry is None:
+                try:
+                    data, manifest = read_manifest_bytes(self._local, path)
+                except (OSError, CorruptCheckpointError):
+                    continue  # being written, removed, or corrupt: not ours to copy now
+                entry = _Local(
+                    path,
+                    data,
+                    CheckpointFacts(step, manifest.created_unix, manifest.metadata),
+                    manifest.base_step,
+                )
+                self._local_cache[path] = entry
+            found[step] = entry
+        for gone in set(self._local_cache) - paths:
+            del self._local_cache[gone]
+        return found
+
+    def _plan(self, local: dict[int, _Local]) -> list[int]:
+        """What to upload now, most urgent first (see :meth:`_backlog`); reports drops."""
+        todo, dropped = self._backlog(local)
+        newly_dropped = [s for s in dropped if s not in self._dropped]
+        if newly_dropped:
+            log.warning(
+                "%s is behind by %d checkpoints; giving up on steps %s for it (max_backlog=%d)",
+                self.tier.uri,
+                len(todo) + len(dropped),
+                newly_dropped,
+                self.tier.max_backlog,
+            )
+            self._emit("replication_dropped", tier=self.tier.uri, steps=newly_dropped)
+            self._dropped = sorted(set(self._dropped) | set(newly_dropped))[-100:]
+        with self._cond:
+            self._pending = todo
+        return todo
+
+    def _backlog(self, local: dict[int, _Local]) -> tuple[list[int], list[int]]:
+        """``(todo, dropped)``: the local checkpoints the tier lacks and wants, most urgent first
+        (the newest, then those the tier's retention keeps, a delta's base before the delta), at
+        most ``max_backlog`` of them; and the older ones beyond that bound."""
+        with self._cond:
+            durable = dict(self._durable or {})
+            remote_facts = dict(self._remote_facts)
+        missing = {s for s, e in local.items() if durable.get(s) != digest(e.manifest)}
+        if not missing:
+            return [], []
+        facts = {s: e.facts for s, e in local.items()} | {
+            s: f for s, f in remote_facts.items() if s not in local
+        }
+        wanted = retained(self._keep, list(facts.values())) & missing
+        if max(local) in missing:
+            wanted.add(max(local))
+        ordered = sorted(wanted, reverse=True)
+        todo: list[int] = []
+        for step in ordered[: self.tier.max_backlog]:
+            base = local[step].base_step
+            if base is not None and base in local and base in missing and base not in todo:
+                todo.append(base)  # a delta is only restorable next to its base
+            if step not in todo:
+                todo.append(step)
+        return todo, ordered[self.tier.max_backlog :]
+
+    def _upload(self, step: int, local: dict[int, _Local]) -> None:
+        entry = local[step]
+        remote_dir = self._remote.join(self._remote_root, checkpoint_dir_name(step))
+        started = time.perf_counter()
+        with self._cond:
+            self._uploading = (step, time.time())
+        try:
+            nbytes = upload_checkpoint(
+                self._local,
+                entry.path,
+                entry.manifest,
+                self._remote,
+                remote_dir,
+                parallel=self.tier.parallel,
+                verify=self.tier.verify,
+            )
+        except FileNotFoundError:
+            if not self._local.list(entry.path):  # retention removed it meanwhile: superseded
+                log.info("checkpoint step %d was removed before it reached %s", step, self.tier.uri)
+                return
+            raise
+        finally:
+            with self._cond:
+                self._uploading = None
+        seconds = time.perf_counter() - started
+        with self._cond:
+            assert self._durable is not None
+            self._durable[step] = digest(entry.manifest)
+            self._remote_facts[step] = entry.facts
+            self._uploaded += 1
+            self._bytes += nbytes
+            self._retention_due = True
+            self._cond.notify_all()
+        log.info(
+            "checkpoint step %d is durable in %s: %.1f MB in %.2f s",
+            step,
+            self.tier.uri,
+            nbytes / 1e6,
+            seconds,
+        )
+        self._emit(
+            "replicated", tier=self.tier.uri, step=step, bytes=nbytes, seconds=round(seconds, 4)
+        )
+        self._on_durable()
+
+    def _forget(self, after: int) -> None:
+        for step, path in committed_steps(self._remote, self._remote_root):
+            if step > after:
+                log.warning("rollback: removing checkpoint step %d from %s", step, self.tier.uri)
+                remove_checkpoint(self._remote, path)
+                with self._cond:
+                    (self._durable or {}).pop(step, None)
+                    self._remote_facts.pop(step, None)
+
+    def _apply_retention(self) -> None:
+        """The tier's retention, after uploads: never its newest checkpoint, nor a kept delta's base."""
+        durable = self._durable or {}
+        if not durable:
+            return
+        found = sorted(
+            ((s, self._remote.join(self._remote_root, checkpoint_dir_name(s))) for s in durable),
+            reverse=True,
+        )
+        facts = [self._remote_facts.get(s, CheckpointFacts(s)) for s, _ in found]
+        plan = retention_plan(
+            self._remote, found, self._keep, keep_always={max(durable)}, facts=facts
+        )
+        for step, path in plan:
+            log.info("retention: removing checkpoint step %d from %s", step, self.tier.uri)
+            remove_checkpoint(self._remote, path)
+            with self._cond:
+                durable.pop(step, None)
+                self._remote_facts.pop(step, None)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _failed(self, exc: Exception) -> None:
+        self._failures += 1
+        why = f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            first = self._failing_since is None
+            if first:
+                self._failing_since = time.time()
+            self._last_error = why
+            pending = list(self._pending)
+        log.log(
+            logging.ERROR if first else logging.WARNING,
+            "replication to %s failed (attempt %d, %d checkpoints pending): %s; training goes on, "
+            "retrying",
+            self.tier.uri,
+            self._failures,
+            len(pending),
+            why,
+        )
+        self._emit(
+            "replication_failed",
+            tier=self.tier.uri,
+            attempt=self._failures,
+            pending=pending,
+            error=why[:500],
+        )
+        self._relist = True  # a failed upload may have left anything behind: look again
+
+    def _recovered(self) -> None:
+        if self._failing_since is None:
+            return
+        down_s = time.time() - self._failing_since
+        log.warning("replication to %s works again after %.1f s", self.tier.uri, down_s)
+        self._emit("replication_recovered", tier=self.tier.uri, down_s=round(down_s, 3))
+        with self._cond:
+            self._failing_since = None
+            self._last_error = ""
+        self._failures = 0
+
+
+def open_tiers(
+    remote: str | Tier | Sequence[str | Tier] | None,
+) -> list[Tier]:
+    """The manager's ``remote=`` argument as a list of tiers."""
+    if remote is None:
+        return []
+    items = [remote] if isinstance(remote, str | Tier) else list(remote)
+    tiers = [t if isinstance(t, Tier) else Tier(t) for t in items]
+    uris = [t.uri for t in tiers]
+    if len(set(uris)) != len(uris):
+        raise ConfigError(f"remote={uris}: a tier is listed twice")
+    return tiers
