@@ -102,6 +102,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--full-every", type=int, default=0, help="deltas between full checkpoints (0: all full)"
     )
     p.add_argument(
+        "--remote",
+        action="append",
+        default=[],
+        metavar="URI",
+        help="also keep checkpoints in this durable tier (s3://bucket/prefix, ...); repeatable",
+    )
+    p.add_argument(
         "--nan-sample", type=int, default=None, help="a batch holding this sample id has a NaN loss"
     )
     return p.parse_args(argv)
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=cp.KeepLast(args.keep),
         async_save=not args.sync,
         delta=cp.Delta(full_every=args.full_every) if args.full_every else None,
+        remote=args.remote or None,
     )
     # Before each update: a NaN loss rolls back to the checkpoint before it and skips that data.
     # In the state, so a resumed run judges loss spikes with the same history.

@@ -267,3 +267,16 @@ def test_an_unreachable_tier_at_restore_falls_back_to_the_local_checkpoints(
     ckpt.close()
     assert "cannot list s3://bucket/run" in caplog.text
     assert "not durable in s3://bucket/run" in caplog.text
+
+
+def test_s3_storage_leaves_the_global_python_rng_alone() -> None:
+    # The training's random stream is part of its checkpoints: an SDK drawing from it (at import,
+    # or for retry jitter in a background upload) would make resumed runs diverge.
+    import random
+
+    random.seed(1234)
+    expected = random.getstate()
+    root, storage = storage_for(_bucket())
+    storage.make_dirs(root)
+    storage.list(root)
+    assert random.getstate() == expected

@@ -17,13 +17,14 @@ recorded as an event.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from crashproof.checkpoint._catalog import committed_steps, retention_plan
 from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name
@@ -31,10 +32,24 @@ from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._reader import read_manifest_bytes
 from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
 from crashproof.errors import ConfigError, CorruptCheckpointError
-from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
+from crashproof.policy import (
+    CheckpointFacts,
+    RetentionPolicy,
+    policy_from_spec,
+    policy_to_spec,
+    retained,
+)
 from crashproof.storage import Storage, storage_for
 
-__all__ = ["Tier", "TierReplicator", "TierStatus", "open_tiers"]
+__all__ = [
+    "LocalCheckpoints",
+    "Replica",
+    "Tier",
+    "TierReplicator",
+    "TierStatus",
+    "open_tiers",
+    "plan_backlog",
+]
 
 log = logging.getLogger("crashproof.replication")
 
@@ -75,6 +90,37 @@ class Tier:
             raise ConfigError(f"Tier({self.uri!r}, max_backlog={self.max_backlog}): at least 1")
         if self.parallel < 1:
             raise ConfigError(f"Tier({self.uri!r}, parallel={self.parallel}): at least 1")
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The tier for another process (the agent); None when its retention policy or options
+        cannot be described in JSON (a policy class of the user's own)."""
+        keep = None if self.keep is None else policy_to_spec(self.keep)
+        if self.keep is not None and keep is None:
+            return None
+        try:
+            options = json.loads(json.dumps(dict(self.storage_options)))
+        except (TypeError, ValueError):
+            return None
+        return {
+            "uri": self.uri,
+            "keep": keep,
+            "storage_options": options,
+            "max_backlog": self.max_backlog,
+            "verify": self.verify,
+            "parallel": self.parallel,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Tier:
+        keep = data.get("keep")
+        return cls(
+            uri=str(data["uri"]),
+            keep=None if keep is None else policy_from_spec(keep),
+            storage_options=dict(data.get("storage_options") or {}),
+            max_backlog=int(data.get("max_backlog", 4)),
+            verify=bool(data.get("verify", True)),
+            parallel=int(data.get("parallel", 4)),
+        )
 
     def open(self) -> tuple[str, Storage]:
         """The tier's root and storage."""
@@ -117,6 +163,20 @@ class TierStatus:
         }
 
 
+class Replica(Protocol):
+    """One tier's replication as the manager drives it: in this process (:class:`TierReplicator`)
+    or by the agent of ``crashproof run`` (``AgentTier``)."""
+
+    tier: Tier
+
+    def notify(self) -> None: ...
+    def forget_after(self, step: int) -> None: ...
+    def protected(self) -> set[int]: ...
+    def status(self) -> TierStatus: ...
+    def wait_durable(self, step: int, timeout_s: float) -> bool: ...
+    def stop(self, timeout_s: float = 5.0) -> None: ...
+
+
 @dataclass
 class _Local:
     """A local checkpoint as a round sees it."""
@@ -125,6 +185,70 @@ class _Local:
     manifest: bytes
     facts: CheckpointFacts
     base_step: int | None
+
+
+class LocalCheckpoints:
+    """The committed checkpoints of a local root with their manifests, as replication sees them;
+    manifests are cached (a committed checkpoint never changes). Safe to share between threads."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self._storage, self._root = storage, root
+        self._cache: dict[str, _Local] = {}
+        self._lock = threading.Lock()
+
+    def scan(self) -> dict[int, _Local]:
+        with self._lock:
+            found: dict[int, _Local] = {}
+            for step, path in committed_steps(self._storage, self._root):
+                entry = self._cache.get(path)
+                if entry is None:
+                    try:
+                        data, manifest = read_manifest_bytes(self._storage, path)
+                    except (OSError, CorruptCheckpointError):
+                        continue  # being written, removed, or corrupt: not ours to copy now
+                    entry = _Local(
+                        path,
+                        data,
+                        CheckpointFacts(step, manifest.created_unix, manifest.metadata),
+                        manifest.base_step,
+                    )
+                found[step] = entry
+            self._cache = {e.path: e for e in found.values()}
+            return found
+
+
+def plan_backlog(
+    local: Mapping[int, _Local],
+    durable: Mapping[int, str],
+    remote_facts: Mapping[int, CheckpointFacts],
+    keep: RetentionPolicy,
+    max_backlog: int,
+) -> tuple[list[int], list[int]]:
+    """``(todo, dropped)``: the local checkpoints a tier lacks and wants, most urgent first (the
+    newest, then those the tier's retention keeps, a delta's base before the delta), at most
+    ``max_backlog`` of them; and the older ones beyond that bound.
+
+    ``durable`` maps the tier's steps to their manifest's digest (a local checkpoint with a
+    different manifest, e.g. one saved again after a rollback, is missing from the tier).
+    """
+    missing = {s for s, e in local.items() if durable.get(s) != digest(e.manifest)}
+    if not missing:
+        return [], []
+    facts = {s: e.facts for s, e in local.items()} | {
+        s: f for s, f in remote_facts.items() if s not in local
+    }
+    wanted = retained(keep, list(facts.values())) & missing
+    if max(local) in missing:
+        wanted.add(max(local))
+    ordered = sorted(wanted, reverse=True)
+    todo: list[int] = []
+    for step in ordered[:max_backlog]:
+        base = local[step].base_step
+        if base is not None and base in local and base in missing and base not in todo:
+            todo.append(base)  # a delta is only restorable next to its base
+        if step not in todo:
+            todo.append(step)
+    return todo, ordered[max_backlog:]
 
 
 class TierReplicator:
@@ -156,13 +280,13 @@ class TierReplicator:
         self._relist = False
         self._retention_due = False
         self._remote_facts: dict[int, CheckpointFacts] = {}
-        self._local_cache: dict[str, _Local] = {}
-        self._scan_lock = threading.Lock()
+        self._local_checkpoints = LocalCheckpoints(local, local_root)
         self._pending: list[int] = []
         self._dropped: list[int] = []
         self._failing_since: float | None = None
         self._uploading: tuple[int, float] | None = None
         self._failures = 0
+        self._jitter = random.Random()  # never the global RNG: that one is the training's
         self._last_error = ""
         self._uploaded = 0
         self._bytes = 0
@@ -212,6 +336,11 @@ class TierReplicator:
                 dropped=list(self._dropped),
             )
 
+    def durable(self) -> dict[str, str]:
+        """The tier's complete checkpoints: step (as a string, for JSON) -> manifest digest."""
+        with self._cond:
+            return {str(s): d for s, d in (self._durable or {}).items()}
+
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         """Wait until checkpoint ``step`` (or a newer one) is durable in the tier and nothing else
         is pending for it; False on timeout."""
@@ -249,7 +378,9 @@ class TierReplicator:
                 busy = self._round()
             except Exception as exc:  # anything the store throws: back off and try again
                 self._failed(exc)
-                delay = random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self._failures))
+                delay = self._jitter.uniform(
+                    0, min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self._failures)
+                )
                 self._sleep(delay, wake_early=False)
                 continue
             self._recovered()
@@ -312,32 +443,7 @@ class TierReplicator:
             self._cond.notify_all()
 
     def _scan_local(self) -> dict[int, _Local]:
-        """The local root's committed checkpoints with readable manifests (cached: immutable)."""
-        with self._scan_lock:  # the replicator and the manager's retention both scan
-            return self._scan_local_locked()
-
-    def _scan_local_locked(self) -> dict[int, _Local]:
-        found: dict[int, _Local] = {}
-        paths = set()
-        for step, path in committed_steps(self._local, self._local_root):
-            paths.add(path)
-            entry = self._local_cache.get(path)
-            if entry is None:
-                try:
-                    data, manifest = read_manifest_bytes(self._local, path)
-                except (OSError, CorruptCheckpointError):
-                    continue  # being written, removed, or corrupt: not ours to copy now
-                entry = _Local(
-                    path,
-                    data,
-                    CheckpointFacts(step, manifest.created_unix, manifest.metadata),
-                    manifest.base_step,
-                )
-                self._local_cache[path] = entry
-            found[step] = entry
-        for gone in set(self._local_cache) - paths:
-            del self._local_cache[gone]
-        return found
+        return self._local_checkpoints.scan()
 
     def _plan(self, local: dict[int, _Local]) -> list[int]:
         """What to upload now, most urgent first (see :meth:`_backlog`); reports drops."""
@@ -358,30 +464,10 @@ class TierReplicator:
         return todo
 
     def _backlog(self, local: dict[int, _Local]) -> tuple[list[int], list[int]]:
-        """``(todo, dropped)``: the local checkpoints the tier lacks and wants, most urgent first
-        (the newest, then those the tier's retention keeps, a delta's base before the delta), at
-        most ``max_backlog`` of them; and the older ones beyond that bound."""
         with self._cond:
             durable = dict(self._durable or {})
             remote_facts = dict(self._remote_facts)
-        missing = {s for s, e in local.items() if durable.get(s) != digest(e.manifest)}
-        if not missing:
-            return [], []
-        facts = {s: e.facts for s, e in local.items()} | {
-            s: f for s, f in remote_facts.items() if s not in local
-        }
-        wanted = retained(self._keep, list(facts.values())) & missing
-        if max(local) in missing:
-            wanted.add(max(local))
-        ordered = sorted(wanted, reverse=True)
-        todo: list[int] = []
-        for step in ordered[: self.tier.max_backlog]:
-            base = local[step].base_step
-            if base is not None and base in local and base in missing and base not in todo:
-                todo.append(base)  # a delta is only restorable next to its base
-            if step not in todo:
-                todo.append(step)
-        return todo, ordered[self.tier.max_backlog :]
+        return plan_backlog(local, durable, remote_facts, self._keep, self.tier.max_backlog)
 
     def _upload(self, step: int, local: dict[int, _Local]) -> None:
         entry = local[step]

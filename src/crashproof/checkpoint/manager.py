@@ -32,7 +32,14 @@ from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
 from crashproof.checkpoint._format import checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
-from crashproof.checkpoint._replication import Tier, TierReplicator, TierStatus, open_tiers
+from crashproof.checkpoint._replication import (
+    LocalCheckpoints,
+    Replica,
+    Tier,
+    TierReplicator,
+    TierStatus,
+    open_tiers,
+)
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._transfer import download_checkpoint
@@ -55,6 +62,7 @@ from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListen
 from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext, SavePolicy
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
+from crashproof.supervisor._replication_host import agent_tiers
 from crashproof.supervisor._reporter import trainer_reporter
 from crashproof.telemetry._events import emit
 
@@ -177,21 +185,7 @@ class CheckpointManager:
                 self.storage.remove(leftover)
         self._tiers = open_tiers(remote)
         self.remote_timeout_s = remote_timeout_s
-        self._replicators = (
-            [
-                TierReplicator(
-                    self.storage,
-                    self.root,
-                    tier,
-                    keep=self.keep,
-                    emit=emit,
-                    on_durable=self._retention_after_upload,
-                )
-                for tier in self._tiers
-            ]
-            if self._group.rank == 0
-            else []
-        )
+        self._replicators = self._start_replication() if self._group.rank == 0 else []
         # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and
         # SIGINT become a request to stop at the next maybe_save.
         if handle_signals:
@@ -459,6 +453,27 @@ class CheckpointManager:
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", self.root, exc
             )
+
+    def _start_replication(self) -> builtins.list[Replica]:
+        """Rank 0's replication to the tiers: by the agent of ``crashproof run`` when there is
+        one (uploads then outlive this process), else on threads of this process."""
+        if not self._tiers:
+            return []
+        local = LocalCheckpoints(self.storage, self.root)
+        by_agent = agent_tiers(self.root, self._tiers, self.keep, local)
+        if by_agent is not None:
+            return list(by_agent)
+        return [
+            TierReplicator(
+                self.storage,
+                self.root,
+                tier,
+                keep=self.keep,
+                emit=emit,
+                on_durable=self._retention_after_upload,
+            )
+            for tier in self._tiers
+        ]
 
     def _retention_after_upload(self) -> None:
         """A tier took a checkpoint: local retention may now remove what it spared for it."""

@@ -13,6 +13,8 @@ from crashproof.policy._retention import (
     KeepWeekly,
     KeepWithin,
     RetentionPolicy,
+    policy_from_spec,
+    policy_to_spec,
     retained,
 )
 from crashproof.policy._save import AnyOf, EverySeconds, EverySteps, SaveContext, SavePolicy
@@ -33,5 +35,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveContext",
     "SavePolicy",
+    "policy_from_spec",
+    "policy_to_spec",
     "retained",
 ]

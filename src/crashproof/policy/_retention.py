@@ -33,6 +33,8 @@ __all__ = [
     "KeepWeekly",
     "KeepWithin",
     "RetentionPolicy",
+    "policy_from_spec",
+    "policy_to_spec",
     "retained",
 ]
 
@@ -237,3 +239,48 @@ class _Union(_Combinable):
         for policy in self.policies:
             kept |= retained(policy, checkpoints)
         return kept
+
+
+_SPEC_TYPES: dict[str, type[Any]] = {
+    cls.__name__: cls
+    for cls in (
+        KeepAll,
+        KeepBest,
+        KeepDaily,
+        KeepEvery,
+        KeepHourly,
+        KeepLast,
+        KeepWeekly,
+        KeepWithin,
+    )
+}
+
+
+def policy_to_spec(policy: RetentionPolicy) -> dict[str, Any] | None:
+    """A JSON description of a built-in policy (to hand it to another process); None for a policy
+    of the user's own, which cannot be described."""
+    if isinstance(policy, _Union):
+        parts = [policy_to_spec(p) for p in policy.policies]
+        return None if any(p is None for p in parts) else {"type": "any", "of": parts}
+    if (
+        type(policy).__name__ not in _SPEC_TYPES
+        or type(policy) is not _SPEC_TYPES[type(policy).__name__]
+    ):
+        return None
+    fields = {f: getattr(policy, f) for f in policy.__dataclass_fields__}  # type: ignore[attr-defined]
+    return {"type": type(policy).__name__, **fields}
+
+
+def policy_from_spec(spec: Mapping[str, Any]) -> RetentionPolicy:
+    """The policy :func:`policy_to_spec` described; only built-in policy types are accepted."""
+    kind = spec.get("type")
+    if kind == "any":
+        parts = [policy_from_spec(p) for p in spec.get("of", [])]
+        if not parts:
+            raise ConfigError(f"retention spec {spec!r}: 'any' of nothing")
+        return _Union(tuple(parts))
+    cls = _SPEC_TYPES.get(str(kind))
+    if cls is None:
+        raise ConfigError(f"retention spec {spec!r}: unknown policy type {kind!r}")
+    policy: RetentionPolicy = cls(**{k: v for k, v in spec.items() if k != "type"})
+    return policy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,10 +35,13 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
     if "://" not in root:
         return root, LocalStorage()
     protocol = root.split("://", 1)[0]
+    # Some SDKs draw from Python's global RNG when imported or configured; that stream is the
+    # training's (and in its checkpoints): leave it exactly as it was.
+    rng_state = random.getstate()
     try:
         import fsspec
 
-        fs = fsspec.filesystem(protocol, **dict(options or {}))
+        fs = fsspec.filesystem(protocol, **_with_defaults(protocol, options))
     except ImportError as exc:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(
             protocol, "all"
@@ -48,4 +52,18 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
         ) from None
     except ValueError as exc:
         raise ConfigError(f"{root!r}: unknown storage protocol {protocol!r} ({exc})") from None
+    finally:
+        random.setstate(rng_state)
     return root.rstrip("/"), FsspecStorage(fs, protocol)
+
+
+def _with_defaults(protocol: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``options`` plus crashproof's defaults. For S3, botocore's own retries are off unless
+    asked for: their jitter draws from Python's global RNG (from a background upload thread, at
+    moments no run can reproduce), and crashproof retries with backoff on its own."""
+    merged = dict(options or {})
+    if protocol in ("s3", "s3a"):
+        config = dict(merged.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1})
+        merged["config_kwargs"] = config
+    return merged

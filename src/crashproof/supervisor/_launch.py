@@ -44,6 +44,7 @@ from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
+from crashproof.supervisor._replication_host import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.telemetry._events import EVENTS_FILE, EventLog
 
 __all__ = [
@@ -139,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on a preemption (SIGTERM to this command, or a notice), how long trainers get for "
         "their emergency checkpoint before SIGKILL",
+    )
+    group.add_argument(
+        "--replication-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="when the run ends, how long to wait for checkpoints still being copied to durable "
+        "tiers (CheckpointManager(remote=...)); on a preemption at most --preemption-grace",
     )
     parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
     return parser
@@ -329,6 +338,10 @@ def _launch(
         log_line_prefix_template=config.log_line_prefix_template,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
+    # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
+    replication_dir = os.path.join(supervisor.run_dir, "replication")
+    replication = ReplicationHost(replication_dir, events)
+    os.environ[ENV_AGENT_REPLICATION] = replication_dir
     started = time.monotonic()
     events.emit(
         "run_start",
@@ -384,6 +397,12 @@ def _launch(
     finally:
         if notices is not None:
             notices.close()
+        preempted = code == EXIT_PREEMPTED
+        replication.close(
+            min(args.replication_timeout, supervisor.preemption_grace_s)
+            if preempted
+            else args.replication_timeout
+        )
         events.emit(
             "run_end",
             outcome=outcome,
