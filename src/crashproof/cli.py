@@ -30,7 +30,16 @@ from crashproof.checkpoint._catalog import prune_plan
 from crashproof.checkpoint._export import export_safetensors
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import CrashproofError
-from crashproof.policy import KeepEvery, KeepLast, RetentionPolicy
+from crashproof.policy import (
+    KeepBest,
+    KeepDaily,
+    KeepEvery,
+    KeepHourly,
+    KeepLast,
+    KeepWeekly,
+    KeepWithin,
+    RetentionPolicy,
+)
 from crashproof.storage import Storage, storage_for
 
 __all__ = ["main"]
@@ -195,15 +204,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     path, storage, found = _open_root(args.root)
-    policy: RetentionPolicy | None = None
-    if args.keep_last is not None:
-        policy = KeepLast(args.keep_last)
-    if args.keep_every is not None:
-        policy = (
-            KeepEvery(args.keep_every) if policy is None else policy | KeepEvery(args.keep_every)
+    try:
+        policies = _prune_policies(args)
+    except (ValueError, CrashproofError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if not policies:
+        return _fail(
+            "prune needs at least one of --keep-last, --keep-every, --keep-within, "
+            "--keep-hourly, --keep-daily, --keep-weekly, --keep-best",
+            EXIT_USAGE,
         )
-    if policy is None:
-        return _fail("prune needs --keep-last N and/or --keep-every N", EXIT_USAGE)
+    policy = policies[0]
+    for more in policies[1:]:
+        policy = policy | more
     doomed = prune_plan(storage, path, policy)  # never includes the newest valid checkpoint
     for step, ckpt in doomed:
         print(
@@ -215,6 +228,37 @@ def cmd_prune(args: argparse.Namespace) -> int:
         f"{len(doomed)} checkpoint(s) {'would be ' if args.dry_run else ''}removed, {len(found) - len(doomed)} kept"
     )
     return EXIT_OK
+
+
+def _prune_policies(args: argparse.Namespace) -> list[RetentionPolicy]:
+    """The retention policies the prune options ask for (kept: what any of them keeps)."""
+    policies: list[RetentionPolicy] = []
+    if args.keep_last is not None:
+        policies.append(KeepLast(args.keep_last))
+    if args.keep_every is not None:
+        policies.append(KeepEvery(args.keep_every))
+    if args.keep_within is not None:
+        policies.append(KeepWithin(seconds=_duration_s(args.keep_within)))
+    for n, cls in ((args.keep_hourly, KeepHourly), (args.keep_daily, KeepDaily),
+                   (args.keep_weekly, KeepWeekly)):  # fmt: skip
+        if n is not None:
+            policies.append(cls(n))
+    for spec in args.keep_best:
+        metric, _, mode = spec.partition(":")
+        if mode not in ("", "min", "max"):
+            raise ValueError(f"--keep-best {spec!r}: write METRIC, METRIC:min or METRIC:max")
+        policies.append(KeepBest(metric, mode="max" if mode == "max" else "min"))
+    return policies
+
+
+def _duration_s(text: str) -> float:
+    """``90s``, ``30m``, ``6h``, ``7d``, ``2w`` (or plain seconds) in seconds."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        return float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration: use e.g. 90s, 30m, 6h, 7d, 2w") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -275,6 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, metavar="N")
     p.add_argument(
         "--keep-every", type=int, metavar="N", help="also keep steps that are multiples of N"
+    )
+    p.add_argument(
+        "--keep-within",
+        metavar="DURATION",
+        help="keep everything made within DURATION (90s, 30m, 6h, 7d, 2w) before the newest",
+    )
+    p.add_argument("--keep-hourly", type=int, metavar="N", help="the newest of each of N hours")
+    p.add_argument("--keep-daily", type=int, metavar="N", help="the newest of each of N UTC days")
+    p.add_argument("--keep-weekly", type=int, metavar="N", help="the newest of each of N weeks")
+    p.add_argument(
+        "--keep-best",
+        action="append",
+        default=[],
+        metavar="METRIC[:min|max]",
+        help="the best checkpoint by a metric saved in its metadata (repeatable)",
     )
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.set_defaults(func=cmd_prune)

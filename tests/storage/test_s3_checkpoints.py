@@ -7,9 +7,11 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import crashproof as cp
@@ -102,3 +104,30 @@ def test_the_cli_lists_and_verifies_checkpoints_in_a_bucket() -> None:
         capture_output=True, text=True,
     )  # fmt: skip
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_the_cli_inspects_exports_and_prunes_checkpoints_in_a_bucket(tmp_path: Path) -> None:
+    root = _root()
+    model, optimizer, state = _state(0)
+    with cp.CheckpointManager(root, handle_signals=False) as ckpt:
+        for step, loss in ((1, 0.5), (2, 0.2), (3, 0.4)):
+            _train(model, optimizer, step)
+            ckpt.save(step, state, metadata={"val_loss": loss})
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    inspected = cli("inspect", root, "--step", "2", "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["manifest"]["metadata"] == {"val_loss": 0.2}
+    exported = cli("export", root, "--format", "safetensors", "-o", str(tmp_path / "w.st"))
+    assert exported.returncode == 0, exported.stderr
+    weights = load_file(tmp_path / "w.st")
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    pruned = cli("prune", root, "--keep-best", "val_loss")
+    assert pruned.returncode == 0, pruned.stderr
+    listed = cli("ls", root, "--json")
+    assert [row["step"] for row in json.loads(listed.stdout)] == [3, 2]  # newest + best

@@ -22,9 +22,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import inspect
+import os
 import posixpath
 import threading
 from typing import Any
+
+from crashproof.storage._s3transfer import s3_uploader
 
 __all__ = ["PUT_CONCURRENCY", "FsspecStorage"]
 
@@ -97,6 +100,9 @@ class FsspecStorage:
         self.fs, self.protocol = fs, protocol
         self._writing: set[str] = set()
         self._lock = threading.Lock()
+        # S3: boto3's threaded multipart transfer where installed (see _s3transfer), made here
+        # because importing boto3 must happen where storage_for guards the global RNG.
+        self._s3 = s3_uploader(fs) if protocol in ("s3", "s3a") else None
         # Stores whose upload takes parts in parallel (s3fs) are told how many at once.
         put = getattr(fs, "_put_file", None) or fs.put_file
         self._put_options: dict[str, Any] = (
@@ -165,7 +171,12 @@ class FsspecStorage:
 
     def put_file(self, local_path: str, path: str) -> None:
         key = self._key(path)
-        self.fs.put_file(local_path, key, **self._put_options)
+        if not os.path.isfile(local_path):
+            raise FileNotFoundError(local_path)
+        if self._s3 is not None:
+            self._s3.upload(local_path, key)
+        else:
+            self.fs.put_file(local_path, key, **self._put_options)
         self.fs.invalidate_cache(posixpath.dirname(key))
 
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
