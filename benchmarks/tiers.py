@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_dir = make_checkpoint(scratch / "local", args.size_mb)
         local = LocalStorage()
         manifest_bytes, manifest = read_manifest_bytes(local, str(ckpt_dir))
-        names = sorted(manifest.files) + [MANIFEST_NAME]
+        names = [*sorted(manifest.files), MANIFEST_NAME]
         nbytes = sum(e.size for e in manifest.files.values()) + len(manifest_bytes)
         bucket = f"bench-{uuid.uuid4().hex[:10]}"
         client = boto3.client("s3")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         # Uploads first in each round: the downloads read what the round's uploads wrote.
         times: dict[str, list[float]] = {m: [] for m in methods}
-        for name, fn in methods.items():  # warm-up round, not counted
+        for fn in methods.values():  # warm-up round, not counted
             fn()
         for r in range(args.repeats):
             for name, fn in methods.items():

@@ -16,6 +16,7 @@ so the run's last checkpoint reaches its tiers even when the trainers have exite
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -294,5 +295,9 @@ def agent_tiers(
     root = os.path.abspath(root)
     key = hashlib.sha256(root.encode()).hexdigest()[:16]
     paths = job_paths(directory, key)
+    # A status left by an earlier attempt must not vouch for this one: until the host writes a
+    # fresh one, nothing counts as durable (local retention then spares the whole backlog).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(paths.status)
     write_atomically(paths.spec, {"root": root, "keep": keep_spec, "tiers": described})
     return [AgentTier(t, paths, local, keep) for t in tiers]
