@@ -46,6 +46,12 @@ def test_keep_weekly_and_hourly_count_periods_that_have_checkpoints() -> None:
     assert retained(cp.KeepHourly(1), facts) == {4}
 
 
+def test_weeks_run_from_monday_to_sunday() -> None:
+    saturday, sunday, monday = T0 + 3 * DAY, T0 + 4 * DAY + 23 * HOUR, T0 + 5 * DAY + HOUR
+    facts = [Facts(1, saturday), Facts(2, sunday), Facts(3, monday)]  # 2023-11-18, -19, -20
+    assert retained(cp.KeepWeekly(5), facts) == {2, 3}
+
+
 def test_keep_best_keeps_the_n_best_by_the_metric_and_ignores_checkpoints_without_it() -> None:
     facts = [
         Facts(10, T0, {"val_loss": 0.9}),

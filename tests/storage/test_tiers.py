@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("s3_server")
 # A store that stops answering must fail fast in a test: short timeouts, no SDK-level retries
 # (crashproof retries on its own, with backoff).
 FAST_FAIL = {
-    "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}
+    "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 1}}
 }
 
 
@@ -280,3 +280,31 @@ def test_s3_storage_leaves_the_global_python_rng_alone() -> None:
     storage.make_dirs(root)
     storage.list(root)
     assert random.getstate() == expected
+
+
+def test_a_checkpoint_a_rollback_abandoned_is_never_restored_from_a_tier(tmp_path: Path) -> None:
+    # The tier still holds steps 3 and 4 (say the rollback's removal failed: the tier was down),
+    # but the local root remembers the rollback: a restore must not resume into them.
+    from crashproof.checkpoint._rollbacks import record_rollback
+
+    bucket, local = _bucket(), tmp_path / "local"
+    model, optimizer, state = _state()
+    with cp.CheckpointManager(local, remote=bucket, handle_signals=False) as ckpt:
+        for step in (1, 2, 3, 4):
+            _train(model, optimizer)
+            ckpt.save(step, state)
+    assert _remote_steps(bucket) == [1, 2, 3, 4]
+    record_rollback(cp.LocalStorage(), str(local), 2)
+    for step in (3, 4):
+        shutil.rmtree(local / f"step_{step:010d}")
+
+    # An evaluation process: restores from the tiers, never writes to them.
+    reader = cp.CheckpointManager(local, remote=bucket, replicate=False, handle_signals=False)
+    assert reader.restore(_state(seed=4)[2]) == 2
+    reader.close()
+    assert _remote_steps(bucket) == [1, 2, 3, 4]  # replicate=False: the tier was not touched
+
+    # A writing manager removes them from the tier.
+    with cp.CheckpointManager(local, remote=bucket, handle_signals=False) as ckpt:
+        ckpt.restore(_state(seed=4)[2])
+    assert _remote_steps(bucket) == [1, 2]

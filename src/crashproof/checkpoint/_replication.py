@@ -2,9 +2,10 @@
 background, one thread per tier.
 
 Each :class:`TierReplicator` keeps its tier in step with the local root by repeated rounds, each
-doing one thing, most urgent first: forget what a rollback abandoned, upload the newest checkpoint
-the tier lacks, upload older ones the tier's retention would keep (at most ``max_backlog``
-pending), apply the tier's retention. Rounds start when a save commits (:meth:`notify`) and every
+doing one thing, most urgent first: remove what a rollback abandoned (its marks are kept in the
+local root: :mod:`crashproof.checkpoint._rollbacks`), upload the newest checkpoint the tier lacks,
+upload older ones the tier's retention would keep (at most ``max_backlog`` pending); the tier's
+retention runs after every upload. Rounds start when a save commits (:meth:`notify`) and every
 few seconds anyway, so work left by an earlier process is picked up too.
 
 A round that fails (the store is down, hangs past its timeout, refuses) is retried after an
@@ -22,14 +23,20 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from crashproof.checkpoint._catalog import committed_steps, retention_plan
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint._catalog import committed_steps
+from crashproof.checkpoint._format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    checkpoint_dir_name,
+    parse_manifest,
+)
 from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._reader import read_manifest_bytes
+from crashproof.checkpoint._reader import verify_checkpoint
+from crashproof.checkpoint._rollbacks import abandoned, read_marks
 from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.policy import (
@@ -39,7 +46,7 @@ from crashproof.policy import (
     policy_to_spec,
     retained,
 )
-from crashproof.storage import Storage, storage_for
+from crashproof.storage import Storage, read_all, storage_for
 
 __all__ = [
     "LocalCheckpoints",
@@ -170,7 +177,6 @@ class Replica(Protocol):
     tier: Tier
 
     def notify(self) -> None: ...
-    def forget_after(self, step: int) -> None: ...
     def protected(self) -> set[int]: ...
     def status(self) -> TierStatus: ...
     def wait_durable(self, step: int, timeout_s: float) -> bool: ...
@@ -188,32 +194,38 @@ class _Local:
 
 
 class LocalCheckpoints:
-    """The committed checkpoints of a local root with their manifests, as replication sees them;
-    manifests are cached (a committed checkpoint never changes). Safe to share between threads."""
+    """The committed checkpoints of a local root with their manifests, as replication sees them.
+
+    Manifests are re-read at every scan (they are small): a step removed by a rollback and saved
+    again has a new manifest under the same name. Parsing is cached by the bytes' digest. Safe to
+    share between threads."""
 
     def __init__(self, storage: Storage, root: str) -> None:
-        self._storage, self._root = storage, root
-        self._cache: dict[str, _Local] = {}
+        self.storage, self.root = storage, root
+        self._parsed: dict[str, tuple[CheckpointFacts, int | None]] = {}
         self._lock = threading.Lock()
 
     def scan(self) -> dict[int, _Local]:
         with self._lock:
             found: dict[int, _Local] = {}
-            for step, path in committed_steps(self._storage, self._root):
-                entry = self._cache.get(path)
-                if entry is None:
-                    try:
-                        data, manifest = read_manifest_bytes(self._storage, path)
-                    except (OSError, CorruptCheckpointError):
-                        continue  # being written, removed, or corrupt: not ours to copy now
-                    entry = _Local(
-                        path,
-                        data,
-                        CheckpointFacts(step, manifest.created_unix, manifest.metadata),
-                        manifest.base_step,
-                    )
-                found[step] = entry
-            self._cache = {e.path: e for e in found.values()}
+            parsed: dict[str, tuple[CheckpointFacts, int | None]] = {}
+            for step, path in committed_steps(self.storage, self.root):
+                manifest_path = self.storage.join(path, MANIFEST_NAME)
+                try:
+                    data = read_all(self.storage, manifest_path, limit=MAX_MANIFEST_BYTES)
+                    key = digest(data)
+                    if key not in self._parsed:
+                        m = parse_manifest(data, self.storage.describe(manifest_path))
+                        self._parsed[key] = (
+                            CheckpointFacts(step, m.created_unix, m.metadata),
+                            m.base_step,
+                        )
+                except (OSError, ValueError, CorruptCheckpointError):
+                    continue  # being written, removed, or corrupt: not ours to copy now
+                parsed[key] = self._parsed[key]
+                facts, base = parsed[key]
+                found[step] = _Local(path, data, facts, base)
+            self._parsed = parsed
             return found
 
 
@@ -223,6 +235,7 @@ def plan_backlog(
     remote_facts: Mapping[int, CheckpointFacts],
     keep: RetentionPolicy,
     max_backlog: int,
+    given_up: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """``(todo, dropped)``: the local checkpoints a tier lacks and wants, most urgent first (the
     newest, then those the tier's retention keeps, a delta's base before the delta), at most
@@ -230,25 +243,29 @@ def plan_backlog(
 
     ``durable`` maps the tier's steps to their manifest's digest (a local checkpoint with a
     different manifest, e.g. one saved again after a rollback, is missing from the tier).
+    ``given_up``: steps that can never be copied (corrupt here), left out.
     """
-    missing = {s for s, e in local.items() if durable.get(s) != digest(e.manifest)}
+    missing = {
+        s for s, e in local.items() if durable.get(s) != digest(e.manifest) and s not in given_up
+    }
     if not missing:
         return [], []
     facts = {s: e.facts for s, e in local.items()} | {
         s: f for s, f in remote_facts.items() if s not in local
     }
     wanted = retained(keep, list(facts.values())) & missing
-    if max(local) in missing:
-        wanted.add(max(local))
+    newest = max(local)
+    if newest in missing:
+        wanted.add(newest)
     ordered = sorted(wanted, reverse=True)
     todo: list[int] = []
     for step in ordered[:max_backlog]:
         base = local[step].base_step
-        if base is not None and base in local and base in missing and base not in todo:
+        if base is not None and base in missing and base not in todo:
             todo.append(base)  # a delta is only restorable next to its base
         if step not in todo:
             todo.append(step)
-    return todo, ordered[max_backlog:]
+    return todo, [s for s in ordered[max_backlog:] if s not in todo]
 
 
 class TierReplicator:
@@ -273,15 +290,14 @@ class TierReplicator:
         self._cond = threading.Condition()
         self._wake = False
         self._stopping = False
-        self._forget_after: int | None = None
         # The tier as this replicator knows it: step -> digest of its manifest (None: unknown
-        # until the first successful listing).
+        # until the first successful listing), with each step's facts and delta base.
         self._durable: dict[int, str] | None = None
-        self._relist = False
-        self._retention_due = False
         self._remote_facts: dict[int, CheckpointFacts] = {}
+        self._remote_bases: dict[int, int | None] = {}
+        self._relist = False
         self._local_checkpoints = LocalCheckpoints(local, local_root)
-        self._pending: list[int] = []
+        self._given_up: set[int] = set()  # corrupt here: never copied
         self._dropped: list[int] = []
         self._failing_since: float | None = None
         self._uploading: tuple[int, float] | None = None
@@ -298,30 +314,23 @@ class TierReplicator:
     # -- what the manager calls -------------------------------------------------------------
 
     def notify(self) -> None:
-        """A checkpoint was committed (or removed) locally: start a round now."""
+        """A checkpoint was committed, removed or rolled back locally: start a round now."""
         with self._cond:
             self._wake = True
             self._cond.notify_all()
 
-    def forget_after(self, step: int) -> None:
-        """A rollback abandoned every checkpoint after ``step``: remove them from the tier too,
-        before anything else is uploaded."""
-        with self._cond:
-            self._forget_after = (
-                step if self._forget_after is None else min(step, self._forget_after)
-            )
-            self._wake = True
-            self._cond.notify_all()
+    def pending(self) -> list[int]:
+        """Local checkpoints the tier still waits for, most urgent first. Computed afresh (not
+        from the last round, which may be stuck in a transfer to a store that hangs), so a
+        checkpoint committed a moment ago is covered before any round has run."""
+        return self._backlog(self._local_checkpoints.scan())[0]
 
     def protected(self) -> set[int]:
-        """Local checkpoints the tier still waits for: local retention must spare them. Computed
-        afresh, so a checkpoint committed a moment ago is covered before any round has run."""
-        return set(self._backlog(self._scan_local())[0])  # tier not listed yet: all missing
+        """What local retention must spare: :meth:`pending`."""
+        return set(self.pending())
 
     def status(self) -> TierStatus:
-        """Where the tier stands now; the backlog is computed afresh, not from the last round
-        (which may be stuck in a transfer to a store that hangs)."""
-        pending = sorted(self.protected(), reverse=True)
+        pending = sorted(self.pending(), reverse=True)
         with self._cond:
             durable = self._durable or {}
             return TierStatus(
@@ -336,28 +345,39 @@ class TierReplicator:
                 dropped=list(self._dropped),
             )
 
-    def durable(self) -> dict[str, str]:
-        """The tier's complete checkpoints: step (as a string, for JSON) -> manifest digest."""
+    def known(self) -> dict[str, Any]:
+        """What the tier holds, for the agent's status file: ``durable`` (step -> manifest
+        digest) and ``facts`` (step -> [commit time, metadata]); steps as strings (JSON)."""
         with self._cond:
-            return {str(s): d for s, d in (self._durable or {}).items()}
+            return {
+                "durable": {str(s): d for s, d in (self._durable or {}).items()},
+                "facts": {
+                    str(s): [f.created_unix, dict(f.metadata)]
+                    for s, f in self._remote_facts.items()
+                },
+            }
 
     def wait_durable(self, step: int, timeout_s: float) -> bool:
-        """Wait until checkpoint ``step`` (or a newer one) is durable in the tier and nothing else
-        is pending for it; False on timeout."""
+        """Wait until every local checkpoint the tier wants (the newest, hence ``step`` or a
+        newer one, included) is durable there; False on timeout or when the thread is gone."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._wake = True
-            self._cond.notify_all()
-            while not (self._is_durable(step) and not self._pending):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(min(left, 1.0))
-            return True
+        self.notify()
+        while self.pending() or self._durable is None or self._abandoned_here():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._thread.is_alive():
+                return False
+            with self._cond:
+                self._cond.wait(min(left, 0.5))
+        return True
 
-    def _is_durable(self, step: int) -> bool:
-        durable = self._durable or {}
-        return any(s >= step for s in durable)
+    def _abandoned_here(self) -> bool:
+        """Whether the tier still holds a checkpoint a rollback abandoned."""
+        marks = read_marks(self._local, self._local_root)
+        with self._cond:
+            return any(
+                abandoned(marks, s, self._remote_facts.get(s, CheckpointFacts(s)).created_unix)
+                for s in (self._durable or {})
+            )
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the thread after the transfer in progress (waiting at most ``timeout_s``: a hung
@@ -403,20 +423,16 @@ class TierReplicator:
         """One unit of work; True when there may be more to do at once."""
         if self._durable is None or self._relist:
             self._list_remote()
-            self._relist, self._retention_due = False, True
-        with self._cond:
-            forget, self._forget_after = self._forget_after, None
-        if forget is not None:
-            self._forget(forget)
+            self._relist = False
+            self._apply_retention()
+        if self._forget_abandoned():
             return True
-        local = self._scan_local()
+        local = self._local_checkpoints.scan()
         todo = self._plan(local)
         if todo:
             self._upload(todo[0], local)
-            return True
-        if self._retention_due:
-            self._apply_retention()
-            self._retention_due = False
+            self._apply_retention()  # after every upload: saves faster than uploads must not
+            return True  # let the tier grow without bound
         return False
 
     def _list_remote(self) -> None:
@@ -424,29 +440,54 @@ class TierReplicator:
         self._remote.make_dirs(self._remote_root)
         durable: dict[int, str] = {}
         facts: dict[int, CheckpointFacts] = {}
+        bases: dict[int, int | None] = {}
         for step, path in committed_steps(self._remote, self._remote_root):
-            try:
-                data, manifest = read_manifest_bytes(self._remote, path)
-            except CorruptCheckpointError as exc:
-                if MANIFEST_NAME not in self._remote.list(path):
-                    log.info(
-                        "%s: removing an upload that never committed", self._remote.describe(path)
-                    )
-                    remove_checkpoint(self._remote, path)
-                else:
-                    log.warning("%s; it will be replaced", exc)
+            if MANIFEST_NAME not in self._remote.list(path):
+                log.info("%s: removing an upload that never committed", self._remote.describe(path))
+                remove_checkpoint(self._remote, path)
+                continue
+            manifest_path = self._remote.join(path, MANIFEST_NAME)
+            try:  # an I/O error propagates: the round fails and is retried
+                data = read_all(self._remote, manifest_path, limit=MAX_MANIFEST_BYTES)
+                manifest = parse_manifest(data, self._remote.describe(manifest_path))
+            except (CorruptCheckpointError, ValueError, EOFError) as exc:
+                log.warning("%s; it will be replaced", exc)
                 continue
             durable[step] = digest(data)
             facts[step] = CheckpointFacts(step, manifest.created_unix, manifest.metadata)
+            bases[step] = manifest.base_step
         with self._cond:
-            self._durable, self._remote_facts = durable, facts
+            self._durable, self._remote_facts, self._remote_bases = durable, facts, bases
             self._cond.notify_all()
 
-    def _scan_local(self) -> dict[int, _Local]:
-        return self._local_checkpoints.scan()
+    def _forget_abandoned(self) -> bool:
+        """Remove from the tier what a rollback abandoned (marks in the local root); True if
+        anything was removed. A failure raises: the round is retried, the marks stay."""
+        marks = read_marks(self._local, self._local_root)
+        if not marks:
+            return False
+        with self._cond:
+            doomed = [
+                s
+                for s in (self._durable or {})
+                if abandoned(marks, s, self._remote_facts.get(s, CheckpointFacts(s)).created_unix)
+            ]
+        for step in sorted(doomed, reverse=True):
+            log.warning("rollback: removing checkpoint step %d from %s", step, self.tier.uri)
+            remove_checkpoint(
+                self._remote, self._remote.join(self._remote_root, checkpoint_dir_name(step))
+            )
+            self._forgot(step)
+        return bool(doomed)
+
+    def _forgot(self, step: int) -> None:
+        with self._cond:
+            (self._durable or {}).pop(step, None)
+            self._remote_facts.pop(step, None)
+            self._remote_bases.pop(step, None)
 
     def _plan(self, local: dict[int, _Local]) -> list[int]:
-        """What to upload now, most urgent first (see :meth:`_backlog`); reports drops."""
+        """What to upload now, most urgent first (see :func:`plan_backlog`); reports drops."""
         todo, dropped = self._backlog(local)
         newly_dropped = [s for s in dropped if s not in self._dropped]
         if newly_dropped:
@@ -459,15 +500,16 @@ class TierReplicator:
             )
             self._emit("replication_dropped", tier=self.tier.uri, steps=newly_dropped)
             self._dropped = sorted(set(self._dropped) | set(newly_dropped))[-100:]
-        with self._cond:
-            self._pending = todo
         return todo
 
     def _backlog(self, local: dict[int, _Local]) -> tuple[list[int], list[int]]:
         with self._cond:
             durable = dict(self._durable or {})
             remote_facts = dict(self._remote_facts)
-        return plan_backlog(local, durable, remote_facts, self._keep, self.tier.max_backlog)
+            given_up = set(self._given_up)
+        return plan_backlog(
+            local, durable, remote_facts, self._keep, self.tier.max_backlog, given_up
+        )
 
     def _upload(self, step: int, local: dict[int, _Local]) -> None:
         entry = local[step]
@@ -490,6 +532,9 @@ class TierReplicator:
                 log.info("checkpoint step %d was removed before it reached %s", step, self.tier.uri)
                 return
             raise
+        except CorruptCheckpointError:
+            self._give_up_if_corrupt_here(step, entry)
+            raise
         finally:
             with self._cond:
                 self._uploading = None
@@ -498,9 +543,9 @@ class TierReplicator:
             assert self._durable is not None
             self._durable[step] = digest(entry.manifest)
             self._remote_facts[step] = entry.facts
+            self._remote_bases[step] = entry.base_step
             self._uploaded += 1
             self._bytes += nbytes
-            self._retention_due = True
             self._cond.notify_all()
         log.info(
             "checkpoint step %d is durable in %s: %.1f MB in %.2f s",
@@ -514,34 +559,44 @@ class TierReplicator:
         )
         self._on_durable()
 
-    def _forget(self, after: int) -> None:
-        for step, path in committed_steps(self._remote, self._remote_root):
-            if step > after:
-                log.warning("rollback: removing checkpoint step %d from %s", step, self.tier.uri)
-                remove_checkpoint(self._remote, path)
-                with self._cond:
-                    (self._durable or {}).pop(step, None)
-                    self._remote_facts.pop(step, None)
+    def _give_up_if_corrupt_here(self, step: int, entry: _Local) -> None:
+        """The copy did not verify: if the local checkpoint itself does not, no retry can help."""
+        try:
+            verify_checkpoint(self._local, entry.path)
+            return  # damaged in transit: retried
+        except (CorruptCheckpointError, OSError) as exc:
+            why = str(exc)
+        with self._cond:
+            self._given_up.add(step)
+        log.error(
+            "checkpoint step %d is corrupt on the local disk (%s); it will not be copied to %s",
+            step,
+            why,
+            self.tier.uri,
+        )
+        self._emit("replication_dropped", tier=self.tier.uri, steps=[step], reason=why[:500])
 
     def _apply_retention(self) -> None:
-        """The tier's retention, after uploads: never its newest checkpoint, nor a kept delta's base."""
-        durable = self._durable or {}
+        """The tier's retention: never its newest checkpoint, nor a kept delta's base. Judged
+        from what the replicator knows (no reads from the store); a kept delta whose base is
+        unknown stops the pass rather than risk removing that base."""
+        with self._cond:
+            durable = dict(self._durable or {})
+            facts = dict(self._remote_facts)
+            bases = dict(self._remote_bases)
         if not durable:
             return
-        found = sorted(
-            ((s, self._remote.join(self._remote_root, checkpoint_dir_name(s))) for s in durable),
-            reverse=True,
-        )
-        facts = [self._remote_facts.get(s, CheckpointFacts(s)) for s, _ in found]
-        plan = retention_plan(
-            self._remote, found, self._keep, keep_always={max(durable)}, facts=facts
-        )
-        for step, path in plan:
+        kept = retained(self._keep, [facts.get(s, CheckpointFacts(s)) for s in durable])
+        kept.add(max(durable))
+        if any(s not in bases for s in kept):
+            return
+        kept |= {b for s in kept if (b := bases[s]) is not None}
+        for step in sorted(set(durable) - kept):
             log.info("retention: removing checkpoint step %d from %s", step, self.tier.uri)
-            remove_checkpoint(self._remote, path)
-            with self._cond:
-                durable.pop(step, None)
-                self._remote_facts.pop(step, None)
+            remove_checkpoint(
+                self._remote, self._remote.join(self._remote_root, checkpoint_dir_name(step))
+            )
+            self._forgot(step)
 
     # -- failures ----------------------------------------------------------------------------
 
@@ -553,7 +608,10 @@ class TierReplicator:
             if first:
                 self._failing_since = time.time()
             self._last_error = why
-            pending = list(self._pending)
+        try:
+            pending = self.pending()
+        except Exception:
+            pending = []
         log.log(
             logging.ERROR if first else logging.WARNING,
             "replication to %s failed (attempt %d, %d checkpoints pending): %s; training goes on, "

@@ -11,14 +11,16 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
@@ -40,6 +42,7 @@ from crashproof.checkpoint._replication import (
     TierStatus,
     open_tiers,
 )
+from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._transfer import download_checkpoint
@@ -69,6 +72,18 @@ from crashproof.telemetry._events import emit
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("crashproof.checkpoint")
+
+_T = TypeVar("_T")
+PREEMPTION_DURABLE_WAIT_S = 10.0
+_KEEPALIVE_S = 5.0
+"""While rank 0 works alone (a download from a tier), the others hear from it this often."""
+
+
+def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
+    try:
+        return read_manifest(storage, ckpt_dir).created_unix
+    except (CorruptCheckpointError, OSError):
+        return None
 
 
 class CheckpointManager:
@@ -102,6 +117,8 @@ class CheckpointManager:
             (e.g. two regions). Each committed checkpoint is copied to every tier in the
             background, verified there, and :meth:`restore` takes the newest valid checkpoint of
             any tier. Rank 0 copies (the root must be one directory all ranks write into).
+        replicate: copy checkpoints to the tiers (rank 0, or the agent). False for a process that
+            only restores from them (an evaluation job): it then never writes to a tier.
         remote_timeout_s: how long :meth:`close` waits for the newest checkpoint to be durable in
             every tier before it gives up, logging what is still pending (it stays on the local
             disk and the next manager with the same tiers uploads it).
@@ -128,6 +145,7 @@ class CheckpointManager:
         delta: Delta | None = None,
         remote: str | Tier | Sequence[str | Tier] | None = None,
         remote_timeout_s: float = 600.0,
+        replicate: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -185,7 +203,8 @@ class CheckpointManager:
                 self.storage.remove(leftover)
         self._tiers = open_tiers(remote)
         self.remote_timeout_s = remote_timeout_s
-        self._replicators = self._start_replication() if self._group.rank == 0 else []
+        self._by_agent = False
+        self._replicators = self._start_replication() if self._group.rank == 0 and replicate else []
         # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and
         # SIGINT become a request to stop at the next maybe_save.
         if handle_signals:
@@ -270,8 +289,19 @@ class CheckpointManager:
                 time.monotonic() - started,
             )
         self._reporter.preempted(notice.source, step, time.monotonic() - started, saved=saved)
-        self.close()
+        self._close(self._durable_wait_when_stopping(notice))
         raise PreemptedExit(notice, step)
+
+    def _durable_wait_when_stopping(self, notice: Notice) -> float:
+        """How long a preempted run waits for its tiers: not at all when the agent uploads (it
+        outlives the trainers), else what the notice leaves (a few seconds kept for the exit),
+        at most ``PREEMPTION_DURABLE_WAIT_S`` without a deadline; the checkpoint itself is
+        already committed locally, and the next run uploads what is left."""
+        if self._by_agent:
+            return 0.0
+        if notice.deadline_s is None:
+            return min(self.remote_timeout_s, PREEMPTION_DURABLE_WAIT_S)
+        return max(0.0, min(self.remote_timeout_s, notice.deadline_s - time.monotonic() - 5.0))
 
     def save(self, step: int, state: TrainState, *, metadata: dict[str, Any] | None = None) -> bool:
         """Checkpoint ``state`` as the state after ``step`` steps; returns whether a save started.
@@ -449,7 +479,7 @@ class CheckpointManager:
             for step, path in retention_plan(self.storage, found, self.keep, keep_always=keep):
                 log.info("retention: removing checkpoint step %d", step)
                 self.storage.remove(path)
-        except OSError as exc:  # a failed clean-up must not fail the save that just committed
+        except Exception as exc:  # a failed clean-up must not fail the save that just committed
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", self.root, exc
             )
@@ -462,6 +492,7 @@ class CheckpointManager:
         local = LocalCheckpoints(self.storage, self.root)
         by_agent = agent_tiers(self.root, self._tiers, self.keep, local)
         if by_agent is not None:
+            self._by_agent = True
             return list(by_agent)
         return [
             TierReplicator(
@@ -530,6 +561,8 @@ class CheckpointManager:
                 return None
             step, path = restored
             if self._group.rank == 0:
+                if self._tiers:  # first, so the tiers' copies count as abandoned whatever happens
+                    record_rollback(self.storage, self.root, step)
                 for later, later_path in committed_steps(self.storage, self.root):
                     if later > step:
                         log.warning(
@@ -537,7 +570,7 @@ class CheckpointManager:
                         )
                         self.storage.remove(later_path)
                 for replicator in self._replicators:
-                    replicator.forget_after(step)
+                    replicator.notify()
         self._reporter.restored(step, path, time.perf_counter() - started)
         self._discard_save_of = anomaly_step
         return step
@@ -552,7 +585,7 @@ class CheckpointManager:
         verified, then loaded like a local one).
         """
         self.wait()
-        candidates = self._group.broadcast(self._candidates() if self._group.rank == 0 else None)
+        candidates = self._on_rank0(self._candidates)
         if below is not None:
             candidates = [c for c in candidates if c[0] < below]
         if step is not None:
@@ -563,9 +596,7 @@ class CheckpointManager:
         for candidate, path, sources in candidates:
             for source in sources:
                 if source is not None:  # a remote copy: bring it here first
-                    fetched = self._group.broadcast(
-                        self._fetch(candidate, source) if self._group.rank == 0 else None
-                    )
+                    fetched = self._on_rank0(functools.partial(self._fetch, candidate, source))
                     if fetched:
                         skipped.append(f"step {candidate} in {source}: {fetched}")
                         continue
@@ -586,30 +617,62 @@ class CheckpointManager:
 
     def _candidates(self) -> list[tuple[int, str, list[str | None]]]:
         """``(step, local path, sources)`` newest first; a source is None for the local copy or
-        a tier's URI. A tier that cannot be listed is logged and left out."""
+        a tier's URI. A tier that cannot be listed is logged and left out; a tier's copy that a
+        rollback abandoned (see :mod:`crashproof.checkpoint._rollbacks`) is never a candidate."""
         local = dict(committed_steps(self.storage, self.root))
         sources: dict[int, list[str | None]] = {s: [None] for s in local}
+        marks = read_marks(self.storage, self.root) if self._tiers else []
         for tier in self._tiers:
-            root, storage = tier.open()
             try:
+                root, storage = tier.open()
                 remote = committed_steps(storage, root)
+                for remote_step, remote_path in remote:
+                    if any(remote_step > m.after for m in marks):
+                        created = _created_unix(storage, remote_path)
+                        if abandoned(marks, remote_step, created):
+                            continue
+                    sources.setdefault(remote_step, []).append(tier.uri)
             except Exception as exc:  # a dead tier must not stop a restore from the others
                 log.error("cannot list %s to restore from it: %s", tier.uri, exc)
-                continue
-            for remote_step, _ in remote:
-                sources.setdefault(remote_step, []).append(tier.uri)
         return [
             (s, local.get(s) or self.storage.join(self.root, checkpoint_dir_name(s)), sources[s])
             for s in sorted(sources, reverse=True)
         ]
 
+    def _on_rank0(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on rank 0, its result on every rank, however long it takes: the other
+        ranks wait in a broadcast every few seconds, never in one collective that could time out
+        (a download from a tier can take longer than the collective timeout)."""
+        if self._group.world_size == 1:
+            return work()
+        if self._group.rank != 0:
+            while True:
+                kind, value = self._group.broadcast(None)
+                if kind == "done":
+                    return cast(_T, value)
+                if kind == "error":
+                    raise CheckpointWriteError(f"rank 0 failed: {value}")
+        with ThreadPoolExecutor(1, thread_name_prefix="crashproof-rank0") as pool:
+            future = pool.submit(work)
+            while True:
+                try:
+                    value = future.result(timeout=_KEEPALIVE_S)
+                except FutureTimeout:
+                    self._group.broadcast(("wait", None))
+                    continue
+                except Exception as exc:
+                    self._group.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                    raise
+                self._group.broadcast(("done", value))
+                return value
+
     def _fetch(self, step: int, uri: str) -> str:
         """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
         ``uri`` into the local root; returns "" on success, else why not."""
         tier = next(t for t in self._tiers if t.uri == uri)
-        root, storage = tier.open()
         started = time.perf_counter()
         try:
+            root, storage = tier.open()
             manifest = download_checkpoint(
                 storage,
                 storage.join(root, checkpoint_dir_name(step)),
@@ -744,12 +807,16 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the save in flight and for the newest checkpoint to be durable in every tier
         (at most ``remote_timeout_s``), then release the threads. Safe to call twice."""
+        self._close(self.remote_timeout_s)
+
+    def _close(self, durable_wait_s: float) -> None:
         if self._closed:
             return
         try:
             with self._reporter.phase("save"):  # the last commit may take long: not a hang
                 self.wait()
-                self._wait_durable()
+                if self._tiers:  # every rank waits with rank 0, in short collectives
+                    self._on_rank0(functools.partial(self._wait_durable, durable_wait_s))
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
@@ -760,24 +827,36 @@ class CheckpointManager:
             self._reporter.closed()
             self._preemption.uninstall()
 
-    def _wait_durable(self) -> None:
+    def _wait_durable(self, limit_s: float) -> None:
+        """Rank 0: wait (at most ``limit_s``) until every tier has what it wants; else say what
+        is pending, and where it stays."""
         if not self._replicators or self._newest_valid is None:
             return
-        deadline = time.monotonic() + self.remote_timeout_s
+        if limit_s <= 0:
+            log.info(
+                "not waiting for the durable tiers (stopping); what is pending is uploaded %s",
+                "by the agent"
+                if self._by_agent
+                else "when a manager with these tiers starts again",
+            )
+            return
+        deadline = time.monotonic() + limit_s
         for replicator in self._replicators:
             left = max(0.0, deadline - time.monotonic())
             if not replicator.wait_durable(self._newest_valid, left):
                 status = replicator.status()
                 log.error(
                     "checkpoint step %d is not durable in %s after %.0f s (pending: steps %s; "
-                    "last error: %s); it stays in %s and is uploaded when a manager with this "
-                    "remote starts again",
+                    "last error: %s); it stays in %s and is uploaded %s",
                     self._newest_valid,
                     status.uri,
-                    self.remote_timeout_s,
+                    limit_s,
                     status.pending,
                     status.last_error or "none",
                     self.storage.describe(self.root),
+                    "by the agent"
+                    if self._by_agent
+                    else "when a manager with this remote starts again",
                 )
 
     def _check_open(self) -> None:

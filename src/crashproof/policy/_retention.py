@@ -158,6 +158,8 @@ class _KeepOnePer(_ByFacts):
 
     n: int
     period_s: float = 0.0
+    offset_s: float = 0.0
+    """Shifts the periods' boundaries (weeks start on Monday, not on the epoch's Thursday)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -168,7 +170,7 @@ class _KeepOnePer(_ByFacts):
         for c in checkpoints:
             if c.created_unix is None:
                 continue  # judged by other policies; the manager keeps what it must
-            period = math.floor(c.created_unix / self.period_s)  # UTC-aligned hours/days/weeks
+            period = math.floor((c.created_unix + self.offset_s) / self.period_s)  # UTC-aligned
             best = newest_of.get(period)
             if best is None or (c.created_unix, c.step) > (best.created_unix or 0.0, best.step):
                 newest_of[period] = c
@@ -192,9 +194,11 @@ class KeepDaily(_KeepOnePer):
 
 @dataclass(frozen=True, slots=True)
 class KeepWeekly(_KeepOnePer):
-    """One checkpoint (the newest) of each of the last ``n`` weeks that have checkpoints."""
+    """One checkpoint (the newest) of each of the last ``n`` weeks (Monday to Sunday, UTC) that
+    have checkpoints."""
 
     period_s: float = 7 * 86400.0
+    offset_s: float = 3 * 86400.0  # 1970-01-01 was a Thursday; Monday 1969-12-29 starts week 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
         import fsspec
 
         fs = fsspec.filesystem(protocol, **_with_defaults(protocol, options))
+        storage = FsspecStorage(fs, protocol)  # may import and configure boto3: guarded too
     except ImportError as exc:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(
             protocol, "all"
@@ -54,7 +55,7 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
         raise ConfigError(f"{root!r}: unknown storage protocol {protocol!r} ({exc})") from None
     finally:
         random.setstate(rng_state)
-    return root.rstrip("/"), FsspecStorage(fs, protocol)
+    return root.rstrip("/"), storage
 
 
 def _with_defaults(protocol: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -64,6 +65,6 @@ def _with_defaults(protocol: str, options: Mapping[str, Any] | None) -> dict[str
     merged = dict(options or {})
     if protocol in ("s3", "s3a"):
         config = dict(merged.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1})
+        config.setdefault("retries", {"total_max_attempts": 1})  # the first attempt only
         merged["config_kwargs"] = config
     return merged

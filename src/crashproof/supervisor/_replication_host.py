@@ -7,8 +7,10 @@ Under ``crashproof run`` a checkpoint manager with durable tiers does not copy i
 threads the manager would, for as long as the agent lives. They talk through files:
 
 - ``<key>.json``: the job, written once by the trainer;
-- ``<key>.status.json``: each tier's status and durable steps, rewritten by the host every poll;
-- ``<key>.forget``: a rollback's "remove everything after step N" (the host consumes it).
+- ``<key>.status.json``: each tier's status, durable steps and their facts, rewritten by the host
+  every poll (the trainer plans its local retention from the same facts the host uploads by).
+
+A rollback needs no message: its mark is in the local root, which the host's replicators read.
 
 When the run ends the host waits (at most ``--replication-timeout``) for what is still pending,
 so the run's last checkpoint reaches its tiers even when the trainers have exited.
@@ -33,8 +35,8 @@ from crashproof.checkpoint._replication import (
     TierStatus,
     plan_backlog,
 )
-from crashproof.errors import ConfigError
-from crashproof.policy import RetentionPolicy, policy_from_spec, policy_to_spec
+from crashproof.checkpoint._rollbacks import abandoned, read_marks
+from crashproof.policy import CheckpointFacts, RetentionPolicy, policy_from_spec, policy_to_spec
 from crashproof.storage import storage_for
 from crashproof.telemetry._events import EventLog
 
@@ -62,12 +64,11 @@ POLL_S = 0.5
 class JobPaths:
     spec: str
     status: str
-    forget: str
 
 
 def job_paths(directory: str, key: str) -> JobPaths:
     base = os.path.join(directory, key)
-    return JobPaths(f"{base}.json", f"{base}.status.json", f"{base}.forget")
+    return JobPaths(f"{base}.json", f"{base}.status.json")
 
 
 def write_atomically(path: str, data: dict[str, Any]) -> None:
@@ -92,21 +93,19 @@ class _Job:
         self.paths = paths
         root, local = storage_for(str(spec["root"]))
         keep = policy_from_spec(spec["keep"])
-        self.replicators = [
-            TierReplicator(local, root, Tier.from_json(t), keep=keep, emit=events.emit)
-            for t in spec["tiers"]
-        ]
+        tiers = [Tier.from_json(t) for t in spec["tiers"]]  # all parsed before a thread starts
+        self.replicators: list[TierReplicator] = []
+        try:
+            for tier in tiers:
+                self.replicators.append(
+                    TierReplicator(local, root, tier, keep=keep, emit=events.emit)
+                )
+        except BaseException:
+            self.stop()
+            raise
 
     def poll(self) -> None:
-        try:
-            with open(self.paths.forget, encoding="utf-8") as f:
-                after = int(f.read().strip())
-            os.unlink(self.paths.forget)
-        except (OSError, ValueError):
-            after = None
         for replicator in self.replicators:
-            if after is not None:
-                replicator.forget_after(after)
             replicator.notify()
         self.write_status()
 
@@ -115,25 +114,30 @@ class _Job:
             self.paths.status,
             {
                 "updated": time.time(),
-                "tiers": [
-                    r.status().to_json() | {"durable": r.durable()} for r in self.replicators
-                ],
+                "tiers": [r.status().to_json() | r.known() for r in self.replicators],
             },
         )
 
     def settled(self) -> bool:
         return all(not r.status().pending for r in self.replicators)
 
+    def stop(self) -> None:
+        for r in self.replicators:
+            r.stop()
+
 
 class ReplicationHost:
-    """The agent's replication threads: takes jobs from ``directory`` until :meth:`close`."""
+    """The agent's replication threads: takes jobs from ``directory`` until :meth:`close`.
+
+    A job whose spec file changes (a trainer restarted with other tiers) is taken again. No
+    failure of one job stops the host or the other jobs."""
 
     def __init__(self, directory: str, events: EventLog) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self._events = events
-        self._jobs: dict[str, _Job] = {}
-        self._refused: set[str] = set()
+        self._jobs: dict[str, tuple[int, _Job]] = {}  # key -> (spec mtime_ns, job)
+        self._refused: dict[str, int] = {}  # key -> spec mtime_ns that could not be run
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="crashproof-replication", daemon=True
@@ -145,60 +149,78 @@ class ReplicationHost:
             self._poll()
 
     def _poll(self) -> None:
-        for name in sorted(os.listdir(self.directory)):
-            if not name.endswith(".json") or name.endswith(".status.json"):
-                continue
-            key = name[: -len(".json")]
-            if key not in self._jobs and key not in self._refused:
-                self._take(key)
-        for job in list(self._jobs.values()):
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            log.warning("replication jobs in %s: %s", self.directory, exc)
+            return
+        for name in names:
+            if name.endswith(".json") and not name.endswith(".status.json"):
+                self._maybe_take(name[: -len(".json")])
+        for key, (_, job) in list(self._jobs.items()):
             try:
                 job.poll()
-            except OSError as exc:
-                log.warning("replication status in %s: %s", self.directory, exc)
+            except Exception as exc:
+                log.warning("replication job %s: %s", key, exc)
 
-    def _take(self, key: str) -> None:
+    def _maybe_take(self, key: str) -> None:
         paths = job_paths(self.directory, key)
+        try:
+            version = os.stat(paths.spec).st_mtime_ns
+        except OSError:
+            return
+        current = self._jobs.get(key)
+        if (current is not None and current[0] == version) or self._refused.get(key) == version:
+            return
+        if current is not None:
+            current[1].stop()
+            del self._jobs[key]
         try:
             with open(paths.spec, encoding="utf-8") as f:
                 spec = json.load(f)
-            self._jobs[key] = _Job(paths, spec, self._events)
-        except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
-            log.error("replication job %s cannot be run: %s", paths.spec, exc)
-            self._refused.add(key)
+            self._jobs[key] = (version, _Job(paths, spec, self._events))
+        except Exception as exc:  # a bad spec, bad options, missing credentials...
+            log.error(
+                "replication job %s cannot be run: %s: %s", paths.spec, type(exc).__name__, exc
+            )
+            self._refused[key] = version
             return
-        log.info(
-            "replicating %s to %s",
-            spec["root"],
-            ", ".join(t["uri"] for t in spec["tiers"]),
-        )
+        log.info("replicating %s to %s", spec["root"], ", ".join(t["uri"] for t in spec["tiers"]))
 
     def close(self, timeout_s: float) -> None:
-        """Wait at most ``timeout_s`` for every pending upload, then stop."""
+        """Wait at most ``timeout_s`` for every pending upload, then stop. Never raises: it runs
+        while ``crashproof run`` ends."""
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._thread.join()
-        self._poll()
-        while self._jobs and not all(j.settled() for j in self._jobs.values()):
-            if time.monotonic() > deadline:
-                for job in self._jobs.values():
-                    for r in job.replicators:
-                        status = r.status()
-                        if status.pending:
-                            log.error(
-                                "stopping with checkpoints %s not yet in %s (last error: %s); "
-                                "they stay on the local disk and the next run uploads them",
-                                status.pending,
-                                status.uri,
-                                status.last_error or "none",
-                            )
-                break
-            time.sleep(POLL_S)
+        try:
             self._poll()
-        for job in self._jobs.values():
+            jobs = [job for _, job in self._jobs.values()]
+            while jobs and not all(j.settled() for j in jobs):
+                if time.monotonic() > deadline:
+                    self._report_pending(jobs)
+                    break
+                time.sleep(POLL_S)
+                self._poll()
+            for job in jobs:
+                job.stop()
+                job.write_status()
+        except Exception as exc:
+            log.error("replication did not close cleanly: %s: %s", type(exc).__name__, exc)
+
+    @staticmethod
+    def _report_pending(jobs: list[_Job]) -> None:
+        for job in jobs:
             for r in job.replicators:
-                r.stop()
-            job.write_status()
+                status = r.status()
+                if status.pending:
+                    log.error(
+                        "stopping with checkpoints %s not yet in %s (last error: %s); they stay "
+                        "on the local disk and the next run uploads them",
+                        status.pending,
+                        status.uri,
+                        status.last_error or "none",
+                    )
 
 
 class AgentTier:
@@ -215,17 +237,6 @@ class AgentTier:
     def notify(self) -> None:
         pass  # the host looks at the local root every POLL_S
 
-    def forget_after(self, step: int) -> None:
-        try:
-            with open(self._paths.forget, encoding="utf-8") as f:
-                step = min(step, int(f.read().strip()))
-        except (OSError, ValueError):
-            pass
-        tmp = f"{self._paths.forget}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(str(step))
-        os.replace(tmp, self._paths.forget)
-
     def _reported(self) -> dict[str, Any]:
         status = read_status(self._paths.status) or {}
         for tier in status.get("tiers", []):
@@ -233,24 +244,45 @@ class AgentTier:
                 return tier
         return {}
 
-    def _durable(self, reported: dict[str, Any]) -> dict[int, str]:
-        durable = reported.get("durable") or {}
-        return {int(s): str(d) for s, d in durable.items()}
+    @staticmethod
+    def _known(reported: dict[str, Any]) -> tuple[dict[int, str], dict[int, CheckpointFacts]]:
+        """What the host says the tier holds (malformed: nothing, which errs toward keeping)."""
+        try:
+            durable = {int(s): str(d) for s, d in (reported.get("durable") or {}).items()}
+            facts = {
+                int(s): CheckpointFacts(int(s), f[0], f[1] or {})
+                for s, f in (reported.get("facts") or {}).items()
+            }
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return {}, {}
+        return durable, facts
+
+    def _pending(self, reported: dict[str, Any]) -> list[int]:
+        """The host's own plan, from the same facts it plans with."""
+        durable, facts = self._known(reported)
+        todo, _ = plan_backlog(
+            self._local.scan(), durable, facts, self._keep, self.tier.max_backlog
+        )
+        return todo
+
+    def _abandoned_there(self, reported: dict[str, Any]) -> bool:
+        durable, facts = self._known(reported)
+        marks = read_marks(self._local.storage, self._local.root)
+        return any(
+            abandoned(marks, s, facts.get(s, CheckpointFacts(s)).created_unix) for s in durable
+        )
 
     def protected(self) -> set[int]:
-        durable = self._durable(self._reported())
-        todo, _ = plan_backlog(self._local.scan(), durable, {}, self._keep, self.tier.max_backlog)
-        return set(todo)
+        return set(self._pending(self._reported()))
 
     def status(self) -> TierStatus:
         reported = self._reported()
-        durable = self._durable(reported)
-        todo, _ = plan_backlog(self._local.scan(), durable, {}, self._keep, self.tier.max_backlog)
+        durable = [int(s) for s in (reported.get("durable") or {})]
         uploading = reported.get("uploading")
         return TierStatus(
             uri=self.tier.uri,
             newest_durable=max(durable) if durable else None,
-            pending=sorted(todo, reverse=True),
+            pending=sorted(self._pending(reported), reverse=True),
             uploading=None
             if not uploading
             else (int(uploading["step"]), float(uploading["since"])),
@@ -264,8 +296,13 @@ class AgentTier:
     def wait_durable(self, step: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while True:
+            reported = self._reported()
             status = self.status()
-            if (status.newest_durable or -1) >= step and not status.pending:
+            if (
+                status.newest_durable is not None
+                and not status.pending
+                and not self._abandoned_there(reported)
+            ):
                 return True
             if time.monotonic() >= deadline:
                 return False
