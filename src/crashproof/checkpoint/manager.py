@@ -42,6 +42,7 @@ from crashproof.checkpoint._replication import (
     TierStatus,
     open_tiers,
 )
+from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
@@ -759,18 +760,19 @@ class CheckpointManager:
                     f"{self.storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
                     "the directory was renamed or copied"
                 )
-            if manifest.world_size != self._group.world_size:
-                return (
-                    "mismatch",
-                    None,
-                    (
-                        f"{self.storage.describe(path)} was saved by {manifest.world_size} ranks, this job has "
-                        f"{self._group.world_size}; restoring across world sizes needs the same world size for now"
-                    ),
-                )
-            reader = RankRead(
-                self.storage, path, manifest, self._group.rank, into=state.live_tensors()
+            # Another world size: replicated state only, each rank reading a saved rank's part.
+            source = source_rank(
+                self.storage, path, manifest, self._group.rank, self._group.world_size
             )
+            if source != self._group.rank or manifest.world_size != self._group.world_size:
+                log.info(
+                    "checkpoint step %d was saved by %d ranks: rank %d restores saved rank %d's state",
+                    step,
+                    manifest.world_size,
+                    self._group.rank,
+                    source,
+                )
+            reader = RankRead(self.storage, path, manifest, source, into=state.live_tensors())
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Neither step writes into the live state: only finish() does, after all ranks agree.
             reader.verify()

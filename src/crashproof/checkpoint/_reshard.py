@@ -1,0 +1,58 @@
+"""Restoring a checkpoint on another number of ranks than saved it.
+
+Replicated state (DDP, or any job whose ranks hold the same tensors) restores on any world size:
+every saved rank has all of it, so new rank ``r`` reads saved rank ``r % W``. Whether the state
+*is* replicated is not assumed: the ranks' indexes list every tensor's checksum, and they must
+agree for every tensor but the RNG states (which differ per rank by design). State that differs
+between ranks (sharded by hand, tensor parallel) is refused with a clear error: redistributing it
+needs to know how it is sharded (DTensor placements), which is not done yet.
+
+Only the tensors agree; per-rank values (RNG states, ``extra``) come from the saved rank ``r % W``,
+so two new ranks may start with the same RNG state. A run resumed on another world size is not
+bit-exact anyway (the gradient reduction order changes); the data position is global and carries
+over exactly (see :class:`~crashproof.ResumableSampler`).
+"""
+
+from __future__ import annotations
+
+from crashproof.checkpoint._format import Manifest
+from crashproof.checkpoint._reader import read_rank_index
+from crashproof.errors import StateMismatchError
+from crashproof.storage import Storage
+
+__all__ = ["source_rank"]
+
+_PER_RANK_PREFIXES = ("rng/",)
+
+
+def source_rank(
+    storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int, world_size: int
+) -> int:
+    """The saved rank whose part ``rank`` (of ``world_size``) restores; see the module docstring.
+
+    Raises :class:`StateMismatchError` when the world size differs and the saved ranks' tensors
+    are not the same; :class:`~crashproof.CorruptCheckpointError` for an unreadable index.
+    """
+    saved = manifest.world_size
+    if saved == world_size:
+        return rank
+    reference: dict[str, str] | None = None
+    for r in range(saved):
+        index = read_rank_index(storage, ckpt_dir, manifest, r)
+        tensors = {
+            t.name: t.checksum for t in index.tensors if not t.name.startswith(_PER_RANK_PREFIXES)
+        }
+        if reference is None:
+            reference = tensors
+        elif tensors != reference:
+            differing = sorted(
+                n for n in reference.keys() | tensors.keys() if reference.get(n) != tensors.get(n)
+            )
+            raise StateMismatchError(
+                f"{storage.describe(ckpt_dir)} was saved by {saved} ranks whose tensors differ "
+                f"(rank 0 and rank {r}: {', '.join(differing[:5])}"
+                f"{', ...' if len(differing) > 5 else ''}): the state is sharded, and restoring "
+                f"it on {world_size} ranks would need to redistribute it, which crashproof does "
+                f"not do yet. Restore with {saved} ranks."
+            )
+    return rank % saved
