@@ -27,7 +27,7 @@ from crashproof.checkpoint import (
     verify_checkpoint,
 )
 from crashproof.checkpoint._catalog import prune_plan
-from crashproof.checkpoint._export import export_safetensors
+from crashproof.checkpoint._export import export_dcp, export_safetensors
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import CrashproofError
 from crashproof.policy import (
@@ -264,22 +264,47 @@ def _duration_s(text: str) -> float:
 def cmd_export(args: argparse.Namespace) -> int:
     path, storage, found = _open_root(args.root)
     chosen = _pick(found, args.step, storage.describe(path))
-    if args.format != "safetensors":
-        return _fail(
-            f"export format {args.format!r} is not supported; use --format safetensors", EXIT_USAGE
-        )
+    try:
+        max_shard = _size_bytes(args.max_shard_size)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
     for step, ckpt in chosen:  # newest first: the first that exports wins
         try:
-            tensors = export_safetensors(storage, ckpt, args.output)
+            if args.format == "dcp":
+                state = export_dcp(storage, ckpt, args.output)
+                print(
+                    f"exported step {step} ({', '.join(sorted(state))}) as a "
+                    f"torch.distributed.checkpoint directory: {args.output}"
+                )
+                return EXIT_OK
+            tensors, files = export_safetensors(
+                storage, ckpt, args.output, max_shard_bytes=max_shard
+            )
         except CrashproofError as exc:
             if args.step is not None:
                 return _fail(str(exc), EXIT_INVALID)
             print(f"crashproof: skipping step {step}: {exc}", file=sys.stderr)
             continue
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        print(f"exported {len(tensors)} tensors ({_human(size)}) of step {step} to {args.output}")
+        where = args.output if len(files) == 1 else f"{len(files) - 1} files and {files[-1]}"
+        print(f"exported {len(tensors)} tensors ({_human(size)}) of step {step} to {where}")
         return EXIT_OK
     return _fail(f"no valid checkpoint to export in {storage.describe(path)}", EXIT_INVALID)
+
+
+def _size_bytes(text: str) -> int:
+    """``5GB``, ``500MB``, ``64KiB`` or plain bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+    number = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(number) :]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"{text!r} is not a size: use e.g. 5GB, 500MB, 64MiB") from None
+    if value < 1:
+        raise ValueError(f"{text!r}: a shard size must be positive")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,11 +363,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("export", help="write a checkpoint's model weights in a standard format")
+    p = sub.add_parser("export", help="write a checkpoint in a standard format")
     p.add_argument("root")
     p.add_argument("--step", type=int, help="default: the newest valid checkpoint")
-    p.add_argument("--format", default="safetensors", choices=["safetensors"])
-    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "dcp"],
+        help="safetensors: the model weights (FILE); dcp: model, optimizer, scheduler and scaler "
+        "state as a torch.distributed.checkpoint directory (-o DIR)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="FILE|DIR")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="safetensors above this are split into numbered files plus an index (default 5GB)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -1,0 +1,127 @@
+"""Exports other tools read: a checkpoint saved by 2 DDP ranks (torchrun, gloo) exported as a
+``torch.distributed.checkpoint`` directory (loaded back with ``torch.distributed.checkpoint.load``)
+and as safetensors, one file or sharded with an index; every tensor equal to the saved one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch import nn
+
+from crashproof.checkpoint import load_rank_state, read_manifest
+from crashproof.storage import LocalStorage
+from tests.checkpoint.test_reshard import _save_different_tensors
+from tests.conftest import EXAMPLES, free_port, run_python
+
+
+@pytest.fixture(scope="module")
+def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint of 2 DDP ranks of train_tiny, and its verified state (rank 0)."""
+    run = tmp_path_factory.mktemp("ddp")
+    run_python(
+        [
+            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(EXAMPLES / "train_tiny.py"), "--run-dir", str(run), "--steps", "10", "--every",
+            "5", "--workers", "0", "--sync",
+        ],
+        timeout=240,
+    )  # fmt: skip
+    ckpt = run / "checkpoints" / "step_0000000010"
+    storage = LocalStorage()
+    manifest = read_manifest(storage, str(ckpt))
+    assert manifest.world_size == 2
+    return ckpt.parent, load_rank_state(storage, str(ckpt), manifest, 0)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _fresh_model() -> nn.Module:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from train_tiny import build_model
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    torch.manual_seed(123)
+    return build_model(16, 64)
+
+
+def test_dcp_export_loads_with_torch_distributed_checkpoint(
+    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, saved = ddp_checkpoint
+    out = tmp_path / "dcp"
+    done = _cli("export", str(root), "--format", "dcp", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / ".metadata").exists()
+
+    model = _fresh_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model(torch.zeros(1, 16)).sum().backward()
+    optimizer.step()  # creates the moments, to be overwritten by the load
+    target = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": torch.tensor(0),
+    }
+    dcp.load(target, checkpoint_id=str(out), no_dist=True)
+    assert int(target["step"]) == 10
+    for name, tensor in saved["model"].items():
+        assert torch.equal(target["model"][name], tensor), name
+    for pid, moments in saved["optimizer"]["state"].items():
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(target["optimizer"]["state"][pid][key], value), (pid, key)
+
+
+def test_safetensors_export_in_one_file_and_sharded_with_an_index(
+    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, saved = ddp_checkpoint
+    weights = saved["model"]
+    single = tmp_path / "one" / "model.safetensors"
+    assert _cli("export", str(root), "-o", str(single)).returncode == 0
+    loaded = load_file(single)
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+    sharded = tmp_path / "many" / "model.safetensors"
+    done = _cli("export", str(root), "-o", str(sharded), "--max-shard-size", "4KiB")
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    merged: dict[str, torch.Tensor] = {}
+    for file in files:
+        merged.update(load_file(tmp_path / "many" / file))
+    assert merged.keys() == weights.keys() == index["weight_map"].keys()
+    assert all(torch.equal(merged[k], weights[k]) for k in weights)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    assert index["metadata"]["total_size"] == total
+
+
+def test_a_bad_shard_size_is_a_usage_error(ddp_checkpoint: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = ddp_checkpoint
+    done = _cli("export", str(root), "-o", "x.safetensors", "--max-shard-size", "lots")
+    assert done.returncode == 2 and "not a size" in done.stderr
+
+
+def test_sharded_state_is_not_exported_as_if_it_were_replicated(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")  # two real ranks, each with weights of its own
+    mp.spawn(_save_different_tensors, args=(root, free_port()), nprocs=2, join=True)
+    done = _cli("export", root, "--step", "1", "-o", str(tmp_path / "w.safetensors"))
+    assert done.returncode == 1
+    assert "whose tensors differ" in done.stderr and "sharded" in done.stderr
+    assert not (tmp_path / "w.safetensors").exists()
