@@ -1,14 +1,14 @@
 """Save and restore with 1 and 2 ranks: crashproof against ``torch.distributed.checkpoint`` and the
 disk, in the same run on the same machine.
 
-Each rank holds the same state (a DDP job: an ``nn.Linear`` stack and AdamW's moments, ``--size-mb``
-in all) and the ranks save at the same time (real processes, gloo on loopback). Methods, round-robin
+Each rank holds the same state (a DDP job: an ``nn.Linear`` stack wrapped in
+``DistributedDataParallel`` and AdamW's moments, ``--size-mb`` in all) and the ranks save at once (real processes, gloo on loopback). Methods, round-robin
 over ``--repeats`` rounds after a warm-up round, every save ending fsynced:
 
 - **raw write**: every rank writes its state's bytes to its own file (``os.write`` + fsync), the
   floor for "every rank writes everything";
-- **crashproof**: ``CheckpointManager(async_save=False).save`` (every rank writes its shard, rank 0
-  commits the manifest);
+- **crashproof**: ``CheckpointManager(async_save=False).save`` (the replicated model and optimizer
+  state written once, spread over the ranks; rank 0 commits the manifest);
 - **DCP**: ``torch.distributed.checkpoint.save`` with the process group (its planner writes each
   replicated tensor once, spread over the ranks);
 
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 import crashproof as cp
 
@@ -97,10 +98,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         os.fsync(fd)
         os.close(fd)
 
+    ddp = DistributedDataParallel(model)  # a DDP job: crashproof writes its state once
+
     def crashproof_save() -> None:
         root = scratch / "crashproof"
         with cp.CheckpointManager(root, async_save=False, handle_signals=False) as ckpt:
-            ckpt.save(1, cp.TrainState(model=model, optimizer=optimizer))
+            ckpt.save(1, cp.TrainState(model=ddp, optimizer=optimizer))
 
     def dcp_save() -> None:
         dcp.save(
@@ -113,7 +116,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
     def crashproof_restore() -> None:
         model, optimizer = fresh[0]
         with cp.CheckpointManager(scratch / "crashproof", handle_signals=False) as ckpt:
-            ckpt.restore(cp.TrainState(model=model, optimizer=optimizer))
+            ckpt.restore(cp.TrainState(model=DistributedDataParallel(model), optimizer=optimizer))
 
     def dcp_restore() -> None:
         model, optimizer = fresh[0]

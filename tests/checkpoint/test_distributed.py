@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import crashproof as cp
-from tests.conftest import EXAMPLES, run_python
+from tests.conftest import EXAMPLES, free_port, run_python
 
 STEPS = 30
 
@@ -54,3 +56,65 @@ def test_two_ranks_resume_bit_identical_after_a_crash(tmp_path: Path) -> None:
         "manifest.json", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors",
     ]  # fmt: skip
     cp.checkpoint.verify_checkpoint(cp.LocalStorage(), str(newest))
+
+
+def test_replicated_state_is_written_once_spread_over_the_ranks(tmp_path: Path) -> None:
+    _torchrun(tmp_path / "run", tmp_path / "run.log", "--sync")
+    newest = tmp_path / "run" / "checkpoints" / "step_0000000030"
+    indexes = [json.loads((newest / f"rank_0000{r}.json").read_text()) for r in (0, 1)]
+    by_name = [{t["name"]: t for t in index["tensors"]} for index in indexes]
+    assert list(by_name[0]) == list(by_name[1])  # every rank's index lists every tensor
+    owned = [0, 0]
+    for name, mine in by_name[0].items():
+        theirs = by_name[1][name]
+        if name.startswith(("model/", "optimizer/")):  # DDP: the same on both, stored once
+            files = (mine.get("file"), theirs.get("file"))
+            assert files in ((None, "rank_00000.safetensors"), ("rank_00001.safetensors", None))
+            assert (mine["offset"], mine["checksum"]) == (theirs["offset"], theirs["checksum"])
+            owned[0 if files[0] is None else 1] += mine["nbytes"]
+        else:  # per-rank state (RNG, data position, EMA) stays in each rank's own shard
+            assert "file" not in mine and "file" not in theirs
+    assert min(owned) > 0.3 * sum(owned), owned  # both ranks write a fair share
+    per_rank = [
+        sum(t["nbytes"] for n, t in names.items() if not n.startswith(("model/", "optimizer/")))
+        for names in by_name
+    ]
+    shards = sum((newest / f"rank_0000{r}.safetensors").stat().st_size for r in (0, 1))
+    assert shards < sum(owned) + sum(per_rank) + 64 * 1024  # once, not twice (headers aside)
+    cp.checkpoint.verify_checkpoint(cp.LocalStorage(), str(newest))
+
+
+def _diverging_ranks(rank: int, root: str, port: int, out: Any) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        if rank == 1:
+            model.module.weight[0, 0] += 1.0  # out of sync: a bug DDP does not catch by itself
+    ckpt = cp.CheckpointManager(root, async_save=False, handle_signals=False)
+    try:
+        ckpt.save(1, cp.TrainState(model=model))
+        out.put((rank, "committed"))
+    except cp.CheckpointWriteError as exc:
+        out.put((rank, str(exc)))
+    ckpt.close()
+    torch.distributed.destroy_process_group()
+
+
+def test_replicated_state_that_differs_between_ranks_fails_the_save(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_diverging_ranks, args=(r, str(tmp_path / "ckpt"), port, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all("have diverged" in outcomes[r] for r in (0, 1)), outcomes
+    assert not list((tmp_path / "ckpt").glob("step_*"))

@@ -144,6 +144,14 @@ class TensorEntry:
     offset: int
     nbytes: int
     checksum: str
+    file: str | None = None
+    """The shard file holding the bytes when it is another rank's (state replicated on every
+    rank is written once, spread over the ranks); None: this rank's own shard."""
+
+    def to_json(self) -> dict[str, Any]:
+        extra = {"file": self.file} if self.file is not None else {}
+        return extra | {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                        "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +188,7 @@ class RankIndex:
             "rank": self.rank,
             "step": self.step,
             "shard_file": self.shard_file,
-            "tensors": [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                 "nbytes": t.nbytes, "checksum": t.checksum}
-                for t in self.tensors
-            ],
+            "tensors": [t.to_json() for t in self.tensors],
             "state": self.state,
         }  # fmt: skip
 
@@ -321,7 +325,8 @@ def parse_rank_index(
         shard_size = file_sizes[shard_file]
     tensors_obj = _require(obj, "tensors", list, where)
     tensors = [
-        _parse_tensor(t, f"{where} tensor #{i}", shard_size) for i, t in enumerate(tensors_obj)
+        _parse_tensor(t, f"{where} tensor #{i}", shard_size, file_sizes)
+        for i, t in enumerate(tensors_obj)
     ]
     deltas_obj = obj.get("deltas", [])
     if not isinstance(deltas_obj, list):
@@ -370,8 +375,19 @@ def _shape(obj: Any, where: str, name: str) -> tuple[int, ...]:
     return shape
 
 
-def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
+def _parse_tensor(
+    obj: Any, where: str, shard_size: int | None, file_sizes: Mapping[str, int] | None = None
+) -> TensorEntry:
     name = _require(obj, "name", str, where)
+    file = None
+    if obj.get("file") is not None:  # another rank's shard: it must be one the manifest lists
+        file = check_plain_name(obj.get("file"), where)
+        if file_sizes is not None:
+            if file not in file_sizes:
+                raise CorruptCheckpointError(
+                    f"{where} ({name}): in shard {file!r}, which the manifest does not list"
+                )
+            shard_size = file_sizes[file]
     dtype = _require(obj, "dtype", str, where)
     itemsize = dtype_from_name(dtype, where=where).itemsize
     shape = _shape(obj, where, name)
@@ -387,4 +403,6 @@ def _parse_tensor(obj: Any, where: str, shard_size: int | None) -> TensorEntry:
             f"{where} ({name}): bytes {offset}..{offset + nbytes} lie outside the shard file "
             f"of {shard_size} bytes"
         )
-    return TensorEntry(name, dtype, shape, offset, nbytes, _require(obj, "checksum", str, where))
+    return TensorEntry(
+        name, dtype, shape, offset, nbytes, _require(obj, "checksum", str, where), file
+    )

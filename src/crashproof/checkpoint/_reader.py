@@ -31,7 +31,7 @@ from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
 from crashproof.checkpoint._shard import ShardRead, hash_range
 from crashproof.checkpoint._tree import decode_tree
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
-from crashproof.storage import Storage, read_all
+from crashproof.storage import ReadStream, Storage, read_all
 
 __all__ = [
     "RankRead",
@@ -136,16 +136,29 @@ class RankRead:
             self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, on_bytes)
             keep = True  # the encoded bytes are needed to rebuild the tensors
         self.shard_file = self._index.shard_file
-        shard_path = storage.join(ckpt_dir, self.shard_file)
-        self._where = storage.describe(shard_path)
+        self._where = storage.describe(storage.join(ckpt_dir, self.shard_file))
+        # This rank's shard, and the tensors it finds in other ranks' shards (replicated state
+        # written once, spread over the ranks), each file read by one ShardRead.
+        by_file: dict[str, list[int]] = {self.shard_file: []}
+        for i, entry in enumerate(self._index.tensors):
+            by_file.setdefault(entry.file or self.shard_file, []).append(i)
+        self._parts: list[tuple[list[int], ShardRead, ReadStream]] = []
         try:
-            self._stream = storage.open(shard_path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{self._where}: missing") from None
-        self._shard = ShardRead(
-            self._stream, self._index.tensors, manifest.files[self.shard_file], self._where,
-            into=into, keep=keep, on_bytes=on_bytes,
-        )  # fmt: skip
+            for file, positions in by_file.items():
+                where = storage.describe(storage.join(ckpt_dir, file))
+                try:
+                    stream = storage.open(storage.join(ckpt_dir, file))
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{where}: missing") from None
+                part = ShardRead(
+                    stream, [self._index.tensors[i] for i in positions], manifest.files[file],
+                    where, into=into, keep=keep, on_bytes=on_bytes,
+                    partial=file != self.shard_file,
+                )  # fmt: skip
+                self._parts.append((positions, part, stream))
+        except BaseException:
+            self.close()
+            raise
 
     def _open_base(
         self,
@@ -194,7 +207,8 @@ class RankRead:
 
     def verify(self) -> None:
         try:
-            self._shard.verify()
+            for _, part, _ in self._parts:
+                part.verify()
         except (OSError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
         if self._base is not None:
@@ -212,8 +226,11 @@ class RankRead:
 
     def _tensors(self) -> list[torch.Tensor]:
         base = self._base._tensors() if self._base is not None else []
+        tensors: list[torch.Tensor] = [torch.empty(0)] * len(self._index.tensors)
         try:
-            tensors = self._shard.fill()
+            for positions, part, _ in self._parts:
+                for i, tensor in zip(positions, part.fill(), strict=True):
+                    tensors[i] = tensor
         except (OSError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
         if self._base is not None:
@@ -247,8 +264,11 @@ class RankRead:
         return decode_tree(self._index.state, load_tensor, self._index_where)
 
     def close(self) -> None:
-        self._stream.close()
-        if self._base is not None:
+        for _, _, stream in getattr(self, "_parts", []):
+            stream.close()
+        self._parts = []
+        if getattr(self, "_base", None) is not None:
+            assert self._base is not None
             self._base.close()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from crashproof.checkpoint._format import (
     FileEntry,
     Manifest,
     RankIndex,
+    TensorEntry,
     checkpoint_dir_name,
     dumps,
     index_name,
@@ -38,13 +39,21 @@ from crashproof.checkpoint._format import (
 )
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
-from crashproof.checkpoint._shard import write_shard
+from crashproof.checkpoint._shard import tensor_bytes, write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
 from crashproof.storage import Storage, write_all
 
-__all__ = ["TMP_PREFIX", "CommitResult", "Snapshot", "new_tmp_name", "persist", "take_snapshot"]
+__all__ = [
+    "TMP_PREFIX",
+    "CommitResult",
+    "Snapshot",
+    "assign_owners",
+    "new_tmp_name",
+    "persist",
+    "take_snapshot",
+]
 
 TMP_PREFIX = ".tmp-"
 
@@ -66,6 +75,9 @@ class Snapshot:
     """Names of tensors that may hold no NaN or inf: the save is refused if one does."""
     delta: tuple[Delta, DeltaBase] | None = None
     """Save as a delta against this base (see :mod:`._delta`); None: a full checkpoint."""
+    owners: Mapping[str, int] = field(default_factory=dict)
+    """Tensors every rank holds identically (replicated), by name: the rank that writes each.
+    The others reference it in their index instead of writing it again (see :func:`assign_owners`)."""
 
     @property
     def nbytes(self) -> int:
@@ -160,17 +172,24 @@ def persist(
     files: dict[str, FileEntry] | None = None
     checksums: dict[str, str] = {}
     failure: Failure | None = None
+    shard: _Shard | None = None
     try:
         if snapshot.ready is not None:
             snapshot.ready.synchronize()  # the device-to-host copies of the snapshot are done
         storage.make_dirs(tmp_dir)
-        files, checksums = _write_rank(storage, tmp_dir, snapshot, group.rank)
+        shard = _write_shard(storage, tmp_dir, snapshot, group.rank)
     except Exception as exc:
-        failure = (
-            f"rank {group.rank}: {type(exc).__name__}: {exc}",
-            getattr(exc, "errno", None),
-            isinstance(exc, NonFiniteStateError),
-        )
+        failure = _failure(group.rank, exc)
+    # Replicated tensors: every rank learns where their owners wrote them (even a rank whose own
+    # write failed takes part, or the others would wait for it).
+    shared: list[dict[str, TensorEntry] | None] = []
+    if snapshot.owners:
+        shared = group.all_gather(None if shard is None else shard.owned(snapshot.owners))
+    if shard is not None and failure is None:
+        try:
+            files, checksums = _write_index(storage, tmp_dir, snapshot, group.rank, shard, shared)
+        except Exception as exc:
+            failure = _failure(group.rank, exc)
     reports = group.gather((files, failure))
     outcome: Failure | None = None
     if reports is not None:  # the coordinator
@@ -195,36 +214,110 @@ def persist(
     )
 
 
-def _write_rank(
-    storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int
-) -> tuple[dict[str, FileEntry], dict[str, str]]:
-    """Write this rank's shard and index; returns their file entries and the tensor checksums."""
-    shard_file = shard_name(rank)
+def _failure(rank: int, exc: Exception) -> Failure:
+    return (
+        f"rank {rank}: {type(exc).__name__}: {exc}",
+        getattr(exc, "errno", None),
+        isinstance(exc, NonFiniteStateError),
+    )
+
+
+@dataclass(slots=True)
+class _Shard:
+    """What this rank wrote to its shard file, and the checksums of replicated tensors it did
+    not write (another rank did), to compare with that rank's."""
+
+    entries: list[TensorEntry]
+    file_entry: FileEntry
+    deltas: list[DeltaEntry]
+    not_written: dict[str, str]
+
+    def owned(self, owners: Mapping[str, int]) -> dict[str, TensorEntry]:
+        return {e.name: e for e in self.entries if e.name in owners}
+
+
+def _write_shard(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> _Shard:
+    """This rank's shard: its own tensors and the replicated ones it owns."""
+    written = [(n, t) for n, t in snapshot.tensors if snapshot.owners.get(n, rank) == rank]
     # On the hashing thread, each chunk as it is written: no wall time of its own. A refused save
     # is raised once the (then discarded) shard is written.
-    check = FiniteCheck(snapshot.step, snapshot.tensors, snapshot.must_be_finite)
-    tensors, deltas = snapshot.tensors, list[DeltaEntry]()
+    check = FiniteCheck(snapshot.step, written, snapshot.must_be_finite)
+    tensors, deltas = written, list[DeltaEntry]()
     if snapshot.delta is not None:
         tensors, deltas = encode_delta(tensors, snapshot.delta[1], snapshot.delta[0], check)
-    entries, shard_entry = write_shard(
-        storage, storage.join(tmp_dir, shard_file), tensors, inspect=check
+    entries, file_entry = write_shard(
+        storage, storage.join(tmp_dir, shard_name(rank)), tensors, inspect=check
     )
     check.raise_if_failed()
+    # The copies this rank did not write are hashed all the same (xxh3, far faster than the
+    # write): replicated state that is not the same on every rank is a bug to report, not save.
+    not_written = {
+        n: digest(tensor_bytes(t))
+        for n, t in snapshot.tensors
+        if snapshot.owners.get(n, rank) != rank
+    }
+    return _Shard(entries, file_entry, deltas, not_written)
+
+
+def _write_index(
+    storage: Storage,
+    tmp_dir: str,
+    snapshot: Snapshot,
+    rank: int,
+    shard: _Shard,
+    shared: list[dict[str, TensorEntry] | None],
+) -> tuple[dict[str, FileEntry], dict[str, str]]:
+    """This rank's index, every tensor in snapshot order: its own, or a reference to the owner's
+    shard. Returns the rank's file entries and every tensor's checksum."""
+    mine = {e.name: e for e in shard.entries}
+    entries: list[TensorEntry] = []
+    for name, _ in snapshot.tensors:
+        owner = snapshot.owners.get(name, rank)
+        if owner == rank:
+            entries.append(mine[name])
+            continue
+        theirs = shared[owner]
+        if theirs is None:
+            raise CheckpointWriteError(
+                f"rank {owner}, which writes {name!r} for every rank, failed"
+            )
+        entry = theirs[name]
+        if entry.checksum != shard.not_written[name]:
+            raise CheckpointWriteError(
+                f"{name!r} should be the same on every rank (replicated, e.g. by DDP) but rank "
+                f"{rank}'s copy differs from rank {owner}'s: the ranks' models have diverged"
+            )
+        entries.append(replace(entry, file=shard_name(owner)))
+    if snapshot.delta is not None:  # deltas are never deduplicated: the order is the shard's
+        entries = shard.entries
     index = RankIndex(
         rank=rank,
         step=snapshot.step,
-        shard_file=shard_file,
+        shard_file=shard_name(rank),
         tensors=entries,
         state=snapshot.tree,
-        deltas=deltas,
+        deltas=shard.deltas,
     )
     index_bytes = dumps(index.to_json())
     write_all(storage, storage.join(tmp_dir, index_name(rank)), index_bytes)
     files = {
-        shard_file: shard_entry,
+        shard_name(rank): shard.file_entry,
         index_name(rank): FileEntry(len(index_bytes), digest(index_bytes)),
     }
     return files, {entry.name: entry.checksum for entry in entries}
+
+
+def assign_owners(named_sizes: list[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """Which rank writes each replicated tensor: the largest first, each to the rank with the
+    fewest bytes so far, so every rank writes about 1/W of the replicated state. Deterministic:
+    every rank computes the same from the same names and sizes."""
+    loads = [0] * world_size
+    owners: dict[str, int] = {}
+    for name, size in sorted(named_sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[name] = rank
+        loads[rank] += size
+    return owners
 
 
 def _commit(

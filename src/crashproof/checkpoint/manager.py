@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import errno
 import functools
+import json
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from crashproof.checkpoint._catalog import (
 from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
 from crashproof.checkpoint._format import checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
+from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
 from crashproof.checkpoint._replication import (
     LocalCheckpoints,
@@ -50,6 +52,7 @@ from crashproof.checkpoint._transfer import download_checkpoint
 from crashproof.checkpoint._writer import (
     CommitResult,
     Snapshot,
+    assign_owners,
     exactness_environment,
     new_tmp_name,
     persist,
@@ -113,6 +116,10 @@ class CheckpointManager:
         check_finite: refuse to commit a checkpoint whose parameters or optimizer state hold NaN
             or inf (checked by the background writer: it costs training nothing); the refusal is
             raised as :class:`NonFiniteStateError` at the next call, like any failed save.
+        dedup_replicated: in a DDP job, write the replicated model and optimizer state once,
+            spread over the ranks (each writes about 1/W of it), instead of once per rank;
+            every rank's copy is still checksummed and a rank whose copy differs fails the save.
+            Not with ``delta``.
         remote: durable tiers behind the local root: a URI (``"s3://bucket/run"``), a
             :class:`~crashproof.Tier` (its own retention, options, backlog), or a list of them
             (e.g. two regions). Each committed checkpoint is copied to every tier in the
@@ -144,6 +151,7 @@ class CheckpointManager:
         handle_signals: bool = True,
         check_finite: bool = True,
         delta: Delta | None = None,
+        dedup_replicated: bool = True,
         remote: str | Tier | Sequence[str | Tier] | None = None,
         remote_timeout_s: float = 600.0,
         replicate: bool = True,
@@ -165,6 +173,7 @@ class CheckpointManager:
         self.on_disk_full = on_disk_full
         self.check_finite = check_finite
         self.delta = delta
+        self.dedup_replicated = dedup_replicated
         # The newest committed full checkpoint's tensors, to take deltas against. Only the writer
         # thread touches it, in save order, so every rank sees the same base for the same save.
         self._delta_base: DeltaBase | None = None
@@ -355,6 +364,8 @@ class CheckpointManager:
             metadata=metadata,
             must_be_finite=state.must_be_finite(tree) if self.check_finite else frozenset(),
         )
+        if self.dedup_replicated and self._group.world_size > 1 and self.delta is None:
+            snapshot.owners = self._replicated_owners(snapshot.tensors, state)
         tmp_name = self._group.broadcast(new_tmp_name(step))
         blocking_s = time.perf_counter() - started
         self._inflight.append(
@@ -369,6 +380,23 @@ class CheckpointManager:
             self._wait_commit()
         self.stats.last_blocking_s = time.perf_counter() - started
         return True
+
+    def _replicated_owners(
+        self, tensors: builtins.list[tuple[str, Any]], state: TrainState
+    ) -> dict[str, int]:
+        """Which rank writes each replicated tensor (DDP's model and optimizer): every rank must
+        list the same names, shapes and dtypes, agreed in one small all-gather, or nothing is
+        deduplicated. Whether the values agree is checked by the writer, by checksum."""
+        prefixes = state.replicated_prefixes()
+        named = [
+            (n, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))
+            for n, t in tensors
+            if prefixes and n.startswith(prefixes)
+        ]
+        signature = digest(json.dumps(named).encode())
+        if not named or len(set(self._group.all_gather(signature))) != 1:
+            return {}
+        return assign_owners([(n, size) for n, size, _, _ in named], self._group.world_size)
 
     @property
     def last_blocking_s(self) -> float:

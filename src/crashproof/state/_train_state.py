@@ -158,6 +158,20 @@ class TrainState:
             names.update(f"optimizer/state/{param_id}/{k}" for k in param_state)
         return frozenset(names)
 
+    def replicated_prefixes(self) -> tuple[str, ...]:
+        """Name prefixes of the tensors every rank holds identically, so a save may write them
+        once, spread over the ranks: the model and optimizer of a DDP job. Empty otherwise (a
+        ``ZeroRedundancyOptimizer`` shards its state). The writer still checks, by checksum,
+        that every rank's copy is the same."""
+        ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        if not ddp:
+            return ()
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return ("model/",)
+        return ("model/", "optimizer/")
+
     # -- restore -------------------------------------------------------------------------------
 
     def restore(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
