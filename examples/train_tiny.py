@@ -21,6 +21,7 @@ gloo; each rank logs to ``LOG.rank<r>`` and rank 0 writes the dump.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -88,7 +89,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3, help="keep the last N checkpoints")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--samples", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per micro-batch")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step for the whole job, whatever the world size: each rank "
+        "accumulates gradients over global / (batch size x world size) micro-batches",
+    )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument(
         "--crash-at", type=int, default=None, help="simulate a crash: os._exit after this step"
@@ -165,30 +173,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting at step {start}", flush=True)
     log_file = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - closed below
     batches = iter(loader)
-    for step in guard.steps(start, args.steps):  # range() that goes back after a rollback
+    accumulate = (
+        cp.accumulation_steps(args.global_batch, args.batch_size, world_size)
+        if args.global_batch
+        else 1
+    )
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nonlocal batches
         try:
-            x, y, ids = next(batches)
+            return next(batches)
         except StopIteration:  # end of an epoch: the sampler moves on to the next one
             batches = iter(loader)
-            x, y, ids = next(batches)
-        # Randomness from three generators in the batch itself.
-        x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
-        x = x * (1.0 + 0.05 * random.random())
-        model.train()
-        loss = nn.functional.mse_loss(model(x), y)
-        if args.nan_sample is not None and args.nan_sample in ids.tolist():
-            loss = loss * float("nan")
+            return next(batches)
+
+    for step in guard.steps(start, args.steps):  # range() that goes back after a rollback
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        losses, step_ids = [], []
+        for micro in range(accumulate):
+            x, y, ids = next_batch()
+            # Randomness from three generators in the batch itself.
+            x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
+            x = x * (1.0 + 0.05 * random.random())
+            model.train()
+            micro_loss = nn.functional.mse_loss(model(x), y)
+            if args.nan_sample is not None and args.nan_sample in ids.tolist():
+                micro_loss = micro_loss * float("nan")
+            last = micro == accumulate - 1  # DDP averages gradients over ranks only then
+            sync = contextlib.nullcontext() if last or world_size == 1 else model.no_sync()
+            with sync:
+                scaler.scale(micro_loss / accumulate).backward()
+            losses.append(micro_loss)
+            step_ids += ids.tolist()
+        loss = losses[0] if accumulate == 1 else torch.stack(losses).mean()
         # False: skipped or rolled back, and then nothing else may change the state.
         if guard.check(step + 1, loss, model, optimizer=optimizer, scaler=scaler):
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             ema.update(model)
-            state.extra["samples_seen"] += len(ids)
+            state.extra["samples_seen"] += len(step_ids)
             if log_file:
-                record = {"step": step + 1, "ids": ids.tolist(), "loss": loss.item()}
+                record = {"step": step + 1, "ids": step_ids, "loss": loss.item()}
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
         ckpt.maybe_save(step + 1, state)

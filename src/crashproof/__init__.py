@@ -53,7 +53,7 @@ from crashproof.policy import (
     KeepWeekly,
     KeepWithin,
 )
-from crashproof.state import ResumableSampler, TrainState
+from crashproof.state import ResumableSampler, TrainState, accumulation_steps
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
 from crashproof.supervisor import heartbeat
 from crashproof.supervisor._worker import attach_to_supervisor
@@ -97,6 +97,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedStateError",
     "__version__",
+    "accumulation_steps",
     "heartbeat",
 ]
 

@@ -88,3 +88,39 @@ def test_state_that_differs_between_ranks_is_refused_on_another_world_size(tmp_p
     with pytest.raises(cp.StateMismatchError, match=r"saved by 2 ranks whose tensors differ"):
         ckpt.restore(cp.TrainState(model=torch.nn.Linear(4, 4)))
     ckpt.close()
+
+
+def test_a_constant_global_batch_across_world_sizes_takes_the_same_samples_per_step(
+    tmp_path: Path,
+) -> None:
+    # --global-batch 32 with micro-batches of 16: 1 micro-batch per step on 2 ranks, 2 on 1 rank.
+    run, global_batch = tmp_path / "run", 2 * BATCH
+    segments = [(2, 0, 10, "12"), (1, 10, STEPS, None)]
+    for nproc, start, _, crash_at in segments:
+        output = _torchrun(
+            run, tmp_path / f"log{nproc}", nproc, "--global-batch", str(global_batch),
+            *(["--crash-at", crash_at] if crash_at else []),
+        )  # fmt: skip
+        assert f"starting at step {start}" in output, output[-2000:]
+    sampler = cp.ResumableSampler(N_SAMPLES, shuffle=True, seed=0, rank=0, world_size=1)
+    epoch, position = 0, 0
+    for nproc, start, end, _ in segments:
+        records = _records(tmp_path / f"log{nproc}", nproc)
+        for step in range(start + 1, end + 1):
+            expected: list[int] = []
+            for _ in range(global_batch // (BATCH * nproc)):  # this world size's micro-batches
+                if -(-(N_SAMPLES - position) // nproc) < BATCH:
+                    epoch, position = epoch + 1, 0
+                sampler.epoch = epoch
+                expected += sampler._order()[position : position + BATCH * nproc].tolist()
+                position += BATCH * nproc
+            got = [i for rank in records for i in rank[step]]
+            assert len(got) == global_batch, f"step {step}: {len(got)} samples"
+            assert sorted(got) == sorted(expected), f"step {step} (world size {nproc})"
+
+
+def test_accumulation_steps_refuses_numbers_that_do_not_add_up() -> None:
+    assert cp.accumulation_steps(64, 16, world_size=2) == 2
+    assert cp.accumulation_steps(64, 16, world_size=4) == 1
+    with pytest.raises(cp.ConfigError, match=r"world sizes that fit: \[1, 2, 4\]"):
+        cp.accumulation_steps(64, 16, world_size=3)

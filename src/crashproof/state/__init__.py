@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
+from crashproof.state._batch import accumulation_steps
 from crashproof.state._sampler import ResumableSampler
 from crashproof.state._train_state import Stateful, TrainState, unwrap_model
 
-__all__ = ["ResumableSampler", "Stateful", "TrainState", "unwrap_model"]
+__all__ = ["ResumableSampler", "Stateful", "TrainState", "accumulation_steps", "unwrap_model"]
