@@ -4,7 +4,8 @@ s3fs uploads the parts of a multipart upload concurrently, but from one asyncio 
 busy host it moves about as fast as one stream (``benchmarks/tiers.py`` measured it at the speed
 of boto3 with a single thread). boto3's transfer manager pushes parts from a pool of threads. For
 ``FsspecStorage.put_file`` on ``s3://`` crashproof therefore uses boto3 when it is installed
-(``pip install 'crashproof[s3]'`` brings it), configured from the s3fs filesystem's own options
+(``pip install boto3``; moto and most AWS set-ups have it: it is not a dependency, since
+its botocore pin must match aiobotocore's), configured from the s3fs filesystem's own options
 (credentials, endpoint, client and botocore settings), and s3fs otherwise.
 """
 
