@@ -40,6 +40,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# MKL's settings for bit-reproducible CPU math (docs/exactness.md), unless set already.
+export MKL_CBWR ?= AUTO,STRICT
+export MKL_DYNAMIC ?= FALSE
+
 unit: $(STAMP) servers
 	$(VENV)/bin/pytest -q
 

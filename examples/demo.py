@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from crashproof.state._reproducible import set_reproducible_defaults
+
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_tiny.py"
 
@@ -38,7 +40,7 @@ def train(run_dir: Path, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=_child_env(),
     )
 
 
@@ -55,6 +57,14 @@ def steps_logged(log: Path) -> int:
         return 0
     lines = log.read_text().splitlines()
     return json.loads(lines[-1])["step"] if lines else 0
+
+
+def _child_env() -> dict[str, str]:
+    """The runs' environment: bit-reproducible CPU math (MKL's settings, unless already chosen;
+    ``crashproof run`` does the same for its trainers), unbuffered output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    set_reproducible_defaults(env)
+    return env
 
 
 def crashproof(*args: str) -> None:

@@ -43,6 +43,7 @@ from crashproof.checkpoint._shard import tensor_bytes, write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
+from crashproof.state._reproducible import mkl_reproducible
 from crashproof.storage import Storage, write_all
 
 __all__ = [
@@ -143,6 +144,8 @@ def exactness_environment() -> dict[str, Any]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "cuda": cuda,
+        "mkl": bool(torch.backends.mkl.is_available()),  # type: ignore[no-untyped-call]
+        "mkl_reproducible": mkl_reproducible(),
     }
 
 

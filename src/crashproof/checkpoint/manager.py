@@ -771,6 +771,16 @@ class CheckpointManager:
                 "bit (see docs/exactness.md)",
                 step,
             )
+        # Checkpoints from before this was recorded say nothing: only a recorded False counts.
+        saved_mkl = env.get("mkl_reproducible", True)
+        if now["mkl"] and not (saved_mkl and now["mkl_reproducible"]):
+            log.warning(
+                "resuming from step %d with MKL not set up for reproducible results in %s: set "
+                "MKL_CBWR=AUTO,STRICT and MKL_DYNAMIC=FALSE before Python starts (crashproof run "
+                "does) or runs may differ in the last bits (see docs/exactness.md)",
+                step,
+                "this run" if saved_mkl else "the run that saved it",
+            )
 
     def _load_candidate(
         self, state: TrainState, step: int, path: str

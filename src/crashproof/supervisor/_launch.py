@@ -40,6 +40,7 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 
 from crashproof.errors import ConfigError
 from crashproof.guard._preemption import ENV_NOTICE_FILE, EXIT_PREEMPTED
+from crashproof.state._reproducible import set_reproducible_defaults
 from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
@@ -261,6 +262,8 @@ def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Before any trainer (or the warm process they fork from) loads MKL: bit-reproducible CPU math.
+    set_reproducible_defaults()
     logging.basicConfig(level=logging.INFO, format="[crashproof run] %(levelname)s %(message)s")
     # torch logs each failed trainer's whole traceback here; the trainer's own log (on the console
     # and in the run directory) has it already, and the agent reports the failure in one line.
