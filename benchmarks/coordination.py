@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _support import free_port
 from crashproof.checkpoint._format import (
     FileEntry,
     Manifest,
@@ -86,12 +86,6 @@ def manifest_costs(world: int, repeats: int) -> dict[str, float]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _collectives(rank: int, world: int, port: int, out: Any) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -118,7 +112,7 @@ def _collectives(rank: int, world: int, port: int, out: Any) -> None:
 def collective_costs(world: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_collectives, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,14 +40,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import crashproof as cp
+from _support import free_port
 
 MB = 1e6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _state(size_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -159,7 +153,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
 def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

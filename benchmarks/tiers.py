@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,44 +42,13 @@ from typing import Any
 import torch
 
 import crashproof as cp
+from _support import start_moto_server
 from crashproof.checkpoint._format import MANIFEST_NAME
 from crashproof.checkpoint._reader import read_manifest_bytes
 from crashproof.checkpoint._transfer import download_checkpoint, upload_checkpoint
 from crashproof.storage import LocalStorage, storage_for
 
 MB = 1e6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server() -> subprocess.Popen[bytes]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise SystemExit("moto's S3 server did not start") from None
-            time.sleep(0.1)
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    return proc
 
 
 def make_checkpoint(root: Path, size_mb: float) -> Path:
@@ -112,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    server = start_server()
+    server = start_moto_server()
     import boto3  # after the endpoint is in the environment
 
     os.makedirs(args.dir, exist_ok=True)
