@@ -157,14 +157,10 @@ def retention_plan(
     keep: RetentionPolicy,
     *,
     keep_always: set[int],
-    facts: list[CheckpointFacts] | None = None,
 ) -> list[tuple[int, str]]:
     """Of ``found``, the checkpoints to remove: what ``keep`` does not keep, sparing
-    ``keep_always`` and every full checkpoint a kept delta needs. ``facts``: those of ``found``
-    when the caller has them (else read from the manifests)."""
-    if facts is None:
-        facts = checkpoint_facts(storage, found)
-    kept = retained(keep, facts) | keep_always
+    ``keep_always`` and every full checkpoint a kept delta needs."""
+    kept = retained(keep, checkpoint_facts(storage, found)) | keep_always
     kept |= bases_of(storage, dict(found), kept)
     return [(step, path) for step, path in found if step not in kept]
 

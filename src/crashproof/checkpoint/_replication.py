@@ -36,7 +36,7 @@ from crashproof.checkpoint._format import (
 )
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._reader import verify_checkpoint
-from crashproof.checkpoint._rollbacks import abandoned, read_marks
+from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
 from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.policy import (
@@ -179,7 +179,7 @@ class Replica(Protocol):
     def notify(self) -> None: ...
     def protected(self) -> set[int]: ...
     def status(self) -> TierStatus: ...
-    def wait_durable(self, step: int, timeout_s: float) -> bool: ...
+    def wait_durable(self, timeout_s: float) -> bool: ...
     def stop(self, timeout_s: float = 5.0) -> None: ...
 
 
@@ -357,9 +357,10 @@ class TierReplicator:
                 },
             }
 
-    def wait_durable(self, step: int, timeout_s: float) -> bool:
-        """Wait until every local checkpoint the tier wants (the newest, hence ``step`` or a
-        newer one, included) is durable there; False on timeout or when the thread is gone."""
+    def wait_durable(self, timeout_s: float) -> bool:
+        """Wait until every local checkpoint the tier wants (the newest included) is durable
+        there and nothing a rollback abandoned is left; False on timeout or when the thread is
+        gone."""
         deadline = time.monotonic() + timeout_s
         self.notify()
         while self.pending() or self._durable is None or self._abandoned_here():
@@ -374,10 +375,7 @@ class TierReplicator:
         """Whether the tier still holds a checkpoint a rollback abandoned."""
         marks = read_marks(self._local, self._local_root)
         with self._cond:
-            return any(
-                abandoned(marks, s, self._remote_facts.get(s, CheckpointFacts(s)).created_unix)
-                for s in (self._durable or {})
-            )
+            return bool(abandoned_steps(marks, self._durable or {}, self._remote_facts))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the thread after the transfer in progress (waiting at most ``timeout_s``: a hung
@@ -467,11 +465,7 @@ class TierReplicator:
         if not marks:
             return False
         with self._cond:
-            doomed = [
-                s
-                for s in (self._durable or {})
-                if abandoned(marks, s, self._remote_facts.get(s, CheckpointFacts(s)).created_unix)
-            ]
+            doomed = abandoned_steps(marks, self._durable or {}, self._remote_facts)
         for step in sorted(doomed, reverse=True):
             log.warning("rollback: removing checkpoint step %d from %s", step, self.tier.uri)
             remove_checkpoint(

@@ -14,11 +14,20 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from crashproof.policy import CheckpointFacts
 from crashproof.storage import Storage, read_all
 
-__all__ = ["ROLLBACKS_FILE", "RollbackMark", "abandoned", "read_marks", "record_rollback"]
+__all__ = [
+    "ROLLBACKS_FILE",
+    "RollbackMark",
+    "abandoned",
+    "abandoned_steps",
+    "read_marks",
+    "record_rollback",
+]
 
 ROLLBACKS_FILE = "rollbacks.json"
 _MAX_MARKS = 64
@@ -60,3 +69,10 @@ def record_rollback(storage: Storage, root: str, after: int) -> RollbackMark:
 def abandoned(marks: list[RollbackMark], step: int, created_unix: float | None) -> bool:
     """Whether a checkpoint of ``step`` committed at ``created_unix`` was abandoned by a rollback."""
     return any(step > m.after and (created_unix is None or created_unix < m.at) for m in marks)
+
+
+def abandoned_steps(
+    marks: list[RollbackMark], steps: Iterable[int], facts: Mapping[int, CheckpointFacts]
+) -> list[int]:
+    """Of a tier's ``steps`` (with their ``facts``: the commit time), those a rollback abandoned."""
+    return [s for s in steps if abandoned(marks, s, facts.get(s, CheckpointFacts(s)).created_unix)]

@@ -883,7 +883,7 @@ class CheckpointManager:
         deadline = time.monotonic() + limit_s
         for replicator in self._replicators:
             left = max(0.0, deadline - time.monotonic())
-            if not replicator.wait_durable(self._newest_valid, left):
+            if not replicator.wait_durable(left):
                 status = replicator.status()
                 log.error(
                     "checkpoint step %d is not durable in %s after %.0f s (pending: steps %s; "

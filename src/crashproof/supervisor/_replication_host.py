@@ -35,7 +35,7 @@ from crashproof.checkpoint._replication import (
     TierStatus,
     plan_backlog,
 )
-from crashproof.checkpoint._rollbacks import abandoned, read_marks
+from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
 from crashproof.policy import CheckpointFacts, RetentionPolicy, policy_from_spec, policy_to_spec
 from crashproof.storage import storage_for
 from crashproof.telemetry._events import EventLog
@@ -268,16 +268,16 @@ class AgentTier:
     def _abandoned_there(self, reported: dict[str, Any]) -> bool:
         durable, facts = self._known(reported)
         marks = read_marks(self._local.storage, self._local.root)
-        return any(
-            abandoned(marks, s, facts.get(s, CheckpointFacts(s)).created_unix) for s in durable
-        )
+        return bool(abandoned_steps(marks, durable, facts))
 
     def protected(self) -> set[int]:
         return set(self._pending(self._reported()))
 
     def status(self) -> TierStatus:
-        reported = self._reported()
-        durable = [int(s) for s in (reported.get("durable") or {})]
+        return self._status(self._reported())
+
+    def _status(self, reported: dict[str, Any]) -> TierStatus:
+        durable, _ = self._known(reported)
         uploading = reported.get("uploading")
         return TierStatus(
             uri=self.tier.uri,
@@ -293,11 +293,11 @@ class AgentTier:
             dropped=list(reported.get("dropped", [])),
         )
 
-    def wait_durable(self, step: int, timeout_s: float) -> bool:
+    def wait_durable(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while True:
-            reported = self._reported()
-            status = self.status()
+            reported = self._reported()  # read once per poll
+            status = self._status(reported)
             if (
                 status.newest_durable is not None
                 and not status.pending
