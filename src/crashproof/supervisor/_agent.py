@@ -266,6 +266,7 @@ class CrashproofAgent(LocalElasticAgent):
             ),
         )
         first: Failure | None = None
+        furthest = self._furthest_step(worker_group)
         for worker in workers:
             failure = failures.get(worker.global_rank)
             exitcode = failure.exitcode if failure is not None else self._exit_code(worker)
@@ -282,9 +283,10 @@ class CrashproofAgent(LocalElasticAgent):
                 signal=signame,
                 error=error,
                 first=first is None,
+                step=furthest,
             )
             if first is None and exitcode == EXIT_PREEMPTED:
-                self._on_preempted(worker.global_rank, self._furthest_step(worker_group))
+                self._on_preempted(worker.global_rank, furthest)
                 return
             if first is None:
                 log.error(
@@ -296,14 +298,14 @@ class CrashproofAgent(LocalElasticAgent):
                 )
                 first = Failure(
                     attempt=self.attempt,
-                    step=self._furthest_step(worker_group),
+                    step=furthest,
                     rank=worker.global_rank,
                     reason=how + (f": {error}" if error else ""),
                 )
         if first is None:
             first = Failure(
                 attempt=self.attempt,
-                step=self._furthest_step(worker_group),
+                step=furthest,
                 rank=None,
                 reason="the worker group became unhealthy",
             )

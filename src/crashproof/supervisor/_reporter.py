@@ -9,6 +9,7 @@ their own phases (each with its own hang allowance), and rank 0 appends ``restor
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +19,11 @@ from crashproof.telemetry._events import EventLog, worker_event_log
 
 __all__ = ["SupervisedReporter", "Unsupervised", "trainer_reporter"]
 
-PROGRESS_INTERVAL_S = 10.0
-"""How often rank 0 logs a ``progress`` event (step and step time)."""
+PROGRESS_INTERVAL_S = 2.0
+"""How often rank 0 logs a ``progress`` event (step and step time): often enough for the goodput
+report to place steps on its timeline, a few thousand lines for an hour's run;
+overridable with ``CRASHPROOF_PROGRESS_INTERVAL_S``."""
+ENV_PROGRESS_INTERVAL = "CRASHPROOF_PROGRESS_INTERVAL_S"
 
 
 class Unsupervised:
@@ -52,6 +56,9 @@ class SupervisedReporter:
         self._heartbeat = heartbeat
         self._events = events if rank == 0 else None  # one voice per run is enough
         self._progress_at: tuple[float, int] | None = None
+        self._progress_interval_s = float(
+            os.environ.get(ENV_PROGRESS_INTERVAL, "") or PROGRESS_INTERVAL_S
+        )
 
     def step_done(self, step: int) -> None:
         self._heartbeat.beat(step)
@@ -60,10 +67,13 @@ class SupervisedReporter:
         now = time.monotonic()
         if self._progress_at is None or step < self._progress_at[1]:
             self._progress_at = (now, step)
-        elif now - self._progress_at[0] >= PROGRESS_INTERVAL_S and step > self._progress_at[1]:
+        elif now - self._progress_at[0] >= self._progress_interval_s and step > self._progress_at[1]:
             since, since_step = self._progress_at
             self._events.emit(
-                "progress", step=step, step_time_s=round((now - since) / (step - since_step), 6)
+                "progress",
+                step=step,
+                since_step=since_step,
+                step_time_s=round((now - since) / (step - since_step), 6),
             )
             self._progress_at = (now, step)
 
