@@ -170,6 +170,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "rank": idx.rank,
             "tensors": [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                | (
+                    {"global_shape": list(t.global_shape), "global_offset": list(t.global_offset)}
+                    if t.global_shape is not None and t.global_offset is not None
+                    else {}
+                )
                 for t in idx.tensors
             ],
             "components": sorted(idx.state) if isinstance(idx.state, dict) else [],
@@ -198,6 +203,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for t in r["tensors"]:
             print(
                 f"    {t['name']:<50} {t['dtype']:<10} {t['shape']!s:<20} {_human(t['nbytes']):>10}"
+                + (  # a rank's piece of a sharded tensor: where it lies in the whole
+                    f"  piece of {t['global_shape']} at {t['global_offset']}"
+                    if "global_shape" in t
+                    else ""
+                )
             )
     return EXIT_OK
 

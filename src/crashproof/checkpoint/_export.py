@@ -9,7 +9,9 @@
 
 The state comes from the checkpoint itself, every byte verified first. A checkpoint saved by
 several ranks exports its replicated state (DDP: every rank holds the same tensors, checked from
-the indexes' checksums); sharded state is refused (see :mod:`crashproof.checkpoint._reshard`).
+the indexes' checksums) and its sharded tensors (FSDP2, DTensor) whole, put together from every
+rank's pieces (see :mod:`crashproof.checkpoint._sharded`); state split between ranks by hand is
+refused (see :mod:`crashproof.checkpoint._reshard`).
 Every output appears under its final name only once complete.
 """
 
@@ -18,14 +20,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
 
 from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
-from crashproof.checkpoint._reader import load_rank_state, read_manifest
+from crashproof.checkpoint._reader import RankRead, read_manifest
 from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._shard import write_shard
+from crashproof.checkpoint._sharded import load_sharded, restore_targets
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
@@ -40,8 +44,17 @@ _DCP_PARTS = ("model", "optimizer", "scheduler", "scaler")
 def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
     """The state tree of the checkpoint (one rank's, the same on every rank), verified."""
     manifest = read_manifest(storage, ckpt_dir)
-    rank = source_rank(storage, ckpt_dir, manifest, 0, 1)  # refuses sharded state
-    tree: Any = load_rank_state(storage, ckpt_dir, manifest, rank)
+    rank = source_rank(storage, ckpt_dir, manifest, 0, 1)  # refuses state split by hand
+    reader = RankRead(storage, ckpt_dir, manifest, rank)
+    try:
+        reader.verify()
+        pieces = reader.sharded_entries()
+        whole = restore_targets(pieces, {})  # no live counterparts: whole tensors
+        if pieces:
+            load_sharded(storage, ckpt_dir, manifest, whole)
+        tree: Any = reader.finish(whole)
+    finally:
+        reader.close()
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{storage.describe(ckpt_dir)}: the state is not a mapping")
     tree["step"] = manifest.step
@@ -115,7 +128,9 @@ def export_dcp(storage: Storage, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
     tmp = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
         if os.path.lexists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -147,9 +147,16 @@ class TensorEntry:
     file: str | None = None
     """The shard file holding the bytes when it is another rank's (state replicated on every
     rank is written once, spread over the ranks); None: this rank's own shard."""
+    global_shape: tuple[int, ...] | None = None
+    """For one rank's piece of a sharded tensor (a DTensor, e.g. under FSDP2): the whole tensor's
+    shape; ``shape`` is the piece's. None: the tensor is whole."""
+    global_offset: tuple[int, ...] | None = None
+    """Where the piece starts in the whole tensor, one index per dimension."""
 
     def to_json(self) -> dict[str, Any]:
-        extra = {"file": self.file} if self.file is not None else {}
+        extra: dict[str, Any] = {"file": self.file} if self.file is not None else {}
+        if self.global_shape is not None and self.global_offset is not None:
+            extra["global"] = {"shape": list(self.global_shape), "offset": list(self.global_offset)}
         return extra | {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
                         "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum}  # fmt: skip
 
@@ -403,6 +410,30 @@ def _parse_tensor(
             f"{where} ({name}): bytes {offset}..{offset + nbytes} lie outside the shard file "
             f"of {shard_size} bytes"
         )
+    global_shape, global_offset = _global_placement(obj, where, name, shape)
     return TensorEntry(
-        name, dtype, shape, offset, nbytes, _require(obj, "checksum", str, where), file
-    )
+        name, dtype, shape, offset, nbytes, _require(obj, "checksum", str, where), file,
+        global_shape, global_offset,
+    )  # fmt: skip
+
+
+def _global_placement(
+    obj: dict[str, Any], where: str, name: str, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """A sharded piece's whole shape and offset; the piece must lie inside the whole."""
+    placement = obj.get("global")
+    if placement is None:
+        return None, None
+    if not isinstance(placement, dict):
+        raise CorruptCheckpointError(f"{where} ({name}): 'global' is not an object")
+    whole = _shape(placement, where, name)
+    offsets = _shape({"shape": placement.get("offset")}, where, name)
+    if len(whole) != len(shape) or len(offsets) != len(shape):
+        raise CorruptCheckpointError(
+            f"{where} ({name}): a {len(shape)}-d piece of a {len(whole)}-d tensor at {list(offsets)}"
+        )
+    if any(o + n > w for o, n, w in zip(offsets, shape, whole, strict=True)):
+        raise CorruptCheckpointError(
+            f"{where} ({name}): the piece {list(shape)} at {list(offsets)} does not fit in {list(whole)}"
+        )
+    return whole, offsets

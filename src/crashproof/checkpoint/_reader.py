@@ -22,6 +22,7 @@ from crashproof.checkpoint._format import (
     FileEntry,
     Manifest,
     RankIndex,
+    TensorEntry,
     checkpoint_dir_name,
     index_name,
     parse_manifest,
@@ -193,9 +194,20 @@ class RankRead:
                 f"checkpoint cannot be used ({exc}); every delta on that base is unusable"
             ) from None
 
+    sharded_values: Mapping[str, torch.Tensor] | None = None
+    """The sharded tensors restored for this rank (by :mod:`._sharded`), for :meth:`finish`."""
+
+    def sharded_entries(self) -> dict[str, TensorEntry]:
+        """This rank's pieces of sharded tensors, by name (see :mod:`._sharded`)."""
+        return {e.name: e for e in self._index.tensors if e.global_shape is not None}
+
     def meta_tree(self) -> Any:
-        """The state tree with every tensor on the ``meta`` device: shapes and dtypes, no data."""
-        shapes = {i: (e.shape, e.dtype) for i, e in enumerate(self._index.tensors)}
+        """The state tree with every tensor on the ``meta`` device: shapes and dtypes, no data.
+
+        A sharded tensor has its whole shape."""
+        shapes = {
+            i: (e.global_shape or e.shape, e.dtype) for i, e in enumerate(self._index.tensors)
+        }
         shapes.update({d.index: (d.shape, d.dtype) for d in self._index.deltas})
         return self._decode(
             lambda i: torch.empty(
@@ -220,9 +232,15 @@ class RankRead:
                     "that base is unusable"
                 ) from None
 
-    def finish(self) -> Any:
+    def finish(self, sharded: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """The state tree with its tensors; sharded ones from ``sharded`` (by name) when given,
+        else this rank's pieces."""
         tensors = self._tensors()
-        return self._decode(lambda i: tensors[i])
+        names = [e.name for e in self._index.tensors]
+        return self._decode(
+            lambda i: tensors[i],
+            None if sharded is None else (lambda i: sharded[names[i]]),
+        )
 
     def _tensors(self) -> list[torch.Tensor]:
         base = self._base._tensors() if self._base is not None else []
@@ -251,17 +269,29 @@ class RankRead:
                 tensors[delta.index] = target
         return tensors
 
-    def _decode(self, tensor_at: Callable[[int], torch.Tensor]) -> Any:
+    def _decode(
+        self,
+        tensor_at: Callable[[int], torch.Tensor],
+        sharded_at: Callable[[int], torch.Tensor] | None = None,
+    ) -> Any:
         count = len(self._index.tensors)
 
-        def load_tensor(i: int) -> torch.Tensor:
-            if i >= count:
-                raise CorruptCheckpointError(
-                    f"{self._index_where}: the state refers to tensor #{i}, the index lists {count}"
-                )
-            return tensor_at(i)
+        def checked(at: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+            def load(i: int) -> torch.Tensor:
+                if i >= count:
+                    raise CorruptCheckpointError(
+                        f"{self._index_where}: the state refers to tensor #{i}, the index lists {count}"
+                    )
+                return at(i)
 
-        return decode_tree(self._index.state, load_tensor, self._index_where)
+            return load
+
+        return decode_tree(
+            self._index.state,
+            checked(tensor_at),
+            self._index_where,
+            load_sharded=None if sharded_at is None else checked(sharded_at),
+        )
 
     def close(self) -> None:
         for _, _, stream in getattr(self, "_parts", []):

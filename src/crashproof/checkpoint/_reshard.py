@@ -3,9 +3,10 @@
 Replicated state (DDP, or any job whose ranks hold the same tensors) restores on any world size:
 every saved rank has all of it, so new rank ``r`` reads saved rank ``r % W``. Whether the state
 *is* replicated is not assumed: the ranks' indexes list every tensor's checksum, and they must
-agree for every tensor but the RNG states (which differ per rank by design). State that differs
-between ranks (sharded by hand, tensor parallel) is refused with a clear error: redistributing it
-needs to know how it is sharded (DTensor placements), which is not done yet.
+agree for every tensor but the RNG states (which differ per rank by design) and the pieces of
+sharded tensors (DTensors: FSDP2, tensor parallel), which :mod:`._sharded` redistributes from
+their recorded placements. Other state that differs between ranks (sharded by hand, e.g. a
+``ZeroRedundancyOptimizer``) is refused with a clear error: nothing says how it is split.
 
 Only the tensors agree; per-rank values (RNG states, ``extra``) come from the saved rank ``r % W``,
 so two new ranks may start with the same RNG state. A run resumed on another world size is not
@@ -40,7 +41,9 @@ def source_rank(
     for r in range(saved):
         index = read_rank_index(storage, ckpt_dir, manifest, r)
         tensors = {
-            t.name: t.checksum for t in index.tensors if not t.name.startswith(_PER_RANK_PREFIXES)
+            t.name: t.checksum
+            for t in index.tensors
+            if not t.name.startswith(_PER_RANK_PREFIXES) and t.global_shape is None
         }
         if reference is None:
             reference = tensors
@@ -51,8 +54,9 @@ def source_rank(
             raise StateMismatchError(
                 f"{storage.describe(ckpt_dir)} was saved by {saved} ranks whose tensors differ "
                 f"(rank 0 and rank {r}: {', '.join(differing[:5])}"
-                f"{', ...' if len(differing) > 5 else ''}): the state is sharded, and restoring "
-                f"it on {world_size} ranks would need to redistribute it, which crashproof does "
-                f"not do yet. Restore with {saved} ranks."
+                f"{', ...' if len(differing) > 5 else ''}): the state is split between the ranks "
+                f"by hand (not as DTensors, whose placements say how), so it cannot be "
+                f"redistributed over {world_size} ranks. Restore with {saved} ranks, or shard "
+                f"with FSDP2 / DTensor."
             )
     return rank % saved

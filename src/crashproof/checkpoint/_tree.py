@@ -17,6 +17,8 @@ bytes                     ``{"$bytes": "<base64>"}``
 torch.dtype               ``{"$dtype": "float32"}``
 numpy scalar              ``{"$npscalar": "<dtype>", "value": ...}``
 numpy array               ``{"$ndarray": i}`` (stored through the tensor table)
+DTensor (FSDP2, TP)       ``{"$dtensor": i}``: this rank's piece in the tensor table, its place
+                          in the whole tensor in the index (see :mod:`._sharded`)
 ========================  =============================================
 
 Anything else raises :class:`UnsupportedStateError` naming the path of the offending value, so a
@@ -36,6 +38,7 @@ import torch
 
 from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
 from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
+from crashproof.state._dtensor import is_dtensor
 
 __all__ = ["JSONValue", "decode_tree", "encode_tree"]
 
@@ -45,6 +48,7 @@ JSONValue = Any  # JSON-compatible value; a precise recursive alias buys nothing
 MAX_DEPTH = 64
 _TAGS = (
     "$tensor",
+    "$dtensor",
     "$ndarray",
     "$tuple",
     "$dict",
@@ -90,6 +94,10 @@ def _encode(
         return int(value)  # also normalises int subclasses such as IntEnum
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
+    if is_dtensor(value):  # before plain tensors: a DTensor is one, but only a piece is ours
+        dtype_name(value.dtype, where=path)
+        tensors.append((path, value))
+        return {"$dtensor": len(tensors) - 1}
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided:
             raise UnsupportedStateError(
@@ -139,27 +147,34 @@ def _encode(
 
 
 def decode_tree(
-    node: JSONValue, load_tensor: Callable[[int], torch.Tensor], where: str, depth: int = 0
+    node: JSONValue,
+    load_tensor: Callable[[int], torch.Tensor],
+    where: str,
+    depth: int = 0,
+    load_sharded: Callable[[int], torch.Tensor] | None = None,
 ) -> Any:
     """Rebuild the value encoded by :func:`encode_tree`; ``load_tensor(i)`` supplies tensor ``i``.
 
-    ``where`` names the file being decoded, for error messages.
+    ``load_sharded(i)`` supplies a sharded tensor (a ``$dtensor``); without it, this rank's piece
+    comes from ``load_tensor(i)``. ``where`` names the file being decoded, for error messages.
     """
     if depth > MAX_DEPTH:
         raise CorruptCheckpointError(f"{where}: state tree nested deeper than {MAX_DEPTH} levels")
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        return [decode_tree(v, load_tensor, where, depth + 1) for v in node]
+        return [decode_tree(v, load_tensor, where, depth + 1, load_sharded) for v in node]
     if not isinstance(node, dict):
         raise CorruptCheckpointError(
             f"{where}: unexpected JSON value of type {type(node).__name__}"
         )
     tag = next((k for k in node if k.startswith("$")), None)
     if tag is None:
-        return {k: decode_tree(v, load_tensor, where, depth + 1) for k, v in node.items()}
+        return {
+            k: decode_tree(v, load_tensor, where, depth + 1, load_sharded) for k, v in node.items()
+        }
     try:
-        return _decode_tagged(tag, node, load_tensor, where, depth)
+        return _decode_tagged(tag, node, load_tensor, where, depth, load_sharded)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CorruptCheckpointError):
             raise
@@ -174,15 +189,18 @@ def _decode_tagged(
     load_tensor: Callable[[int], torch.Tensor],
     where: str,
     depth: int,
+    load_sharded: Callable[[int], torch.Tensor] | None,
 ) -> Any:
     def sub(v: JSONValue) -> Any:
-        return decode_tree(v, load_tensor, where, depth + 1)
+        return decode_tree(v, load_tensor, where, depth + 1, load_sharded)
 
     if tag not in _TAGS or (len(node) != 1 and tag != "$npscalar"):
         raise CorruptCheckpointError(f"{where}: unknown or malformed tag {tag!r}")
     body = node[tag]
     if tag == "$tensor":
         return load_tensor(_index(body))
+    if tag == "$dtensor":
+        return (load_sharded or load_tensor)(_index(body))
     if tag == "$ndarray":
         return load_tensor(_index(body)).numpy()
     if tag == "$tuple":

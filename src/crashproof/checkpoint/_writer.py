@@ -43,6 +43,7 @@ from crashproof.checkpoint._shard import tensor_bytes, write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
+from crashproof.state._dtensor import is_dtensor, local_piece
 from crashproof.state._reproducible import mkl_reproducible
 from crashproof.storage import Storage, write_all
 
@@ -51,6 +52,7 @@ __all__ = [
     "CommitResult",
     "Snapshot",
     "assign_owners",
+    "named_tensors",
     "new_tmp_name",
     "persist",
     "take_snapshot",
@@ -79,6 +81,9 @@ class Snapshot:
     owners: Mapping[str, int] = field(default_factory=dict)
     """Tensors every rank holds identically (replicated), by name: the rank that writes each.
     The others reference it in their index instead of writing it again (see :func:`assign_owners`)."""
+    sharded: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    """Pieces of sharded tensors (DTensors), by name: the whole tensor's shape and the piece's
+    offset in it. Their entry in ``tensors`` is this rank's piece."""
 
     @property
     def nbytes(self) -> int:
@@ -110,17 +115,19 @@ def take_snapshot(
     them while the snapshot is written. Without, CPU tensors are the live ones (the caller waits
     for the write) and CUDA tensors are copied to the host here.
     """
-    found: list[tuple[str, torch.Tensor]] = []
-    tree = encode_tree(state, found)
+    tree, found = named_tensors(state)
     tensors: list[tuple[str, torch.Tensor]] = []
-    used: set[str] = set()
-    for path, tensor in found:
+    sharded: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, tensor in found:
+        if is_dtensor(tensor):
+            tensor, whole, offset = local_piece(tensor)
+            sharded[name] = (whole, offset)
         tensor = tensor.detach()
         if tensor.is_conj():
             tensor = tensor.resolve_conj()
         if tensor.is_neg():
             tensor = tensor.resolve_neg()
-        tensors.append((_unique(path.lstrip("/") or "tensor", used), tensor.contiguous()))
+        tensors.append((name, tensor.contiguous()))
     ready = None
     if staging is not None:
         tensors, ready = staging.stage(tensors)
@@ -134,6 +141,7 @@ def take_snapshot(
         environment=exactness_environment(),
         ready=ready,
         must_be_finite=must_be_finite,
+        sharded=sharded,
     )
 
 
@@ -147,6 +155,14 @@ def exactness_environment() -> dict[str, Any]:
         "mkl": bool(torch.backends.mkl.is_available()),  # type: ignore[no-untyped-call]
         "mkl_reproducible": mkl_reproducible(),
     }
+
+
+def named_tensors(state: Any) -> tuple[JSONValue, list[tuple[str, torch.Tensor]]]:
+    """``state`` encoded, and its tensors under the names a checkpoint gives them."""
+    found: list[tuple[str, torch.Tensor]] = []
+    tree = encode_tree(state, found)
+    used: set[str] = set()
+    return tree, [(_unique(path.lstrip("/") or "tensor", used), t) for path, t in found]
 
 
 def _unique(name: str, used: set[str]) -> str:
@@ -277,7 +293,13 @@ def _write_index(
     for name, _ in snapshot.tensors:
         owner = snapshot.owners.get(name, rank)
         if owner == rank:
-            entries.append(mine[name])
+            placement = snapshot.sharded.get(name)
+            if placement is None:
+                entries.append(mine[name])
+            else:
+                entries.append(
+                    replace(mine[name], global_shape=placement[0], global_offset=placement[1])
+                )
             continue
         theirs = shared[owner]
         if theirs is None:

@@ -46,6 +46,7 @@ from crashproof.checkpoint._replication import (
 )
 from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
+from crashproof.checkpoint._sharded import load_sharded, restore_targets
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._transfer import download_checkpoint
@@ -54,6 +55,7 @@ from crashproof.checkpoint._writer import (
     Snapshot,
     assign_owners,
     exactness_environment,
+    named_tensors,
     new_tmp_name,
     persist,
     take_snapshot,
@@ -353,16 +355,20 @@ class CheckpointManager:
         free = min(set(range(capacity)) - {slot for _, slot in self._inflight})
         staging = self._stagings[free] if self._stagings else None
         tree = state.capture()
-        # Every rank counts the same saves, so all agree on which may be deltas.
-        may_be_delta = (
-            self.delta is not None and self.stats.saves_started % self.delta.full_every != 0
-        )
         snapshot = take_snapshot(
             step,
             tree,
             staging=staging,
             metadata=metadata,
             must_be_finite=state.must_be_finite(tree) if self.check_finite else frozenset(),
+        )
+        # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
+        # is always saved whole: a delta's base must be the same rank's piece, which a restore
+        # on another world size would not have.
+        may_be_delta = (
+            self.delta is not None
+            and self.stats.saves_started % self.delta.full_every != 0
+            and not snapshot.sharded
         )
         if self.dedup_replicated and self._group.world_size > 1 and self.delta is None:
             snapshot.owners = self._replicated_owners(snapshot.tensors, state)
@@ -747,7 +753,7 @@ class CheckpointManager:
                 skipped.append(f"step {candidate}: {problems[0]}")
                 return None
             assert reader is not None
-            tree = reader.finish()
+            tree = reader.finish(reader.sharded_values)
         finally:
             if reader is not None:
                 reader.close()
@@ -820,6 +826,12 @@ class CheckpointManager:
                     f"{self.storage.describe(path)}: the state is not a mapping"
                 )
             state.check(meta, where=self.storage.describe(path))
+            pieces = reader.sharded_entries()
+            if pieces:  # cut this rank's pieces out of the saved ones, before anything changes
+                _, live = named_tensors(state.capture())
+                targets = restore_targets(pieces, dict(live))
+                load_sharded(self.storage, path, manifest, targets)
+                reader.sharded_values = targets
             self._restored_environment = manifest.environment
             return "ok", reader, ""
         except StateMismatchError as exc:

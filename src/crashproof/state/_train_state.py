@@ -16,6 +16,7 @@ from torch import nn
 
 from crashproof.errors import ConfigError, StateMismatchError
 from crashproof.state._data import track_loader
+from crashproof.state._dtensor import is_dtensor
 from crashproof.state._rng import capture_rng, check_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
 
@@ -107,10 +108,23 @@ class TrainState:
     def capture(self) -> dict[str, Any]:
         """The current state as a tree of plain values and (live, uncopied) tensors."""
         tree: dict[str, Any] = {"rng": capture_rng()}
-        if self.model is not None:
-            tree["model"] = unwrap_model(self.model).state_dict()
-        if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state_dict()
+        if self.sharded:
+            # FSDP2 / DTensor parameters: torch's state-dict helpers give the optimizer's state
+            # keyed by parameter names, so it can be resharded like the model.
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            assert self.model is not None
+            tree["model"] = get_model_state_dict(self.model)
+            if self.optimizer is not None:
+                tree["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        else:
+            if self.model is not None:
+                tree["model"] = unwrap_model(self.model).state_dict()
+            if self.optimizer is not None:
+                tree["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             tree["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -127,11 +141,17 @@ class TrainState:
         }
         return tree
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's parameters are DTensors (``fully_shard``, tensor parallelism)."""
+        return self.model is not None and any(is_dtensor(p) for p in self.model.parameters())
+
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors a restore may read straight into, by their names in a checkpoint.
 
         The model's parameters and buffers, and those of ``extra`` modules (an EMA model): the
-        restore then needs no second copy of them in memory.
+        restore then needs no second copy of them in memory. Not DTensors: their pieces are cut
+        from the saved ones by :mod:`crashproof.checkpoint._sharded`.
         """
         live: dict[str, torch.Tensor] = {}
         if self.model is not None:
@@ -141,7 +161,7 @@ class TrainState:
                 live.update(
                     {f"extra/{key}/state_dict/{k}": v for k, v in value.state_dict().items()}
                 )
-        return live
+        return {k: v for k, v in live.items() if not is_dtensor(v)}
 
     def must_be_finite(self, tree: Mapping[str, Any]) -> frozenset[str]:
         """Names (as in a checkpoint) of the tensors of ``tree`` (from :meth:`capture`) that must
@@ -177,10 +197,21 @@ class TrainState:
     def restore(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
         """Load ``tree`` (as made by :meth:`capture`); all-or-nothing on validation errors."""
         self.check(tree, where=where)
-        if self.model is not None:
-            unwrap_model(self.model).load_state_dict(tree["model"], strict=True)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(tree["optimizer"])
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            assert self.model is not None
+            set_model_state_dict(self.model, tree["model"])
+            if self.optimizer is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, tree["optimizer"])
+        else:
+            if self.model is not None:
+                unwrap_model(self.model).load_state_dict(tree["model"], strict=True)
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(tree["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(tree["scheduler"])
         if self.scaler is not None:

@@ -1,0 +1,230 @@
+"""Sharded state (DTensors) read on any number of ranks, through ``torch.distributed.checkpoint``.
+
+Each rank saved its own piece of every DTensor, with the piece's place in the whole tensor (see
+:mod:`._dtensor`). :class:`CrashproofReader` is a ``torch.distributed.checkpoint`` storage reader
+over a crashproof checkpoint: it describes those pieces as DCP metadata, and DCP's load planner
+works out which parts of which saved pieces each live piece needs, whatever the saved and the
+current world sizes and placements. The bytes come from crashproof's own files through its own
+reader: every piece read is checked against its checksum, nothing is unpickled.
+
+Used by :class:`~crashproof.CheckpointManager` to restore FSDP2 models and their optimizers, and
+usable directly::
+
+    dcp.load(state_dict, storage_reader=CrashproofReader("ckpts/step_0000000100"))
+
+where ``state_dict`` is keyed like the checkpoint (``model/<fqn>``,
+``optimizer/state/<fqn>/exp_avg``; ``crashproof inspect`` lists the names).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from crashproof.checkpoint._dtypes import dtype_from_name
+from crashproof.checkpoint._format import Manifest, TensorEntry, shard_name
+from crashproof.checkpoint._reader import read_manifest, read_rank_index
+from crashproof.checkpoint._shard import ShardRead
+from crashproof.errors import CorruptCheckpointError
+from crashproof.state._dtensor import empty_like_piece, is_dtensor
+from crashproof.storage import Storage, storage_for
+
+__all__ = ["CrashproofReader", "load_sharded", "restore_targets"]
+
+_Piece = tuple[int, TensorEntry]
+"""A saved piece: the rank whose index lists it, and its entry there."""
+
+
+class CrashproofReader(StorageReader):
+    """A ``torch.distributed.checkpoint`` storage reader for one crashproof checkpoint.
+
+    It offers every piece of every sharded tensor, and rank 0's whole tensors (replicated state
+    such as buffers). Give it a checkpoint directory (local path or URI), or an open storage.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage: Storage | None = None,
+        manifest: Manifest | None = None,
+    ) -> None:
+        super().__init__()
+        if storage is None:
+            self._dir, self._storage = storage_for(os.fspath(path))
+        else:
+            self._dir, self._storage = os.fspath(path), storage
+        self._manifest = manifest or read_manifest(self._storage, self._dir)
+        self._where = self._storage.describe(self._dir)
+        if self._manifest.kind != "full":
+            raise CorruptCheckpointError(
+                f"{self._where}: a {self._manifest.kind} checkpoint; sharded state is only ever "
+                "saved in full checkpoints"
+            )
+        self._pieces: dict[MetadataIndex, _Piece] = {}
+        self._metadata = self._describe()
+
+    def _describe(self) -> Metadata:
+        tensors: dict[str, TensorStorageMetadata] = {}
+        for rank in range(self._manifest.world_size):
+            index = read_rank_index(self._storage, self._dir, self._manifest, rank)
+            for entry in index.tensors:
+                whole, offset = entry.global_shape, entry.global_offset
+                if whole is None or offset is None:
+                    if rank != 0:
+                        continue  # whole tensors: rank 0's (per-rank ones are not DCP's business)
+                    whole, offset = entry.shape, (0,) * len(entry.shape)
+                key = MetadataIndex(entry.name, torch.Size(offset))
+                if key in self._pieces:
+                    continue  # the same piece saved by several ranks (replicated over a mesh dim)
+                described = tensors.get(entry.name)
+                dtype = dtype_from_name(entry.dtype, where=self._where)
+                if described is None:
+                    described = tensors[entry.name] = TensorStorageMetadata(
+                        TensorProperties(dtype=dtype), torch.Size(whole), []
+                    )
+                elif tuple(described.size) != whole or described.properties.dtype != dtype:
+                    raise CorruptCheckpointError(
+                        f"{self._where}: the ranks disagree on the whole tensor {entry.name!r} "
+                        f"({described.properties.dtype}{list(described.size)} and "
+                        f"{dtype}{list(whole)} by rank {rank})"
+                    )
+                described.chunks.append(
+                    ChunkStorageMetadata(torch.Size(offset), torch.Size(entry.shape))
+                )
+                self._pieces[key] = (rank, entry)
+        return Metadata(state_dict_metadata=dict(tensors))
+
+    # -- the StorageReader interface ------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every saved piece the plan needs once, verified, and copy the parts asked for."""
+        needed: dict[MetadataIndex, list[Any]] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR or item.storage_index not in self._pieces:
+                raise CorruptCheckpointError(
+                    f"{self._where}: holds no tensor piece {item.storage_index.fqn!r} at "
+                    f"{list(item.storage_index.offset or ())}"
+                )
+            needed.setdefault(item.storage_index, []).append(item)
+        for key, items in needed.items():
+            saved = self._read_piece(*self._pieces[key])
+            for item in items:
+                source = saved
+                for dim, (start, length) in enumerate(
+                    zip(item.storage_offsets, item.lengths, strict=True)
+                ):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # constructed with its checkpoint, never found by DCP from an id
+
+    def _read_piece(self, rank: int, entry: TensorEntry) -> torch.Tensor:
+        file = entry.file or shard_name(rank)
+        where = f"{self._storage.describe(self._storage.join(self._dir, file))}"
+        try:
+            stream = self._storage.open(self._storage.join(self._dir, file))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: missing") from None
+        try:
+            read = ShardRead(stream, [entry], self._manifest.files[file], where, partial=True)
+            read.verify()  # the piece's own checksum; the file is its writer's to verify whole
+            return read.fill()[0]
+        except (OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
+        finally:
+            stream.close()
+
+
+def restore_targets(
+    pieces: Mapping[str, TensorEntry], live: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """New tensors to restore the saved sharded tensors into, by name: a DTensor laid out like its
+    live counterpart (this run's mesh and placements, whatever the saved ones were), or a whole
+    tensor where the live one is whole (a sharded checkpoint restored unsharded)."""
+    targets: dict[str, torch.Tensor] = {}
+    for name, entry in pieces.items():
+        counterpart = live.get(name)
+        if counterpart is not None and is_dtensor(counterpart):
+            targets[name] = empty_like_piece(counterpart)
+        else:
+            assert entry.global_shape is not None
+            targets[name] = torch.empty(
+                entry.global_shape, dtype=dtype_from_name(entry.dtype, where=entry.name)
+            )
+    return targets
+
+
+def load_sharded(
+    storage: Storage, ckpt_dir: str, manifest: Manifest, targets: Mapping[str, torch.Tensor]
+) -> None:
+    """Fill ``targets`` (DTensors, or whole tensors to consolidate) from the checkpoint's pieces.
+
+    Planned by DCP on this rank alone (every rank has the whole metadata, so there is nothing to
+    agree on); raises :class:`CorruptCheckpointError` when a piece is missing or corrupt.
+    """
+    reader = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(dict(targets), storage_reader=reader, no_dist=True)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        # DCP wraps errors raised while reading; a missing key or shape is a mismatch the
+        # caller checked already, so what is left is a checkpoint that does not hold up.
+        cause = _root_cause(exc)
+        if isinstance(cause, CorruptCheckpointError):
+            raise cause from None
+        raise CorruptCheckpointError(
+            f"{storage.describe(ckpt_dir)}: the sharded state cannot be read: {cause}"
+        ) from exc
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """DCP wraps a rank's exception in a ``CheckpointException`` holding it per rank."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
