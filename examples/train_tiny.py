@@ -192,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         losses, step_ids = [], []
         for micro in range(accumulate):
             x, y, ids = next_batch()
-            # Randomness from three generators in the batch itself.
-            x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
-            x = x * (1.0 + 0.05 * random.random())
-            model.train()
-            micro_loss = nn.functional.mse_loss(model(x), y)
+            with ckpt.compute_section():  # this rank's own work: how a straggler is found
+                # Randomness from three generators in the batch itself.
+                x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32))
+                x = x * (1.0 + 0.05 * random.random())
+                model.train()
+                micro_loss = nn.functional.mse_loss(model(x), y)
             if args.nan_sample is not None and args.nan_sample in ids.tolist():
                 micro_loss = micro_loss * float("nan")
             last = micro == accumulate - 1  # DDP averages gradients over ranks only then

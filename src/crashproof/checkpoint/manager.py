@@ -226,6 +226,20 @@ class CheckpointManager:
     def rank(self) -> int:
         return self._group.rank
 
+    def compute_section(self) -> contextlib.AbstractContextManager[None]:
+        """Mark this rank's own work in a step, the part with no collective in it (usually the
+        forward pass)::
+
+            with ckpt.compute_section():
+                loss = loss_fn(model(batch), target)
+
+        Under ``crashproof run`` its time is reported to the supervisor, which flags a rank whose
+        work takes longer than its peers' (a straggler: a slow device, a throttled host). Ranks
+        that wait for each other in every step all take the same time per step, so only the
+        marked work tells the slow one apart. Costs one clock read on each side; a no-op when
+        not supervised."""
+        return self._reporter.compute_section()
+
     # -- saving ------------------------------------------------------------------------------
 
     def maybe_save(

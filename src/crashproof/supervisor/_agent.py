@@ -49,6 +49,7 @@ from crashproof.supervisor._heartbeat import (
     heartbeat_path,
     read_heartbeat,
 )
+from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
 from crashproof.supervisor._worker import STACK_DUMP_SIGNAL, stack_dump_path
 from crashproof.telemetry._events import ENV_RUN_DIR, EventLog
 
@@ -71,6 +72,8 @@ class SupervisorConfig:
     """How long to wait for the stack dumps of a hung group."""
     preemption_grace_s: float = 30.0
     """On a preemption, how long trainers get for their emergency checkpoint before SIGKILL."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """When a rank's work per step is slow enough, for long enough, to be reported."""
 
 
 class CrashproofAgent(LocalElasticAgent):
@@ -100,6 +103,7 @@ class CrashproofAgent(LocalElasticAgent):
         self.config = config
         self.events = events
         self.hangs = HangDetector(config.hang)
+        self.stragglers = StragglerDetector(config.straggler)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
         self.preempted: str | None = None
@@ -225,7 +229,36 @@ class CrashproofAgent(LocalElasticAgent):
             if hung:
                 self._on_hang(worker_group, hung)
                 return RunResult(state=WorkerState.FAILED)
+            self._watch_stragglers(worker_group)
         return result
+
+    def _watch_stragglers(self, worker_group: WorkerGroup) -> None:
+        by_local_rank = {w.local_rank: w for w in worker_group.workers}
+        for report in self.stragglers.observe(self._beats(worker_group.workers)):
+            rank = by_local_rank[report.local_rank].global_rank
+            fields = {
+                "rank": rank,
+                "step": report.step,
+                "ratio": report.ratio,
+                "seconds_per_step": round(report.seconds_per_step, 6),
+                "peers_median_s": round(report.peers_median_s, 6),
+                "basis": report.basis,
+            }
+            if report.recovered:
+                log.info("rank %d is no longer a straggler (%.2fx its peers)", rank, report.ratio)
+                self.events.emit("straggler_recovered", **fields)
+            else:
+                log.warning(
+                    "rank %d is a straggler: %.2fx its peers' median %s over its last %d steps "
+                    "(%.4f s vs %.4f s per step)",
+                    rank,
+                    report.ratio,
+                    "work" if report.basis == "compute_section" else "step time",
+                    self.config.straggler.steps,
+                    report.seconds_per_step,
+                    report.peers_median_s,
+                )
+                self.events.emit("straggler", **fields)
 
     def _beats(self, workers: Iterable[Worker]) -> dict[int, Heartbeat]:
         """The heartbeat of each worker (by local rank) that has one from its current process."""

@@ -2,11 +2,12 @@
 
 A trainer run by ``crashproof run`` finds ``CRASHPROOF_HEARTBEAT_DIR`` in its environment and
 keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the phase it is in
-(start-up, step, restore, save, done), when it last beat, and the longest gap between two steps
-since its previous write. The supervisor reads these files every monitor interval and decides
+(start-up, step, restore, save, done), when it last beat, the longest gap between two steps
+since its previous write, and the seconds it spent in its own work (``compute_section``: the part
+of a step with no collective in it, which finds a straggler among ranks that wait for each other). The supervisor reads these files every monitor interval and decides
 what is a hang (:mod:`crashproof.supervisor._hang`); this module only moves the facts.
 
-A record is 56 bytes written with one ``pwrite`` and guarded by a CRC, so a reader never acts on a
+A record is 64 bytes written with one ``pwrite`` and guarded by a CRC, so a reader never acts on a
 torn write. Beats are cheap (a clock read and a 56-byte ``pwrite`` to the page cache, a few
 microseconds; beats without a step are written at most every 10 ms), so beating every step
 costs nothing measurable.
@@ -38,8 +39,9 @@ ENV_HEARTBEAT_DIR = "CRASHPROOF_HEARTBEAT_DIR"
 Phase = Literal["startup", "step", "restore", "save", "done"]
 _PHASES: tuple[Phase, ...] = ("startup", "step", "restore", "save", "done")
 
-_MAGIC = b"CPHB0001"
-_BODY = struct.Struct("<8sqqdddI")  # magic, pid, step, beat time, phase start, max gap, phase
+_MAGIC = b"CPHB0002"
+# magic, pid, step, beat time, phase start, max gap, work seconds, phase
+_BODY = struct.Struct("<8sqqddddI")
 _CRC = struct.Struct("<I")
 RECORD_SIZE = _BODY.size + _CRC.size
 _MIN_WRITE_INTERVAL_S = 0.01  # for beats that finish no step
@@ -59,6 +61,8 @@ class Heartbeat:
     """When it entered ``phase``."""
     max_gap_s: float
     """The longest time between two finished steps since the previous record (0: none yet)."""
+    work_s: float = 0.0
+    """Seconds spent in compute sections since the trainer started (0: it marks none)."""
 
 
 def heartbeat_path(directory: str, local_rank: int) -> str:
@@ -77,10 +81,10 @@ def read_heartbeat(path: str) -> Heartbeat | None:
     body, (crc,) = data[: _BODY.size], _CRC.unpack(data[_BODY.size :])
     if zlib.crc32(body) != crc:
         return None
-    magic, pid, step, beat_s, phase_started_s, max_gap_s, phase = _BODY.unpack(body)
+    magic, pid, step, beat_s, phase_started_s, max_gap_s, work_s, phase = _BODY.unpack(body)
     if magic != _MAGIC or not 0 <= phase < len(_PHASES):
         return None
-    return Heartbeat(pid, step, beat_s, _PHASES[phase], phase_started_s, max_gap_s)
+    return Heartbeat(pid, step, beat_s, _PHASES[phase], phase_started_s, max_gap_s, work_s)
 
 
 class HeartbeatWriter:
@@ -96,8 +100,13 @@ class HeartbeatWriter:
         self._phase_started_s = now
         self._last_step_s = 0.0  # when the last step finished (0: none yet)
         self._max_gap_s = 0.0
+        self._work_s = 0.0
         self._written_s = 0.0
         self._write(now)
+
+    def add_work(self, seconds: float) -> None:
+        """Count ``seconds`` of this rank's own work (sent with the next beat)."""
+        self._work_s += seconds
 
     def beat(self, step: int | None = None) -> None:
         """A sign of life; with ``step``, that step just finished (and the phase is "step")."""
@@ -144,6 +153,7 @@ class HeartbeatWriter:
             now,
             self._phase_started_s,
             self._max_gap_s,
+            self._work_s,
             _PHASES.index(self._phase),
         )
         try:

@@ -45,7 +45,9 @@ from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
+from crashproof.supervisor._metrics import RunMetrics
 from crashproof.supervisor._replication_host import ENV_AGENT_REPLICATION, ReplicationHost
+from crashproof.supervisor._straggler import StragglerConfig
 from crashproof.telemetry._events import EVENTS_FILE, EventLog
 
 __all__ = [
@@ -149,6 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="when the run ends, how long to wait for checkpoints still being copied to durable "
         "tiers (CheckpointManager(remote=...)); on a preemption at most --preemption-grace",
+    )
+    group.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=1.3,
+        help="report a rank whose work per step exceeds this many times its peers' median",
+    )
+    group.add_argument(
+        "--straggler-steps",
+        type=int,
+        default=20,
+        help="over how many recent steps a rank's work per step is averaged for that",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on this port (default 0: any free port, written to "
+        "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address the metrics are served on (default: loopback only)",
     )
     parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
     return parser
@@ -276,6 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_timeout_s=args.save_timeout,
         )
         crash_loop = CrashLoopPolicy(attempts=max(0, args.crash_loop_attempts))
+        if args.straggler_factor <= 1 or args.straggler_steps < 1:
+            raise ConfigError(
+                f"--straggler-factor {args.straggler_factor} must be above 1 and "
+                f"--straggler-steps {args.straggler_steps} at least 1"
+            )
+        straggler = StragglerConfig(args.straggler_factor, args.straggler_steps)
     except ConfigError as exc:
         print(f"crashproof run: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -296,11 +328,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         crash_loop=crash_loop,
         shutdown_grace_s=float(args.shutdown_timeout),
         preemption_grace_s=args.preemption_grace,
+        straggler=straggler,
     )
     events = EventLog(
         os.path.join(run_dir, EVENTS_FILE), node=os.uname().nodename, agent_pid=os.getpid()
     )
     return _launch(config, entrypoint, entry_args, start_method, supervisor, events, args)
+
+
+def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
+    """Start the Prometheus endpoint unless ``--metrics-port -1``; a port in use is logged, not
+    fatal: the run matters more than its metrics."""
+    if args.metrics_port < 0:
+        return None
+    metrics = RunMetrics(run_dir)
+    try:
+        metrics.serve(args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        log.error(
+            "cannot serve metrics on %s:%d (%s); running without",
+            args.metrics_host,
+            args.metrics_port,
+            exc,
+        )
+        return None
+    url = _metrics_url(args, metrics)
+    log.info("Prometheus metrics at %s", url)
+    with open(os.path.join(run_dir, "metrics_url"), "w") as f:
+        f.write(f"{url}\n")
+    return metrics
+
+
+def _metrics_url(args: argparse.Namespace, metrics: RunMetrics | None) -> str | None:
+    if metrics is None or metrics.port is None:
+        return None
+    return f"http://{args.metrics_host}:{metrics.port}/metrics"
 
 
 def _launch(
@@ -345,6 +407,7 @@ def _launch(
     replication_dir = os.path.join(supervisor.run_dir, "replication")
     replication = ReplicationHost(replication_dir, events)
     os.environ[ENV_AGENT_REPLICATION] = replication_dir
+    metrics = _serve_metrics(args, supervisor.run_dir)
     started = time.monotonic()
     events.emit(
         "run_start",
@@ -357,6 +420,7 @@ def _launch(
         rdzv_backend=config.rdzv_backend,
         start_method="exec" if isinstance(entrypoint, str) else start_method,
         run_dir=supervisor.run_dir,
+        metrics_url=_metrics_url(args, metrics),
     )
     code, outcome = EXIT_USAGE, "error"
     try:
@@ -414,6 +478,8 @@ def _launch(
             seconds=round(time.monotonic() - started, 3),
         )
         events.close()
+        if metrics is not None:
+            metrics.close()
         try:
             spec.rdzv_handler.shutdown()
         except Exception as exc:

@@ -36,6 +36,10 @@ class Unsupervised:
     def phase(self, phase: Phase) -> Iterator[None]:
         yield
 
+    @contextmanager
+    def compute_section(self) -> Iterator[None]:
+        yield
+
     def restored(self, step: int, source: str, seconds: float) -> None:
         pass
 
@@ -76,6 +80,14 @@ class SupervisedReporter:
                 step_time_s=round((now - since) / (step - since_step), 6),
             )
             self._progress_at = (now, step)
+
+    @contextmanager
+    def compute_section(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._heartbeat.add_work(time.perf_counter() - started)
 
     @contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:

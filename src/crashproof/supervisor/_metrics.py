@@ -1,0 +1,202 @@
+"""Prometheus metrics of a supervised run, served by ``crashproof run`` (loopback by default).
+
+Every number comes from the run's event log (``events.jsonl``), which this module follows from a
+background thread: the supervisor's own events and the trainers' (checkpoints, restores,
+progress) arrive the same way, so the metrics say exactly what the log says, and a trainer
+needs no metrics server of its own. Names and alert rules: docs/metrics.md and
+``examples/prometheus_alerts.yml``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from crashproof.telemetry._events import EVENTS_FILE
+
+__all__ = ["RunMetrics", "failure_kind"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 1.0
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, float("inf"))
+
+
+def failure_kind(event: dict[str, Any]) -> str | None:
+    """The kind of failure an event reports (the ``kind`` label), or None for other events."""
+    name = event.get("event")
+    if name == "rank_exit" and event.get("first") and event.get("exitcode"):
+        return "killed" if int(event["exitcode"]) < 0 else "error"
+    if name == "hang":
+        return "hang"
+    if name == "numerics":
+        return "numerics"
+    if name == "preempted":
+        return "preemption"
+    if name == "replication_failed":
+        return "storage"
+    return None
+
+
+class RunMetrics:
+    """The run's metrics, in their own registry, updated from ``RUN_DIR/events.jsonl``.
+
+    ``ettr`` (optional) computes the effective training time ratio from the event log's path;
+    it is called every ``ettr_interval_s``, not at every event (it reads the whole log).
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        ettr: Callable[[str], float | None] | None = None,
+        ettr_interval_s: float = 15.0,
+    ) -> None:
+        self.path = os.path.join(run_dir, EVENTS_FILE)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.step = Gauge("crashproof_step", "Last training step reported", registry=r)
+        self.step_time = Gauge(
+            "crashproof_step_time_seconds", "Mean wall time per step, recent", registry=r
+        )
+        self.progress_ts = Gauge(
+            "crashproof_last_progress_timestamp_seconds",
+            "Unix time of the last sign of training progress (step, checkpoint or restore)",
+            registry=r,
+        )
+        self.checkpoints = Counter("crashproof_checkpoints", "Checkpoints committed", registry=r)
+        self.blocking = Histogram(
+            "crashproof_checkpoint_blocking_seconds",
+            "Time training paused for each checkpoint",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.persist = Histogram(
+            "crashproof_checkpoint_persist_seconds",
+            "Time to write, checksum and commit each checkpoint (in the background)",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint_bytes = Counter(
+            "crashproof_checkpoint_bytes", "Bytes written by checkpoints (rank 0's)", registry=r
+        )
+        self.restarts = Counter("crashproof_restarts", "Restarts of the worker group", registry=r)
+        self.failures = Counter("crashproof_failures", "Failures, by kind", ["kind"], registry=r)
+        self.restore = Gauge(
+            "crashproof_restore_seconds", "Duration of the last restore", registry=r
+        )
+        self.straggler = Gauge(
+            "crashproof_straggler_ratio",
+            "A rank's work per step over its peers' median while it is a straggler (0: not)",
+            ["rank"],
+            registry=r,
+        )
+        self.ettr = Gauge(
+            "crashproof_ettr",
+            "Effective training time ratio so far: productive step time / wall time",
+            registry=r,
+        )
+        self._ettr_fn, self._ettr_interval_s = ettr, ettr_interval_s
+        self._ettr_due = 0.0
+        self._offset = 0
+        self._partial = b""
+        self._last_step = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: any free port) and start following the log;
+        returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(server.server_address[1])
+        self._server = server
+        self._thread = threading.Thread(target=self._follow, name="crashproof-metrics", daemon=True)
+        self._thread.start()
+        return self.port
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.poll()  # the last events (run_end) too
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            try:
+                self.poll()
+            except Exception:  # metrics must never take the supervisor down
+                log.exception("updating the metrics from %s failed", self.path)
+
+    # -- reading the log -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply the events appended since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # an incomplete last line: kept for the next read
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.observe(event)
+        if self._ettr_fn is not None and time.monotonic() >= self._ettr_due:
+            self._ettr_due = time.monotonic() + self._ettr_interval_s
+            value = self._ettr_fn(self.path)
+            if value is not None:
+                self.ettr.set(value)
+
+    def observe(self, event: dict[str, Any]) -> None:
+        name, ts = event.get("event"), float(event.get("ts", 0.0))
+        kind = failure_kind(event)
+        if kind is not None:
+            self.failures.labels(kind=kind).inc()
+        if name == "progress":
+            self._last_step = int(event["step"])
+            self.step.set(self._last_step)
+            self.step_time.set(event["step_time_s"])
+            self.progress_ts.set(ts)
+        elif name == "checkpoint":
+            self._last_step = max(self._last_step, int(event["step"]))
+            self.step.set(self._last_step)
+            self.checkpoints.inc()
+            self.blocking.observe(event["blocking_s"])
+            self.persist.observe(event["persist_s"])
+            self.checkpoint_bytes.inc(event.get("bytes", 0))
+            self.progress_ts.set(ts)
+        elif name == "restore":
+            self._last_step = int(event["step"])  # training goes on from there, not further
+            self.step.set(self._last_step)
+            self.restore.set(event["seconds"])
+            self.progress_ts.set(ts)
+        elif name == "restart":
+            self.restarts.inc()
+            for child in list(self.straggler._metrics):  # a new group: no straggler yet
+                self.straggler.labels(*child).set(0)
+        elif name == "straggler":
+            self.straggler.labels(rank=str(event["rank"])).set(event["ratio"])
+        elif name == "straggler_recovered":
+            self.straggler.labels(rank=str(event["rank"])).set(0)
+        elif name == "run_start":
+            self.progress_ts.set(ts)

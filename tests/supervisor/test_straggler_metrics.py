@@ -1,0 +1,183 @@
+"""Stragglers and Prometheus metrics under ``crashproof run``.
+
+Unit: the detector flags a rank whose work per step stays above 1.3x its peers' median, once,
+and reports its recovery. Real run: ``examples/train_tiny.py`` on 2 ranks (DDP, gloo), rank 1
+slowed by a SIGSTOP/SIGCONT duty cycle: the supervisor reports rank 1 (and never rank 0) as a
+straggler, and the metrics endpoint serves the run's steps, checkpoints and the straggler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from crashproof.supervisor._heartbeat import Heartbeat
+from crashproof.supervisor._metrics import RunMetrics
+from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
+from crashproof.telemetry import read_events
+from tests.conftest import EXAMPLES
+
+
+def _beat(pid: int, step: int, work_s: float) -> Heartbeat:
+    return Heartbeat(pid, step, float(step), "step", 0.0, 0.0, work_s)
+
+
+def test_a_rank_slower_than_its_peers_for_long_enough_is_reported_once_then_recovered() -> None:
+    detector = StragglerDetector(StragglerConfig(factor=1.3, steps=10))
+    work = {0: 0.0, 1: 0.0, 2: 0.0}
+    reports = []
+    for step in range(1, 61):
+        slow = 20 <= step < 40
+        for rank in work:  # rank 2 takes 1.5x as long from step 20 to 39
+            work[rank] += 0.015 if rank == 2 and slow else 0.010 + 0.0001 * rank
+        reports += detector.observe({r: _beat(100 + r, step, w) for r, w in work.items()})
+    assert [(r.local_rank, r.recovered) for r in reports] == [(2, False), (2, True)]
+    flagged, recovered = reports
+    assert 20 < flagged.step < 32 and flagged.ratio > 1.3 and flagged.basis == "compute_section"
+    assert recovered.step > 40
+
+
+def test_too_few_steps_or_a_restarted_rank_is_not_judged() -> None:
+    detector = StragglerDetector(StragglerConfig(factor=1.3, steps=10))
+    assert detector.observe({0: _beat(1, 5, 0.05), 1: _beat(2, 5, 5.0)}) == []
+    assert detector.observe({0: _beat(1, 9, 0.09), 1: _beat(2, 9, 9.0)}) == []  # 4 steps only
+    # rank 1 restarted (a new pid): its old history does not count against the new process
+    assert detector.observe({0: _beat(1, 16, 0.16), 1: _beat(3, 16, 0.16)}) == []
+
+
+def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    lines = [
+        {"ts": 1.0, "event": "run_start"},
+        {"ts": 2.0, "event": "progress", "step": 10, "step_time_s": 0.5},
+        {"ts": 3.0, "event": "checkpoint", "step": 10, "blocking_s": 0.01, "persist_s": 0.2, "bytes": 1000},
+        {"ts": 4.0, "event": "rank_exit", "rank": 1, "exitcode": -9, "first": True, "step": 12},
+        {"ts": 4.0, "event": "rank_exit", "rank": 0, "exitcode": -15, "first": False, "step": 12},
+        {"ts": 4.1, "event": "restart", "restart": 1},
+        {"ts": 5.0, "event": "restore", "step": 10, "seconds": 0.3},
+        {"ts": 6.0, "event": "straggler", "rank": 1, "ratio": 1.6},
+    ]  # fmt: skip
+    text = "".join(json.dumps(e) + "\n" for e in lines)
+    events.write_text(text[:-20])  # the last line still being written
+    metrics = RunMetrics(str(tmp_path), ettr=lambda path: 0.75, ettr_interval_s=0)
+    metrics.poll()
+    with open(events, "a") as f:
+        f.write(text[-20:])
+    metrics.poll()
+    value = metrics.registry.get_sample_value
+    assert value("crashproof_step") == 10
+    assert value("crashproof_checkpoints_total") == 1
+    assert value("crashproof_checkpoint_bytes_total") == 1000
+    assert value("crashproof_failures_total", {"kind": "killed"}) == 1
+    assert value("crashproof_restarts_total") == 1
+    assert value("crashproof_restore_seconds") == 0.3
+    assert value("crashproof_straggler_ratio", {"rank": "1"}) == 1.6
+    assert value("crashproof_ettr") == 0.75
+    assert value("crashproof_last_progress_timestamp_seconds") == 5.0
+
+
+def _wait_for(path: Path, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _duty_cycle(pid: int, stop: threading.Event, stopped_s: float, period_s: float) -> None:
+    while not stop.is_set():
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        time.sleep(period_s - stopped_s)
+
+
+@pytest.mark.timeout(180)
+def test_a_slowed_rank_is_reported_as_a_straggler_and_metrics_are_served(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2",
+        "--run-dir", str(run_dir), "--straggler-steps", "10", "--hang-timeout", "60",
+        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(tmp_path / "train"),
+        "--steps", "100000", "--every", "200", "--workers", "0", "--hidden", "512",
+    ]  # fmt: skip
+    env = {**os.environ, "CRASHPROOF_PROGRESS_INTERVAL_S": "0.5"}
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    try:
+        events_path = run_dir / "events.jsonl"
+        _wait_for(run_dir / "metrics_url", "metrics URL", 60)
+        url = (run_dir / "metrics_url").read_text().strip()
+        deadline = time.monotonic() + 60
+        pid = None
+        while pid is None:
+            assert time.monotonic() < deadline, "rank 1 did not start"
+            time.sleep(0.2)
+            starts = [
+                e for e in read_events(events_path) if e["event"] == "rank_start" and e["rank"] == 1
+            ]
+            if starts and any(e["event"] == "progress" for e in read_events(events_path)):
+                pid = starts[-1]["pid"]
+        slowing = threading.Thread(target=_duty_cycle, args=(pid, stop, 0.02, 0.04), daemon=True)
+        slowing.start()
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "straggler" for e in read_events(events_path)):
+            assert time.monotonic() < deadline, "no straggler reported in 60 s"
+            time.sleep(0.2)
+        stop.set()
+        slowing.join()
+        time.sleep(1.5)  # the metrics thread reads the log every second
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        stop.set()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stragglers = [e for e in read_events(events_path) if e["event"] == "straggler"]
+    assert {e["rank"] for e in stragglers} == {1}
+    assert stragglers[0]["basis"] == "compute_section" and stragglers[0]["ratio"] > 1.3
+    assert 'crashproof_straggler_ratio{rank="1"}' in body
+    assert "crashproof_checkpoints_total" in body and "crashproof_step " in body
+    step_line = next(line for line in body.splitlines() if line.startswith("crashproof_step "))
+    assert float(step_line.split()[1]) > 0
+    run_start = next(e for e in read_events(events_path) if e["event"] == "run_start")
+    assert run_start["metrics_url"] == url and url.startswith("http://127.0.0.1:")
+
+
+def test_the_example_alert_rules_use_metrics_the_run_serves(tmp_path: Path) -> None:
+    import re
+
+    import yaml
+
+    rules = yaml.safe_load((EXAMPLES / "prometheus_alerts.yml").read_text())
+    served = {
+        sample.name
+        for family in RunMetrics(str(tmp_path)).registry.collect()
+        for sample in family.samples
+    } | {family.name for family in RunMetrics(str(tmp_path)).registry.collect()}
+    alerts = [rule for group in rules["groups"] for rule in group["rules"]]
+    assert {a["alert"] for a in alerts} >= {
+        "CrashproofRunStalled",
+        "CrashproofRestartStorm",
+        "CrashproofStraggler",
+    }
+    for alert in alerts:
+        used = set(re.findall(r"crashproof_[a-z_]+", alert["expr"]))
+        assert used and used <= served, (alert["alert"], used - served)
