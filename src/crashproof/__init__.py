@@ -42,6 +42,7 @@ from crashproof.guard import EXIT_PREEMPTED, NumericsGuard, PreemptedExit
 from crashproof.policy import (
     AnyOf,
     CheckpointFacts,
+    Daly,
     EverySeconds,
     EverySteps,
     KeepAll,
@@ -52,6 +53,7 @@ from crashproof.policy import (
     KeepLast,
     KeepWeekly,
     KeepWithin,
+    Young,
 )
 from crashproof.state import ResumableSampler, TrainState, accumulation_steps
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
@@ -70,6 +72,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CrashproofError",
+    "Daly",
     "Delta",
     "EverySeconds",
     "EverySteps",
@@ -96,6 +99,7 @@ __all__ = [
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
+    "Young",
     "__version__",
     "accumulation_steps",
     "heartbeat",

@@ -252,7 +252,14 @@ class CheckpointManager:
         self._check_open()
         self._reporter.step_done(step)
         self._raise_pending()
-        ctx = SaveContext(step, time.monotonic(), self._last_save_step, self._last_save_s)
+        ctx = SaveContext(
+            step,
+            time.monotonic(),
+            self._last_save_step,
+            self._last_save_s,
+            last_blocking_s=self.stats.last_blocking_s if self.stats.saves_started else None,
+            last_persist_s=self.stats.last_persist_s if self.stats.saves_committed else None,
+        )
         decision = self.every.should_save(ctx)
         notice = self._preemption.pending()
         same_everywhere = getattr(self.every, "same_on_every_rank", False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from crashproof.policy._adaptive import Daly, Young
 from crashproof.policy._retention import (
     CheckpointFacts,
     KeepAll,
@@ -22,6 +23,7 @@ from crashproof.policy._save import AnyOf, EverySeconds, EverySteps, SaveContext
 __all__ = [
     "AnyOf",
     "CheckpointFacts",
+    "Daly",
     "EverySeconds",
     "EverySteps",
     "KeepAll",
@@ -35,6 +37,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveContext",
     "SavePolicy",
+    "Young",
     "policy_from_spec",
     "policy_to_spec",
     "retained",

@@ -25,6 +25,10 @@ class SaveContext:
     """Step of the last save, or of the restore point (0 at a fresh start)."""
     last_save_s: float
     """Monotonic time of the last save, or of the manager's start."""
+    last_blocking_s: float | None = None
+    """How long the last save paused training (None: no save yet)."""
+    last_persist_s: float | None = None
+    """How long the last committed save took to write and commit (None: none yet)."""
 
 
 class SavePolicy(Protocol):
