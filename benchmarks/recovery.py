@@ -214,7 +214,7 @@ class Run:
         command = launcher_command(launcher, args.max_restarts, directory)
         command += [str(TRAINER), "--timeline", str(self.timelines.directory)]
         command += ["--ckpt", str(directory / "ckpt"), "--every", str(args.every)]
-        command += ["--step-s", str(args.step_s)]
+        command += ["--step-s", str(args.step_s), *getattr(args, "trainer_args", [])]
         env = launcher_env(launcher, dict(os.environ))
         env[TOKEN_VAR] = self.token
         env["PYTHONPATH"] = os.pathsep.join(

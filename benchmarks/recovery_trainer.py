@@ -72,6 +72,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument(
+        "--saver",
+        choices=("crashproof", "torch"),
+        default="crashproof",
+        help="crashproof: CheckpointManager (async); torch: rank 0 torch.save()s model, "
+        "optimizer and step every --every steps (to a temporary file, then renamed), every rank "
+        "torch.load()s it on start: the usual hand-written resume",
+    )
+    p.add_argument(
+        "--progress-every", type=int, default=0, help="mark 'progress' every N steps (0: never)"
+    )
     return p.parse_args()
 
 
@@ -109,9 +120,12 @@ def train(args: argparse.Namespace, timeline: Timeline) -> None:
     )
     timeline.mark("ddp_ready")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = cp.TrainState(model=model, optimizer=optimizer)
-    ckpt = cp.CheckpointManager(args.ckpt, every=cp.EverySteps(args.every), keep=cp.KeepLast(2))
-    start = ckpt.restore(state)
+    saver = (
+        TorchSaver(args, model, optimizer)
+        if args.saver == "torch"
+        else CrashproofSaver(args, cp.TrainState(model=model, optimizer=optimizer))
+    )
+    start = saver.restore()
     timeline.mark("restored", step=start)
 
     first = True
@@ -126,9 +140,68 @@ def train(args: argparse.Namespace, timeline: Timeline) -> None:
         if first:
             timeline.mark("step", step=step + 1)
             first = False
-        ckpt.maybe_save(step + 1, state)
-    ckpt.close()
+        if args.progress_every and (step + 1) % args.progress_every == 0:
+            timeline.mark("progress", step=step + 1)
+        saver.maybe_save(step + 1)
+    saver.close()
     dist.destroy_process_group()
+
+
+class CrashproofSaver:
+    def __init__(self, args: argparse.Namespace, state: Any) -> None:
+        import crashproof as cp
+
+        self.state = state
+        self.ckpt = cp.CheckpointManager(
+            args.ckpt, every=cp.EverySteps(args.every), keep=cp.KeepLast(2)
+        )
+
+    def restore(self) -> int:
+        return int(self.ckpt.restore(self.state))
+
+    def maybe_save(self, step: int) -> None:
+        self.ckpt.maybe_save(step, self.state)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class TorchSaver:
+    """The hand-written baseline: one file, written by rank 0, read by every rank."""
+
+    def __init__(self, args: argparse.Namespace, model: Any, optimizer: Any) -> None:
+        import torch.distributed as dist
+
+        self.model, self.optimizer, self.every = model, optimizer, args.every
+        self.path = os.path.join(args.ckpt, "latest.pt")
+        self.rank = dist.get_rank()
+        os.makedirs(args.ckpt, exist_ok=True)
+
+    def restore(self) -> int:
+        import torch
+
+        if not os.path.exists(self.path):
+            return 0
+        saved = torch.load(self.path, weights_only=True)
+        self.model.module.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        return int(saved["step"])
+
+    def maybe_save(self, step: int) -> None:
+        import torch
+
+        if step % self.every or self.rank != 0:
+            return
+        state = {
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": step,
+        }
+        torch.save(state, self.path + ".tmp")
+        os.replace(self.path + ".tmp", self.path)
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":
