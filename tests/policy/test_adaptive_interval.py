@@ -98,3 +98,12 @@ def test_a_manager_with_young_measures_its_own_saves(tmp_path: Path) -> None:
         max(0.05, math.sqrt(2 * cost * policy.mtbf_s()), persist), rel=0.01
     )
     assert policy.interval_s > 1.0  # sqrt(2 x >=1 ms x 1 h) >= 2.7 s
+
+
+def test_cheaper_checkpoints_get_a_shorter_interval() -> None:
+    cheap, dear = cp.Young(mtbf_hours=2.0), cp.Young(mtbf_hours=2.0)
+    for _ in range(3):
+        cheap.should_save(_ctx(10, 0.0, 9, 0.0, 0.2))
+        dear.should_save(_ctx(10, 0.0, 9, 0.0, 20.0))
+    # sqrt(2 C M): a 100x cheaper checkpoint is saved 10x as often
+    assert cheap.interval_s == pytest.approx(dear.interval_s / 10, rel=0.01)
