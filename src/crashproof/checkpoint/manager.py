@@ -82,6 +82,9 @@ log = logging.getLogger("crashproof.checkpoint")
 _T = TypeVar("_T")
 PREEMPTION_DURABLE_WAIT_S = 10.0
 _KEEPALIVE_S = 5.0
+AGREE_EVERY_S = 0.25
+"""How often the ranks agree on stopping (a preemption notice) and on time-based saves."""
+_AGREE_MAX_CALLS = 10_000
 """While rank 0 works alone (a download from a tier), the others hear from it this often."""
 
 
@@ -198,6 +201,9 @@ class CheckpointManager:
         self._last_save_s = time.monotonic()
         self._newest_valid: int | None = None
         self._discard_save_of: int | None = None  # the step a NumericsGuard rollback abandoned
+        self._calls_to_agreement = 0  # maybe_save calls before the ranks next agree (see _agree)
+        self._last_call_s: float | None = None
+        self._step_s: float | None = None
         self._restored_environment: dict[str, Any] = {}
         self.last_commit: CommitResult | None = None
         """The most recent committed save of this manager."""
@@ -264,12 +270,7 @@ class CheckpointManager:
         notice = self._preemption.pending()
         same_everywhere = getattr(self.every, "same_on_every_rank", False)
         if self._group.world_size > 1 and (self._handle_signals or not same_everywhere):
-            # One small all-reduce per step: every rank learns whether any rank was told to
-            # stop, and (for time-based policies, which can disagree) rank 0's save decision.
-            binding = decision if same_everywhere else None
-            votes = [notice is not None, decision if self._group.rank == 0 else False]
-            stop, rank0_decision = self._group.max([int(v) for v in votes])
-            decision = binding if binding is not None else bool(rank0_decision)
+            decision, stop = self._agree(decision, notice is not None, same_everywhere)
             if stop and notice is None:
                 notice = Notice("another rank", time.monotonic())
         if self._discard_save_of is not None:
@@ -281,6 +282,33 @@ class CheckpointManager:
         if decision:
             self.save(step, state, metadata=metadata)
         return decision
+
+    def _agree(self, decision: bool, noticed: bool, same_everywhere: bool) -> tuple[bool, bool]:
+        """What every rank does after this step: save (rank 0's decision binds, for policies
+        whose ranks may disagree: clocks) and stop (any rank told to). Returns both.
+
+        Agreeing is one small all-reduce, made every few steps rather than every step: it also
+        waits for the slowest rank, which costs a fast step more than the all-reduce itself. Rank
+        0 sets the next agreement ``AGREE_EVERY_S`` ahead from its step time, so a notice or a
+        time-based save waits at most that long; all ranks count the same calls to know when.
+        """
+        now = time.monotonic()
+        if self._last_call_s is not None:
+            gap = now - self._last_call_s
+            self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
+        self._last_call_s = now
+        if self._calls_to_agreement > 0:
+            self._calls_to_agreement -= 1
+            return (decision if same_everywhere else False), False
+        rank0 = self._group.rank == 0
+        ahead = 0
+        if rank0 and self._step_s:
+            ahead = max(0, min(_AGREE_MAX_CALLS, int(AGREE_EVERY_S / self._step_s) - 1))
+        stop, rank0_decision, calls = self._group.max(
+            [int(noticed), int(decision and rank0), ahead if rank0 else 0]
+        )
+        self._calls_to_agreement = calls
+        return (decision if same_everywhere else bool(rank0_decision)), bool(stop)
 
     def _stop_for(
         self, notice: Notice, step: int, state: TrainState, metadata: dict[str, Any] | None
