@@ -30,6 +30,7 @@ from crashproof.checkpoint._catalog import prune_plan
 from crashproof.checkpoint._export import export_dcp, export_safetensors
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import CrashproofError
+from crashproof.goodput._planner import add_plan_parser
 from crashproof.policy import (
     KeepBest,
     KeepDaily,
@@ -391,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="safetensors above this are split into numbered files plus an index (default 5GB)",
     )
     p.set_defaults(func=cmd_export)
+    add_plan_parser(sub)
     return parser
 
 

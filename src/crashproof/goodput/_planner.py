@@ -1,0 +1,294 @@
+"""``crashproof plan``: before a run starts, what its failures will cost and how often to checkpoint.
+
+Owns the step from a run's size, length, failure rate and costs to a :class:`Plan`, and the
+``plan`` subcommand that prints one. The formulas are :mod:`crashproof.goodput._economics`'s; this
+module only converts units and picks the operating point. docs/planning.md derives the model,
+states its limits and reproduces the worked examples of the literature with it.
+
+Every input is required: a plan is only as good as its assumptions, and a default would hide one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from crashproof.errors import ConfigError
+from crashproof.goodput._economics import (
+    _devices,
+    _non_negative,
+    _positive,
+    _probability,
+    cluster_mtbf,
+    daily_prob_from_mtbf_hours,
+    daly_interval,
+    device_mtbf,
+    expected_failures,
+    expected_goodput,
+    expected_loss_per_failure,
+    mtbf_hours_from_daily_prob,
+    p_no_failure,
+    young_interval,
+)
+
+__all__ = ["Plan", "PlanInputs", "add_plan_parser", "plan", "run_plan"]
+
+EXIT_OK, EXIT_USAGE = 0, 2  # as in crashproof.cli
+
+_RATES = ("mtbf_hours", "daily_failure_prob", "cluster_mtbf_hours")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanInputs:
+    """What a plan assumes. Exactly one of the three failure rates is given."""
+
+    devices: int
+    """Devices in the job (GPUs, or nodes: whatever unit fails as one)."""
+    days: float
+    """Wall-clock length of the run, in days."""
+    ckpt_minutes: float
+    """What one checkpoint costs training: the time the loop pauses to save."""
+    restart_minutes: float
+    """From a failure to training again: detection, relaunch, loading the checkpoint (may be 0)."""
+    cost_per_device_hour: float
+    """The price of one device for one hour, in any currency (may be 0)."""
+    mtbf_hours: float | None = None
+    """Mean time between failures of one device, in hours."""
+    daily_failure_prob: float | None = None
+    """The chance that one device fails on a given day."""
+    cluster_mtbf_hours: float | None = None
+    """Mean time between failures of the whole job, in hours."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in _RATES if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                "give exactly one failure rate: mtbf_hours (per device), daily_failure_prob "
+                f"(per device) or cluster_mtbf_hours; got {', '.join(given) or 'none'}"
+            )
+        try:  # the economics' own checks, raised as the configuration error they are here
+            _devices(self.devices)
+            _positive("days", self.days)
+            _positive("ckpt_minutes", self.ckpt_minutes)
+            _non_negative("restart_minutes", self.restart_minutes)
+            _non_negative("cost_per_device_hour", self.cost_per_device_hour)
+            if self.mtbf_hours is not None:
+                _positive("mtbf_hours", self.mtbf_hours)
+            if self.daily_failure_prob is not None:
+                _probability("daily_failure_prob", self.daily_failure_prob, zero_ok=False)
+            if self.cluster_mtbf_hours is not None:
+                _positive("cluster_mtbf_hours", self.cluster_mtbf_hours)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def rates(self) -> tuple[float, float, float]:
+        """The failure rate in all three forms: per-device MTBF (hours), per-device daily
+        failure probability, cluster MTBF (hours). The one given is returned as given, so that a
+        worked example's ``0.999 ** 1000`` is computed from 0.999, not from a round trip."""
+        if self.daily_failure_prob is not None:
+            p = self.daily_failure_prob
+            per_device = mtbf_hours_from_daily_prob(p)
+            return per_device, p, cluster_mtbf(per_device, self.devices)
+        if self.mtbf_hours is not None:
+            per_device = self.mtbf_hours
+            cluster = cluster_mtbf(per_device, self.devices)
+        else:
+            assert self.cluster_mtbf_hours is not None  # __post_init__: exactly one is set
+            cluster = self.cluster_mtbf_hours
+            per_device = device_mtbf(cluster, self.devices)
+        return per_device, daily_prob_from_mtbf_hours(per_device), cluster
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """What failures will do to a run. :meth:`to_json`'s keys are a contract: keep them."""
+
+    inputs: PlanInputs
+    p_no_failure: float
+    """The chance that the whole run sees no failure at all."""
+    expected_failures: float
+    """Failures expected over the run's wall time."""
+    cluster_mtbf_hours: float
+    """The job's MTBF: the per-device MTBF over the number of devices."""
+    young_interval_hours: float
+    """Young's optimum checkpoint interval, ``sqrt(2 C M)`` (C: write, M: cluster MTBF)."""
+    daly_interval_hours: float
+    """Daly's higher-order optimum interval: the operating point of the three fields below."""
+    expected_overhead_fraction: float
+    """Share of the wall time lost to writes, failures and restarts, saving at Daly's interval."""
+    expected_goodput: float
+    """``1 - expected_overhead_fraction``: the share left for training."""
+    compute_cost: float
+    """``devices * days * 24 * cost_per_device_hour``: the bill for the whole allocation."""
+    expected_failure_cost: float
+    """What failures waste: ``expected_failures * loss per failure * devices * price``, the loss
+    being about ``(daly + C) / 2 + R`` (:func:`plan` says why)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The outputs under their own names, and the inputs under ``"inputs"``."""
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"
+        }
+        out["inputs"] = dataclasses.asdict(self.inputs)
+        return out
+
+
+def plan(
+    *,
+    devices: int,
+    days: float,
+    ckpt_minutes: float,
+    restart_minutes: float,
+    cost_per_device_hour: float,
+    mtbf_hours: float | None = None,
+    daily_failure_prob: float | None = None,
+    cluster_mtbf_hours: float | None = None,
+) -> Plan:
+    """The :class:`Plan` of a run (arguments: :class:`PlanInputs`'s fields).
+
+    The overhead, goodput and failure cost assume checkpoints at Daly's interval: of the two, it
+    is the closer to the optimum of the exact model that :func:`expected_goodput` evaluates.
+
+    The failure cost charges each expected failure with the wall time it costs the whole job (a
+    synchronous job stops as a whole, so on every device), at the job's hourly price. That time
+    is :func:`expected_loss_per_failure`: about half the segment of compute and write in progress
+    plus the restart, ``(interval + C) / 2 + R``, when failures are rare against the interval, and
+    exact in the model otherwise, so the failure cost never exceeds the compute cost. The writes
+    of the checkpoints themselves are not a failure cost: the failure cost and the writes
+    together are the overhead.
+
+    Raises :class:`~crashproof.errors.ConfigError` (a ``ValueError``) on a bad input, naming it.
+    """
+    inputs = PlanInputs(
+        devices=devices,
+        days=days,
+        ckpt_minutes=ckpt_minutes,
+        restart_minutes=restart_minutes,
+        cost_per_device_hour=cost_per_device_hour,
+        mtbf_hours=mtbf_hours,
+        daily_failure_prob=daily_failure_prob,
+        cluster_mtbf_hours=cluster_mtbf_hours,
+    )
+    per_device_mtbf, daily_prob, cluster = inputs.rates()
+    write_h, restart_h = ckpt_minutes / 60.0, restart_minutes / 60.0
+    daly = daly_interval(write_h, cluster)
+    goodput = expected_goodput(daly, write_h, restart_h, cluster)
+    failures = expected_failures(devices, days, per_device_mtbf)
+    lost_h = expected_loss_per_failure(daly, write_h, restart_h, cluster)
+    hourly = devices * cost_per_device_hour  # the whole job's price per wall-clock hour
+    return Plan(
+        inputs=inputs,
+        p_no_failure=p_no_failure(devices, daily_prob, days),
+        expected_failures=failures,
+        cluster_mtbf_hours=cluster,
+        young_interval_hours=young_interval(write_h, cluster),
+        daly_interval_hours=daly,
+        expected_overhead_fraction=1.0 - goodput,
+        expected_goodput=goodput,
+        compute_cost=days * 24.0 * hourly,
+        expected_failure_cost=failures * lost_h * hourly,
+    )
+
+
+def add_plan_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register ``plan`` on ``crashproof``'s subcommands; it dispatches through ``func``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="what failures will cost a run, and how often it should checkpoint",
+        description="Expected failures, Young's and Daly's checkpoint intervals, goodput and cost "
+        "of a run, assuming independent exponential failures (docs/planning.md).",
+    )
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the job")
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--mtbf-hours", type=float, metavar="H", help="MTBF of one device")
+    rate.add_argument(
+        "--daily-failure-prob", type=float, metavar="P", help="chance one device fails in a day"
+    )
+    rate.add_argument("--cluster-mtbf-hours", type=float, metavar="H", help="MTBF of the whole job")
+    p.add_argument("--days", type=float, required=True, help="wall-clock length of the run")
+    p.add_argument(
+        "--ckpt-minutes",
+        type=float,
+        required=True,
+        metavar="MIN",
+        help="time training pauses for one checkpoint",
+    )
+    p.add_argument(
+        "--restart-minutes",
+        type=float,
+        required=True,
+        metavar="MIN",
+        help="from a failure to training again: detect, relaunch, load",
+    )
+    p.add_argument(
+        "--cost-per-device-hour",
+        type=float,
+        required=True,
+        metavar="PRICE",
+        help="price of one device for an hour (any currency)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``crashproof plan``: print the plan; exit 2, saying why, on a bad input."""
+    try:
+        result = plan(
+            devices=args.devices,
+            days=args.days,
+            ckpt_minutes=args.ckpt_minutes,
+            restart_minutes=args.restart_minutes,
+            cost_per_device_hour=args.cost_per_device_hour,
+            mtbf_hours=args.mtbf_hours,
+            daily_failure_prob=args.daily_failure_prob,
+            cluster_mtbf_hours=args.cluster_mtbf_hours,
+        )
+    except ValueError as exc:
+        print(f"crashproof: plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(result.to_json(), indent=2) if args.json else _table(result))
+    return EXIT_OK
+
+
+def _table(r: Plan) -> str:
+    i = r.inputs
+    per_device_mtbf, daily_prob, _ = i.rates()
+    lost_h = expected_loss_per_failure(
+        r.daly_interval_hours, i.ckpt_minutes / 60.0, i.restart_minutes / 60.0, r.cluster_mtbf_hours
+    )
+    rows = [
+        f"{_count(i.devices, 'device')} for {_count(i.days, 'day')} "
+        f"({i.devices * i.days * 24:,.0f} device-hours)",
+        "failures",
+        f"  chance of none              {r.p_no_failure:.3g}",
+        f"  expected                    {r.expected_failures:.3g}",
+        f"  cluster MTBF                {r.cluster_mtbf_hours:,.2f} h",
+        f"  per device                  MTBF {per_device_mtbf:,.0f} h, "
+        f"daily failure probability {daily_prob:.3g}",
+        f"checkpoints ({i.ckpt_minutes:g} min to write, {i.restart_minutes:g} min to restart)",
+        f"  Young interval sqrt(2CM)    {_hours(r.young_interval_hours)}",
+        f"  Daly interval               {_hours(r.daly_interval_hours)}  <- assumed below",
+        f"  expected overhead           {r.expected_overhead_fraction:.1%}",
+        f"  expected goodput            {r.expected_goodput:.1%}",
+        f"  lost per failure            {_hours(lost_h)}",
+        f"cost (at {i.cost_per_device_hour:,.2f} per device-hour)",
+        f"  compute                     {r.compute_cost:,.0f}",
+        f"  expected failure cost       {r.expected_failure_cost:,.0f}",
+    ]
+    return "\n".join(rows)
+
+
+def _hours(h: float) -> str:
+    return f"{h:,.2f} h ({h * 60:,.0f} min)"
+
+
+def _count(n: float, unit: str) -> str:
+    return f"{n:,g} {unit}" + ("" if n == 1 else "s")
