@@ -14,14 +14,18 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Real servers the tests start: etcd (for `crashproof run --rdzv-backend etcd-v2`). Installed with
-# apt where we may; the etcd tests skip, saying why, where no etcd binary can be had.
+# Real programs the tests start: etcd (for `crashproof run --rdzv-backend etcd-v2`) and Chromium
+# (renders `crashproof report`'s HTML headless). Installed with apt where we may; their tests skip,
+# saying why, where they cannot be had.
 servers:
-	@if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		(apt-get install -y -q etcd-server >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q etcd-server >/dev/null 2>&1)) || \
-		echo "could not install etcd-server: the etcd tests will be skipped"; \
-	fi
+	@for pair in etcd:etcd-server chromium:chromium; do \
+		bin=$${pair%%:*}; pkg=$${pair#*:}; \
+		if ! command -v $$bin >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get install -y -q $$pkg >/dev/null 2>&1 || \
+			 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $$pkg >/dev/null 2>&1)) || \
+			echo "could not install $$pkg: the tests that need $$bin will be skipped"; \
+		fi; \
+	done
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -73,12 +73,12 @@ def newest_step(run: Run) -> int:
 def ledger_ettr(run: Run) -> float | None:
     """crashproof's own ledger of the run, if the goodput module is there."""
     try:
-        from crashproof.goodput import compute_ledger  # type: ignore[attr-defined]
+        from crashproof.goodput import read_ledger
     except ImportError:
         return None
     path = run.directory / "crashproof"
     try:
-        return float(compute_ledger(str(path)).ettr)
+        return float(read_ledger(path).ettr)
     except Exception as exc:
         log(f"  ledger of {path}: {exc}")
         return None

@@ -31,6 +31,7 @@ from crashproof.checkpoint._export import export_dcp, export_safetensors
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import CrashproofError
 from crashproof.goodput._planner import add_plan_parser
+from crashproof.goodput._report import add_report_parser
 from crashproof.policy import (
     KeepBest,
     KeepDaily,
@@ -393,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
     add_plan_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

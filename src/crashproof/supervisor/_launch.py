@@ -341,7 +341,7 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
     fatal: the run matters more than its metrics."""
     if args.metrics_port < 0:
         return None
-    metrics = RunMetrics(run_dir)
+    metrics = RunMetrics(run_dir, ettr=_ettr_of_log)
     try:
         metrics.serve(args.metrics_port, args.metrics_host)
     except OSError as exc:
@@ -357,6 +357,16 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
     with open(os.path.join(run_dir, "metrics_url"), "w") as f:
         f.write(f"{url}\n")
     return metrics
+
+
+def _ettr_of_log(path: str) -> float | None:
+    """The run's ETTR so far, from its whole event log (the metrics' ``crashproof_ettr``)."""
+    from crashproof.goodput import compute_ledger
+    from crashproof.telemetry import read_events
+
+    if not os.path.exists(path):
+        return None
+    return compute_ledger(read_events(path)).ettr
 
 
 def _metrics_url(args: argparse.Namespace, metrics: RunMetrics | None) -> str | None:

@@ -7,6 +7,10 @@ Under the supervisor (``CRASHPROOF_HEARTBEAT_DIR`` is set), ``import crashproof`
   first step is noticed too;
 * asks the kernel to SIGKILL it when its parent dies: torch starts trainers in sessions of
   their own, so a trainer whose agent was SIGKILLed would otherwise train on alone;
+* asks the same for every process the trainer forks from its main thread (DataLoader workers):
+  a forked worker holds copies of the trainer's sockets, so a SIGKILLed rank's connections to its
+  peers stayed open until its workers noticed (up to 5 s, DataLoader's watchdog) and the peers
+  sat in a collective all that time instead of failing at once;
 * registers :mod:`faulthandler` on ``SIGUSR2`` to write every thread's Python stack to
   ``RUN_DIR/stacks/attempt_<k>/rank_<r>.txt``. The dump runs inside the signal handler, in C,
   so it works while the interpreter is stuck in a collective or holds the GIL in native code.
@@ -21,6 +25,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from typing import IO
 
 from crashproof.supervisor._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
@@ -49,6 +54,7 @@ def attach_to_supervisor() -> None:
         return
     _attached_pid = os.getpid()
     _die_with_parent()
+    _children_die_with_trainer()
     worker_heartbeat()
     # This process owns the record now; its children (spawned DataLoader workers, helper
     # scripts) must not open it again, truncating the trainer's record and stack file.
@@ -66,6 +72,32 @@ def attach_to_supervisor() -> None:
             _stack_file.close()
         _stack_file = open(path, "w", encoding="utf-8")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
+_hooked = False
+_forking_from_main_thread = False
+
+
+def _children_die_with_trainer() -> None:
+    """Every child forked from the main thread dies with the trainer (see the module docstring).
+
+    Only from the main thread: the kernel's parent-death signal fires when the *thread* that
+    forked exits, and a worker forked by a short-lived thread would die with that thread.
+    """
+    global _hooked
+    if _hooked or not sys.platform.startswith("linux"):
+        return
+    _hooked = True
+
+    def before() -> None:
+        global _forking_from_main_thread
+        _forking_from_main_thread = threading.current_thread() is threading.main_thread()
+
+    def in_child() -> None:
+        if _forking_from_main_thread and "LOCAL_RANK" in os.environ:
+            _die_with_parent()
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,124 @@
+"""``crashproof report RUN_DIR``: a run's goodput ledger as a terminal summary, as JSON, and as
+one self-contained HTML page (``RUN_DIR/report.html`` unless told otherwise).
+
+The numbers come from :mod:`crashproof.goodput._ledger`, the page from
+:mod:`crashproof.goodput._report_html`; this module only formats and writes them.
+Exit codes, as for the other commands: 0 written; 2 no event log in RUN_DIR, or the page could
+not be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from crashproof.goodput._ledger import Ledger, read_ledger
+from crashproof.goodput._report_html import PART_LABELS, duration, render_html
+
+__all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
+
+EXIT_OK, EXIT_USAGE = 0, 2  # as in crashproof.cli
+REPORT_FILE = "report.html"
+
+
+def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:
+    """Write the report page to ``path`` (atomically: a reader never sees half a page); returns
+    the path written."""
+    target = os.fspath(path)
+    tmp = f"{target}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(render_html(ledger))
+    os.replace(tmp, target)
+    return target
+
+
+def format_summary(ledger: Ledger) -> str:
+    """The ledger as a plain-text table for a terminal."""
+    if ledger.wall_s <= 0:
+        return f"run {ledger.run_dir}: no events yet" if ledger.run_dir else "no events yet"
+    outcome = ledger.outcome or "not ended"
+    restarts = f"{ledger.restarts} restart{'s' if ledger.restarts != 1 else ''}"
+    lines = [
+        f"run {ledger.run_dir or ledger.run_id or ''} ({outcome}, {restarts}, "
+        f"final step {ledger.final_step:,})",
+        f"ETTR {ledger.ettr:.1%}: {duration(ledger.productive_s)} productive of "
+        f"{duration(ledger.wall_s)} wall time",
+        "",
+        f"  {'where the time went':<22}{'time':>14}{'share':>9}",
+    ]
+    parts = ledger.parts()
+    for key, (name, _, _) in PART_LABELS.items():
+        seconds = parts[key]
+        lines.append(f"  {name:<22}{duration(seconds):>14}{seconds / ledger.wall_s:>9.1%}")
+    if not ledger.failures:
+        lines += ["", "no failures"]
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"  {'#':>2} {'at':>12} {'rank':>5} {'kind':<10} {'reached':>8} {'restored':>9} "
+        f"{'lost steps':>10} {'lost':>10} {'down':>10}  what happened",
+    ]
+    for i, f in enumerate(ledger.failures, start=1):
+        down = f.detect_s + f.restart_s + f.restore_s
+        lines.append(
+            f"  {i:>2} {duration(f.ts - ledger.start_ts):>12} "
+            f"{'-' if f.rank is None else f.rank:>5} {f.kind:<10} "
+            f"{f.step_reached if f.step_reached >= 0 else '-':>8} "
+            f"{'-' if f.step_restored is None else f.step_restored:>9} {f.lost_steps:>10} "
+            f"{duration(f.lost_s):>10} {duration(down):>10}  {f.reason[:100]}"
+        )
+    return "\n".join(lines)
+
+
+def add_report_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register ``report`` on ``crashproof``'s subcommands; it dispatches through ``func``."""
+    p = subparsers.add_parser(
+        "report",
+        help="where a run's time went: ETTR, losses by cause, failures; writes an HTML page",
+        description="Read RUN_DIR/events.jsonl (the --run-dir of `crashproof run`) and report "
+        "the run's effective training time ratio and where the rest of its time went "
+        "(docs/goodput.md).",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of `crashproof run`")
+    p.add_argument(
+        "--html",
+        metavar="PATH",
+        help=f"where to write the page (default RUN_DIR/{REPORT_FILE}; with --json, only if given)",
+    )
+    p.add_argument("--json", action="store_true", help="print the ledger as a JSON object")
+    p.set_defaults(func=run_report)
+    return p
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """``crashproof report``: print the summary and the page's path (or the JSON)."""
+    try:
+        ledger = read_ledger(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"crashproof: report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # a directory named events.jsonl, no permission...
+        print(
+            f"crashproof: report: cannot read the event log in {args.run_dir}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    html_path = args.html
+    if html_path is None and not args.json:
+        html_path = os.path.join(args.run_dir, REPORT_FILE)
+    if html_path is not None:
+        try:
+            write_html_report(ledger, html_path)
+        except OSError as exc:
+            print(f"crashproof: report: cannot write {html_path}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.json:
+        print(json.dumps(ledger.to_json(), indent=2))
+    else:
+        print(format_summary(ledger))
+        print(f"\nreport: {html_path}")
+    return EXIT_OK
