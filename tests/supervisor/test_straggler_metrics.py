@@ -108,7 +108,7 @@ def test_a_slowed_rank_is_reported_as_a_straggler_and_metrics_are_served(tmp_pat
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2",
-        "--run-dir", str(run_dir), "--straggler-steps", "10", "--hang-timeout", "60",
+        "--run-dir", str(run_dir), "--straggler-steps", "60", "--hang-timeout", "60",
         str(EXAMPLES / "train_tiny.py"), "--run-dir", str(tmp_path / "train"),
         "--steps", "100000", "--every", "200", "--workers", "0", "--hidden", "512",
     ]  # fmt: skip
@@ -130,7 +130,7 @@ def test_a_slowed_rank_is_reported_as_a_straggler_and_metrics_are_served(tmp_pat
             starts = [
                 e for e in read_events(events_path) if e["event"] == "rank_start" and e["rank"] == 1
             ]
-            if starts and any(e["event"] == "progress" for e in read_events(events_path)):
+            if starts:
                 pid = starts[-1]["pid"]
         slowing = threading.Thread(target=_duty_cycle, args=(pid, stop, 0.02, 0.04), daemon=True)
         slowing.start()

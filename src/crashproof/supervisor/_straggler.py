@@ -7,9 +7,10 @@ step without collectives), which each trainer adds up in its heartbeat. Ranks th
 are compared by their step time instead, which finds stragglers only in jobs whose ranks do not
 wait for each other.
 
-A rank is a straggler when its work per step, over its last ``steps`` steps, exceeds ``factor``
-times the median of its peers' over theirs (the seeds' "GPU 847 running 30% slower than peers");
-it is reported once, and again as recovered when it falls back under the factor. The supervisor
+A rank is a straggler when its work per step over its last ``steps`` steps (and at least a few
+looks at its heartbeat) exceeds ``factor`` times the median of its peers' over theirs (the seeds' "GPU 847 running 30% slower than peers");
+it is reported once, and again as recovered when it falls back to half the margin (1.15x for a
+factor of 1.3), so a rank near the threshold does not flap. The supervisor
 of each node compares the ranks it runs (see docs/supervisor.md).
 """
 
@@ -22,6 +23,10 @@ from dataclasses import dataclass
 from crashproof.supervisor._heartbeat import Heartbeat
 
 __all__ = ["StragglerConfig", "StragglerDetector", "StragglerReport"]
+
+_MIN_LOOKS = 5
+"""A verdict needs at least this many looks at a rank's heartbeat in its window, however fast the
+steps: a window of one or two looks is one burst of noise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,10 @@ class StragglerDetector:
                 self.slow.pop(local_rank, None)
             if beat.step >= 0 and (not samples or beat.step > samples[-1][0]):
                 samples.append((beat.step, beat.work_s if beat.work_s > 0 else beat.beat_s))
-                while len(samples) > 1 and samples[-1][0] - samples[1][0] >= self.config.steps:
+                while (
+                    len(samples) > _MIN_LOOKS + 1
+                    and samples[-1][0] - samples[1][0] >= self.config.steps
+                ):
                     samples.popleft()
             self._history[local_rank] = (pid, samples)
         return self._judge(beats)
@@ -78,8 +86,11 @@ class StragglerDetector:
         marked = all(b.work_s > 0 for b in beats.values())
         for local_rank in beats:
             _, samples = self._history[local_rank]
-            if len(samples) < 2 or samples[-1][0] - samples[0][0] < self.config.steps:
-                continue  # not enough steps yet to judge this rank
+            if len(samples) <= _MIN_LOOKS or samples[-1][0] - samples[0][0] < self.config.steps:
+                continue  # not enough steps, or looks, yet to judge this rank
+            # The mean over the window: a slow device is slow in every step, a throttled or
+            # stalled one in bursts that a median of looks would hide; the window is long enough
+            # (steps, and looks) that a single descheduling does not decide.
             (first_step, first_s), (last_step, last_s) = samples[0], samples[-1]
             rates[local_rank] = (last_s - first_s) / (last_step - first_step)
         return rates, "compute_section" if marked else "step_time"
@@ -100,7 +111,7 @@ class StragglerDetector:
             if ratio > self.config.factor and local_rank not in self.slow:
                 self.slow[local_rank] = report
                 changes.append(report)
-            elif ratio <= self.config.factor and local_rank in self.slow:
+            elif ratio <= 1 + (self.config.factor - 1) / 2 and local_rank in self.slow:
                 del self.slow[local_rank]
                 changes.append(
                     StragglerReport(
