@@ -173,8 +173,10 @@ def _unique(name: str, used: set[str]) -> str:
     return candidate
 
 
-def new_tmp_name(step: int) -> str:
-    return f"{TMP_PREFIX}{checkpoint_dir_name(step)}-{uuid.uuid4().hex[:12]}"
+def new_tmp_name(step: int, token: str | None = None) -> str:
+    """A temporary directory's name for a save of ``step``: unique with a random token, or with
+    ``token`` (the same on every rank, so the ranks need not agree on a name at every save)."""
+    return f"{TMP_PREFIX}{checkpoint_dir_name(step)}-{token or uuid.uuid4().hex[:12]}"
 
 
 def persist(

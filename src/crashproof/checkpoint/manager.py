@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,6 +203,7 @@ class CheckpointManager:
         self._newest_valid: int | None = None
         self._discard_save_of: int | None = None  # the step a NumericsGuard rollback abandoned
         self._calls_to_agreement = 0  # maybe_save calls before the ranks next agree (see _agree)
+        self._tmp_token: str | None = None  # in every save's temporary name, the same on all ranks
         self._last_call_s: float | None = None
         self._step_s: float | None = None
         self._restored_environment: dict[str, Any] = {}
@@ -382,8 +384,8 @@ class CheckpointManager:
         started = time.perf_counter()
         capacity = max(1, len(self._stagings))
         busy = sum(not future.done() for future, _ in self._inflight) >= capacity
-        if self._group.world_size > 1:  # every rank must skip, or none: agree on "busy"
-            busy = any(self._group.all_gather(busy))
+        if self._group.world_size > 1 and self.on_busy == "skip":
+            busy = any(self._group.all_gather(busy))  # every rank must skip, or none
         if busy and self.on_busy == "skip":
             self.stats.skipped_busy += 1
             log.warning(
@@ -421,7 +423,9 @@ class CheckpointManager:
         )
         if self.dedup_replicated and self._group.world_size > 1 and self.delta is None:
             snapshot.owners = self._replicated_owners(snapshot.tensors, state)
-        tmp_name = self._group.broadcast(new_tmp_name(step))
+        if self._tmp_token is None:  # agreed once; each save's name adds its number
+            self._tmp_token = str(self._group.broadcast(uuid.uuid4().hex[:8]))
+        tmp_name = new_tmp_name(step, f"{self._tmp_token}-{self.stats.saves_started}")
         blocking_s = time.perf_counter() - started
         self._inflight.append(
             (
