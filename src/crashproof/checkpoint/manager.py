@@ -273,8 +273,10 @@ class CheckpointManager:
         same_everywhere = getattr(self.every, "same_on_every_rank", False)
         if self._group.world_size > 1 and (self._handle_signals or not same_everywhere):
             decision, stop = self._agree(decision, notice is not None, same_everywhere)
-            if stop and notice is None:
-                notice = Notice("another rank", time.monotonic())
+            # A notice acts only once the ranks agree on it: signals reach the ranks at
+            # different steps, and a rank stopping alone would pair its emergency save's
+            # collectives with its peers' training. Until then it stays pending.
+            notice = (notice or Notice("another rank", time.monotonic())) if stop else None
         if self._discard_save_of is not None:
             if step == self._discard_save_of:  # the state was rolled back: it is not this step's
                 step, decision = self._last_save_step, False
