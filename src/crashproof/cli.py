@@ -20,6 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 import crashproof
+from crashproof.chaos import add_chaos_parser
 from crashproof.checkpoint import (
     committed_steps,
     describe_checkpoint,
@@ -395,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
     add_plan_parser(sub)
     add_report_parser(sub)
+    add_chaos_parser(sub)
     return parser
 
 

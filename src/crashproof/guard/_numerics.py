@@ -35,6 +35,7 @@ from torch import nn
 
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.errors import ConfigError, NumericsError
+from crashproof.guard._injection import injected_nan
 from crashproof.guard._rollback import DataLedger, SkippedData
 from crashproof.telemetry._events import emit
 
@@ -186,6 +187,8 @@ class NumericsGuard:
         value = (
             float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
         )
+        if injected_nan(step):  # the chaos seam (docs/chaos.md): inert without its env variable
+            value = math.nan
         # With a scaler, gradients may be inf by design: their norm decides nothing.
         norm = _grad_norm(model) if model is not None and scaler is None else None
         nonfinite = not math.isfinite(value) or (norm is not None and not math.isfinite(norm))

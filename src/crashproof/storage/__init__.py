@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -31,9 +32,9 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
     which needs fsspec and the protocol's package (``pip install crashproof[s3]``, ...).
     ``options`` go to the fsspec filesystem (credentials, endpoint, timeouts)."""
     if root.startswith("file://"):
-        return root[len("file://") :], LocalStorage()
+        return root[len("file://") :], _chaos(LocalStorage())
     if "://" not in root:
-        return root, LocalStorage()
+        return root, _chaos(LocalStorage())
     protocol = root.split("://", 1)[0]
     # Some SDKs draw from Python's global RNG when imported or configured; that stream is the
     # training's (and in its checkpoints): leave it exactly as it was.
@@ -55,7 +56,16 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
         raise ConfigError(f"{root!r}: unknown storage protocol {protocol!r} ({exc})") from None
     finally:
         random.setstate(rng_state)
-    return root.rstrip("/"), storage
+    return root.rstrip("/"), _chaos(storage)
+
+
+def _chaos(storage: Storage) -> Storage:
+    """Inert unless a chaos campaign set ``CRASHPROOF_CHAOS_STORAGE`` (docs/chaos.md)."""
+    if not os.environ.get("CRASHPROOF_CHAOS_STORAGE"):
+        return storage
+    from crashproof.storage._faulty import with_injected_faults
+
+    return with_injected_faults(storage)
 
 
 def _with_defaults(protocol: str, options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -9,7 +9,6 @@ needs no metrics server of its own. Names and alert rules: docs/metrics.md and
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -19,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from crashproof.telemetry._events import EVENTS_FILE
+from crashproof.telemetry._events import EVENTS_FILE, EventTail
 
 __all__ = ["RunMetrics", "failure_kind"]
 
@@ -105,8 +104,7 @@ class RunMetrics:
         )
         self._ettr_fn, self._ettr_interval_s = ettr, ettr_interval_s
         self._ettr_due = 0.0
-        self._offset = 0
-        self._partial = b""
+        self._tail = EventTail(self.path)
         self._last_step = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,22 +143,8 @@ class RunMetrics:
 
     def poll(self) -> None:
         """Apply the events appended since the last call."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()  # an incomplete last line: kept for the next read
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                self.observe(event)
+        for event in self._tail.read_new():
+            self.observe(event)
         if self._ettr_fn is not None and time.monotonic() >= self._ettr_due:
             self._ettr_due = time.monotonic() + self._ettr_interval_s
             value = self._ettr_fn(self.path)

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from crashproof.telemetry._events import EVENTS_FILE, EventLog, read_events
+from crashproof.telemetry._events import EVENTS_FILE, EventLog, EventTail, read_events
 
-__all__ = ["EVENTS_FILE", "EventLog", "read_events"]
+__all__ = ["EVENTS_FILE", "EventLog", "EventTail", "read_events"]

@@ -102,3 +102,33 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+class EventTail:
+    """Follows a growing event log: each :meth:`read_new` returns the events appended since the
+    previous call. A line still being written is kept back until its newline arrives; a line
+    torn by a writer killed mid-write (never completed) is skipped. A missing file has none."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        new: list[dict[str, Any]] = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                new.append(record)
+        return new

@@ -1,0 +1,275 @@
+"""Did the job notice each fault, and get over it? Matching injections to the run's events.
+
+For each injection: the event that shows it was **detected**, by kind:
+
+| kind | detected by |
+|---|---|
+| kill | the ``rank_exit`` of the killed process |
+| hang | a ``hang`` event (the stopped rank's, or a peer's stuck waiting for it) |
+| nan | the ``numerics`` event of the step the seam made non-finite |
+| corrupt | a ``restore`` from a step older than the corrupted one (or the trainer's "skipping checkpoint step N" line, when nothing older was left) |
+| storage | the error in a rank's ``rank_exit`` or log (``enospc``, ``eio``); a ``checkpoint`` whose ``persist_s`` shows the stall, or a ``hang`` (``hang``) |
+| straggler | a ``straggler`` event naming the rank |
+
+It was **recovered** from when, after the detection (and, for a straggler, after the slowdown
+ended), a checkpoint of a step beyond the furthest step reached before the fault was committed,
+or the run finished. Its **lost work** is what had to be computed again: the furthest step the
+group finished before it failed (``rank_exit``'s or ``hang``'s ``step``) minus the step the next
+attempt restored (0 when it found no checkpoint); for a rollback, the steps finished before the
+anomaly minus the step rolled back to. ``lost_s`` prices those steps at the run's median step
+time (``progress`` events). Faults that cost no restart and no rollback lose no steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from crashproof.chaos._schedule import Fault
+from crashproof.chaos._watch import Event, RunView
+
+__all__ = ["Injection", "assess", "median_step_s"]
+
+_SEAM_KINDS = ("nan", "storage")
+
+
+@dataclass(kw_only=True)
+class Injection:
+    """One fault as it happened, and (once :func:`assess` ran) what became of it."""
+
+    fault: Fault
+    due_s: float | None
+    """When it was due, seconds after the launch (None: a step trigger)."""
+    at_s: float
+    """When it was injected (armed, for the seam kinds), seconds after the launch."""
+    ts: float
+    """The same moment, Unix time."""
+    pid: int | None
+    attempt: int
+    """The attempt it hit (``rank_start``'s ``restart``)."""
+    step: int
+    """The furthest step the target had finished when it was injected (for ``nan``: the step
+    whose loss was made non-finite, once it fired)."""
+    details: dict[str, Any] = field(default_factory=dict)
+    fired_ts: float | None = None
+    """Seam kinds: when the trainer fired it (None: not yet)."""
+    end_ts: float | None = None
+    """A straggler: when the slowdown ended."""
+    end_step: int | None = None
+    detected: bool = False
+    detected_by: str | None = None
+    detect_s: float | None = None
+    recovered: bool = False
+    recovered_by: str | None = None
+    lost_steps: int = 0
+    lost_s: float = 0.0
+    gave_up: bool = False
+    """The campaign stopped waiting for it (``--resolve-timeout``) or the run ended first."""
+
+    @property
+    def resolved(self) -> bool:
+        """Nothing more is to be waited for: detected and recovered, or given up."""
+        return self.gave_up or (self.detected and self.recovered)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.fault.id,
+            "kind": self.fault.kind,
+            "trigger": self.fault.trigger,
+            "due_s": self.due_s,
+            "at_s": round(self.at_s, 3),
+            "rank": self.fault.rank,
+            "pid": self.pid,
+            "attempt": self.attempt,
+            "step": self.step,
+            "params": dict(self.fault.params),
+            "details": self.details,
+            "detected": self.detected,
+            "detected_by": self.detected_by,
+            "detect_s": None if self.detect_s is None else round(self.detect_s, 3),
+            "recovered": self.recovered,
+            "recovered_by": self.recovered_by,
+            "lost_steps": self.lost_steps,
+            "lost_s": round(self.lost_s, 3),
+        }
+
+
+def median_step_s(view: RunView) -> float | None:
+    """The run's median step time, from its ``progress`` events."""
+    times = [float(e["step_time_s"]) for e in view.of("progress") if e.get("step_time_s")]
+    return statistics.median(times) if times else None
+
+
+def assess(inj: Injection, view: RunView, *, until: float | None = None) -> None:
+    """Bring ``inj``'s detection, recovery and lost work up to date with ``view``'s events.
+
+    ``until``: when the next fault was injected. Detections and failures from then on are the
+    next fault's doing (a recovery may still be seen later)."""
+    if not inj.detected:
+        found = _detection(inj, view, until)
+        if found is not None:
+            inj.detected, inj.detected_by = True, found[0]
+            inj.detect_s = max(0.0, found[1] - inj.ts)
+    if inj.detected and not inj.recovered:
+        recovery = _recovery(inj, view, until)
+        if recovery is not None:
+            inj.recovered, inj.recovered_by = True, recovery
+    inj.lost_steps = _lost_steps(inj, view, until)
+    step_s = median_step_s(view)
+    inj.lost_s = inj.lost_steps * step_s if step_s is not None else 0.0
+
+
+def _first(events: list[Event], **match: Any) -> Event | None:
+    return next((e for e in events if all(e.get(k) == v for k, v in match.items())), None)
+
+
+def _start(inj: Injection) -> float:
+    """From when the fault's effects can show: its injection, or its firing (seam kinds)."""
+    if inj.fault.kind in _SEAM_KINDS and inj.fired_ts is not None:
+        return inj.fired_ts
+    return inj.ts
+
+
+def _detection(inj: Injection, view: RunView, until: float | None) -> tuple[str, float] | None:
+    """What showed the fault (in words) and when; None while nothing has."""
+    kind, rank, after = inj.fault.kind, inj.fault.rank, _start(inj)
+    if kind in _SEAM_KINDS and inj.fired_ts is None:
+        return None
+    if kind == "kill":
+        e = _first(view.of("rank_exit", after=after, before=until), pid=inj.pid)
+        if e is not None:
+            how = e.get("signal") or f"exit code {e.get('exitcode')}"
+            return f"rank_exit: rank {e.get('rank')} {how}", float(e["ts"])
+    elif kind == "hang" or (kind == "storage" and inj.fault.params.get("error") == "hang"):
+        hangs = view.of("hang", after=after, before=until)
+        e = _first(hangs, rank=rank) or (hangs[0] if hangs else None)
+        if e is not None:
+            return (
+                f"hang: rank {e.get('rank')} silent {float(e.get('silent_s', 0)):.1f} s in "
+                f"phase {e.get('phase')} (process state {e.get('process_state')})",
+                float(e["ts"]),
+            )
+        if kind == "storage":
+            return _slow_save(inj, view, after, until)
+    elif kind == "nan":
+        e = _first(view.of("numerics", after=after, before=until), step=inj.step)
+        if e is not None:
+            what = f"numerics: {e.get('kind')} loss at step {inj.step}, {e.get('action')}"
+            return what, float(e["ts"])
+    elif kind == "corrupt":
+        return _corruption_seen(inj, view, until)
+    elif kind == "storage":
+        marker = f"crashproof chaos fault {inj.fault.id}"
+        for e in view.of("rank_exit", after=after, before=until):
+            if marker in str(e.get("error") or ""):
+                return f"rank_exit: rank {e.get('rank')}: {e.get('error')}", float(e["ts"])
+        line = view.find_in_logs(marker, from_attempt=inj.attempt)
+        if line is not None:
+            return f"trainer log: {line[:300]}", after
+    elif kind == "straggler":
+        e = _first(view.of("straggler", after=after, before=until), rank=rank)
+        if e is not None:
+            return (
+                f"straggler: rank {rank} at {float(e.get('ratio', 0)):.2f}x its peers' work per "
+                f"step ({e.get('basis')})",
+                float(e["ts"]),
+            )
+    return None
+
+
+def _slow_save(
+    inj: Injection, view: RunView, after: float, until: float | None
+) -> tuple[str, float] | None:
+    """A save that took at least most of the injected stall."""
+    hang_s = float(inj.fault.params.get("hang_s", 0))
+    for e in view.of("checkpoint", after=after, before=until):
+        if float(e.get("persist_s", 0)) >= 0.8 * hang_s:
+            return (
+                f"checkpoint: step {e.get('step')} took {float(e['persist_s']):.1f} s to persist "
+                f"(stalled {hang_s:.1f} s)",
+                float(e["ts"]),
+            )
+    return None
+
+
+def _corruption_seen(
+    inj: Injection, view: RunView, until: float | None
+) -> tuple[str, float] | None:
+    corrupted = inj.details.get("step")
+    if corrupted is None:
+        return None
+    for e in view.of("restore", after=inj.ts, before=until):
+        if int(e["step"]) < int(corrupted):
+            return (
+                f"restore: from step {e['step']}, skipping the corrupted step {corrupted}",
+                float(e["ts"]),
+            )
+        if int(e["step"]) == int(corrupted):
+            return None  # restored the damaged checkpoint as if it were whole: missed
+    line = view.find_in_logs(f"skipping checkpoint step {corrupted}:", from_attempt=inj.attempt + 1)
+    if line is not None:
+        starts = view.of("rank_start", after=inj.ts)
+        return f"trainer log: {line[:300]}", float(starts[0]["ts"]) if starts else inj.ts
+    return None
+
+
+def _failure(inj: Injection, view: RunView, until: float | None) -> Event | None:
+    """The first failure of the group after the fault: a rank that exited with an error first,
+    or a hang; None when it caused none."""
+    end = math.inf if until is None else until
+    for e in view.events:
+        if not _start(inj) <= float(e.get("ts", 0)) < end:
+            continue
+        if e["event"] == "hang" or (
+            e["event"] == "rank_exit" and e.get("first") and e.get("exitcode") not in (0, None)
+        ):
+            return e
+    return None
+
+
+def _reached(inj: Injection, view: RunView, failure: Event | None) -> int:
+    """The furthest step finished before the fault's consequences: what recovery must pass."""
+    if failure is not None:
+        at = float(failure["ts"])
+        same = [
+            int(e.get("step", -1)) for e in view.of(str(failure["event"]), after=at, before=at + 1)
+        ]
+        return max([int(failure.get("step", -1)), *same])
+    if inj.fault.kind == "straggler" and inj.end_step is not None:
+        return inj.end_step
+    return inj.step
+
+
+def _recovery(inj: Injection, view: RunView, until: float | None) -> str | None:
+    if inj.fault.kind == "straggler" and inj.end_ts is None:
+        return None  # still being slowed down
+    reached = _reached(inj, view, _failure(inj, view, until))
+    after = max(_start(inj), inj.end_ts or 0.0)
+    for e in view.of("checkpoint", after=after):
+        if int(e["step"]) > reached:
+            return f"checkpoint step {e['step']} committed"
+    end = view.ended()
+    if end is not None and end.get("outcome") == "succeeded":
+        return "the run finished"
+    return None
+
+
+def _lost_steps(inj: Injection, view: RunView, until: float | None) -> int:
+    failure = _failure(inj, view, until)
+    if failure is not None:
+        at = float(failure["ts"])
+        starts = view.of("rank_start", after=at)
+        if not starts:
+            return 0  # not restarted (yet)
+        # The restore of the attempt that followed (none: it found no checkpoint, started at 0).
+        attempt = starts[0].get("restart")
+        restores = [e for e in view.of("restore", after=at) if e.get("restart") == attempt]
+        restored = int(restores[0]["step"]) if restores else 0
+        return max(0, _reached(inj, view, failure) - restored)
+    if inj.fault.kind == "nan" and inj.fired_ts is not None:
+        e = _first(view.of("numerics_rollback", after=inj.fired_ts, before=until), step=inj.step)
+        if e is not None and e.get("rolled_back_to") is not None:
+            return max(0, inj.step - 1 - int(e["rolled_back_to"]))
+    return 0

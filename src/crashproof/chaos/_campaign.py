@@ -1,0 +1,414 @@
+"""A campaign: launch ``crashproof run``, inject the scheduled faults one at a time, watch.
+
+Faults never overlap: each is injected when its time (seconds after the launch) or step has come
+**and** the previous one is resolved, i.e. detected and recovered from (a checkpoint beyond it
+committed), or given up on after ``resolve_timeout_s``. So every detection and every lost step
+belongs to one fault, and a fault's effect on the data (a NaN's skipped batch) is durable before
+the next fault could undo it. A fault aimed at a rank waits until that rank is training (its
+heartbeat in the ``step`` phase). Every injection is recorded in ``RUN_DIR/chaos.jsonl`` as it
+happens. When the schedule is done the run is left to finish; then each injection is assessed
+(:mod:`crashproof.chaos._analysis`).
+
+The campaign only signals the trainers of the run's newest attempt and writes the seams' control
+files (``RUN_DIR/chaos/``); the supervisor is never touched. Whatever happens to the campaign
+itself, stopped ranks are continued and the run is stopped before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from crashproof.chaos._analysis import Injection, assess
+from crashproof.chaos._control import read_fired, write_control
+from crashproof.chaos._faults import DutyCycle, corrupt_newest, send, stop_all
+from crashproof.chaos._schedule import Fault
+from crashproof.chaos._watch import RunView
+from crashproof.checkpoint import committed_steps
+from crashproof.guard._injection import ENV_CHAOS_NAN
+from crashproof.storage import LocalStorage
+from crashproof.storage._faulty import ENV_CHAOS_STORAGE
+
+__all__ = ["CHAOS_LOG", "Campaign", "CampaignResult", "run_crashproof"]
+
+log = logging.getLogger("crashproof.chaos")
+
+CHAOS_LOG = "chaos.jsonl"
+"""``RUN_DIR/chaos.jsonl``: the campaign's own record, one JSON object per line."""
+
+_POLL_S = 0.02
+_PROGRESS_EVERY_S = 0.25
+
+
+def run_crashproof(
+    run_args: list[str], env: dict[str, str], console: IO[str]
+) -> subprocess.Popen[str]:
+    """Start ``crashproof run RUN_ARGS`` in a session of its own, its output into ``console``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "crashproof.cli", "run", *run_args],
+        env=env,
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def stop_run(proc: subprocess.Popen[str], *, grace_s: float = 30.0) -> None:
+    """Stop ``crashproof run`` and everything it started: SIGTERM (it stops its trainers), then
+    SIGKILL to its whole session after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@dataclass(kw_only=True)
+class CampaignResult:
+    injections: list[Injection]
+    not_injected: list[Fault]
+    exitcode: int | None
+    """``crashproof run``'s exit code (None: it had to be stopped)."""
+    outcome: str | None
+    """``run_end``'s outcome."""
+    wall_s: float
+    timed_out: bool = False
+
+
+@dataclass(kw_only=True)
+class Campaign:
+    run_args: list[str]
+    """``crashproof run`` arguments, placeholders already filled in."""
+    run_dir: str
+    """The run's ``--run-dir`` (RUN_DIR)."""
+    schedule: list[Fault]
+    seed: int = 0
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    console_path: str
+    """Where the run's console output goes."""
+    resolve_timeout_s: float = 300.0
+    """How long to wait for a fault to be detected and recovered from before giving up on it."""
+    timeout_s: float | None = None
+    """Stop the run after this long (None: let it finish however long it takes)."""
+    echo: bool = True
+    """Print a line per injection and resolution."""
+    progress: bool = False
+    """Show a live bar of the training's step (on a terminal), faults injected and attempts."""
+    _view: RunView = field(init=False)
+    _rng: random.Random = field(init=False)
+    _t0: float = 0.0
+    _stopped: set[int] = field(default_factory=set)
+    _cycles: dict[str, DutyCycle] = field(default_factory=dict)
+    _armed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _bar: tqdm[Any] | None = None
+    _bar_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._view = RunView(self.run_dir)
+        self._rng = random.Random(f"{self.seed}:inject")
+        self._seams = {
+            "nan": os.path.join(self.run_dir, "chaos", "nan.json"),
+            "storage": os.path.join(self.run_dir, "chaos", "storage.json"),
+        }
+
+    @property
+    def view(self) -> RunView:
+        return self._view
+
+    @property
+    def nan_control(self) -> str:
+        return self._seams["nan"]
+
+    def run(self) -> CampaignResult:
+        os.makedirs(os.path.dirname(self.nan_control), exist_ok=True)
+        env = dict(self.env)
+        for kind, variable in (("nan", ENV_CHAOS_NAN), ("storage", ENV_CHAOS_STORAGE)):
+            if any(f.kind == kind for f in self.schedule):
+                write_control(self._seams[kind], [])
+                env[variable] = self._seams[kind]
+        self._record(
+            "campaign_start",
+            seed=self.seed,
+            run_args=self.run_args,
+            schedule=[f.to_json() for f in self.schedule],
+        )
+        pending = deque(self.schedule)
+        injections: list[Injection] = []
+        current: Injection | None = None
+        timed_out = False
+        with open(self.console_path, "a") as console:
+            self._t0 = time.monotonic()
+            proc = run_crashproof(self.run_args, env, console)
+            if self.progress:
+                # disable=None: no bar where stderr is not a terminal (a log file, CI)
+                self._bar = tqdm(
+                    desc="training",
+                    bar_format="{desc}: step {n} | {elapsed} | {postfix}",
+                    disable=None,
+                    dynamic_ncols=True,
+                )
+            try:
+                while True:
+                    running = proc.poll() is None
+                    self._view.refresh()
+                    self._show_progress(len(injections))
+                    if current is not None:
+                        self._follow(current)
+                        if current.resolved:
+                            self._resolved(current)
+                            current = None
+                    if current is None and pending and running:
+                        current = self._try_inject(pending[0], injections[-1:])
+                        if current is not None:
+                            pending.popleft()
+                            injections.append(current)
+                    if not running:
+                        break
+                    if self.timeout_s is not None and self._elapsed() > self.timeout_s:
+                        timed_out = True
+                        log.error("the run took longer than %.0f s: stopping it", self.timeout_s)
+                        break
+                    time.sleep(_POLL_S)
+            finally:
+                self._release()
+                stop_run(proc)
+                if self._bar is not None:
+                    self._bar.close()
+                    self._bar = None
+        self._view.refresh()
+        for n, inj in enumerate(injections):
+            until = injections[n + 1].ts if n + 1 < len(injections) else None
+            self._follow(inj, final=True, until=until)
+        end = self._view.ended()
+        result = CampaignResult(
+            injections=injections,
+            not_injected=list(pending),
+            exitcode=None if timed_out else proc.returncode,
+            outcome=str(end.get("outcome")) if end else None,
+            wall_s=self._elapsed(),
+            timed_out=timed_out,
+        )
+        self._record(
+            "campaign_end",
+            exitcode=result.exitcode,
+            outcome=result.outcome,
+            injected=len(injections),
+            not_injected=[f.id for f in result.not_injected],
+        )
+        return result
+
+    # -- injecting -------------------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _try_inject(self, fault: Fault, previous: list[Injection]) -> Injection | None:
+        """Inject ``fault`` if it is due and its target can be hit now; None: not yet."""
+        elapsed = self._elapsed()
+        if fault.at_s is not None and elapsed < fault.at_s:
+            return None
+        early_nan = fault.kind == "nan" and fault.at_step is not None  # armed ahead of its step
+        if fault.at_step is not None and not early_nan and self._view.step() < fault.at_step:
+            return None
+        target = self._view.ranks().get(fault.rank)
+        beat = self._view.heartbeat(target) if target is not None else None
+        training = beat is not None and beat.phase == "step"
+        if not early_nan and not training:
+            return None
+        if fault.kind == "corrupt" and not self._corruptible(previous):
+            return None
+        inj = Injection(
+            fault=fault,
+            due_s=fault.at_s,
+            at_s=elapsed,
+            ts=time.time(),
+            pid=target.pid if target is not None else None,
+            attempt=self._view.attempt,
+            step=beat.step if beat is not None else -1,
+        )
+        getattr(self, f"_inject_{fault.kind}")(inj)
+        self._record(
+            "inject",
+            id=fault.id,
+            kind=fault.kind,
+            rank=fault.rank,
+            pid=inj.pid,
+            attempt=inj.attempt,
+            step=inj.step,
+            at_s=round(inj.at_s, 3),
+            params=dict(fault.params),
+            details=inj.details,
+        )
+        self._say(
+            f"[chaos] {inj.at_s:6.1f}s  {fault.id} {fault.kind} rank {fault.rank} at step {inj.step}"
+            + (f"  {_brief(inj.details)}" if inj.details else "")
+        )
+        return inj
+
+    def _corruptible(self, previous: list[Injection]) -> bool:
+        """Whether a corruption can be injected now: something is committed, and the checkpoint
+        a restore will fall back to is not older than the previous fault's step. Otherwise the
+        fallback would undo that fault's recovery (a NaN rollback's decision to skip a batch is
+        in the checkpoints after it only) and the two faults' costs would mix."""
+        root = self._view.checkpoint_root()
+        if root is None:
+            return False
+        if "://" in root:
+            return True  # not a local directory: the injection reports that it cannot corrupt it
+        found = committed_steps(LocalStorage(), root)
+        if not found:
+            return False
+        fallback = found[1][0] if len(found) > 1 else 0
+        return not previous or fallback >= previous[-1].step
+
+    def _inject_kill(self, inj: Injection) -> None:
+        assert inj.pid is not None
+        send(inj.pid, signal.SIGKILL)
+
+    def _inject_hang(self, inj: Injection) -> None:
+        assert inj.pid is not None
+        if send(inj.pid, signal.SIGSTOP):
+            self._stopped.add(inj.pid)
+
+    def _inject_straggler(self, inj: Injection) -> None:
+        assert inj.pid is not None
+        p = inj.fault.params
+        self._cycles[inj.fault.id] = DutyCycle(
+            inj.pid, stop=float(p["stop"]), period_s=float(p["period_s"]), for_s=float(p["for_s"])
+        )
+        inj.details = {"stopped_s": round(float(p["stop"]) * float(p["period_s"]), 4)}
+
+    def _inject_corrupt(self, inj: Injection) -> None:
+        root = self._view.checkpoint_root()
+        assert root is not None
+        ranks = sorted(self._view.ranks().values(), key=lambda p: p.rank != inj.fault.rank)
+        pids = stop_all([p.pid for p in ranks])  # nothing commits while the file is damaged
+        try:
+            inj.details = corrupt_newest(root, str(inj.fault.params["mode"]), self._rng)
+        except (OSError, ValueError) as exc:
+            inj.details = {"error": f"{type(exc).__name__}: {exc}"}
+            inj.gave_up = True
+            for pid in pids:
+                send(pid, signal.SIGCONT)
+            return
+        for pid in pids:  # the fault's rank first: the supervisor names it as the one that died
+            send(pid, signal.SIGKILL)
+
+    def _inject_nan(self, inj: Injection) -> None:
+        step = inj.fault.at_step if inj.fault.at_step is not None else inj.step + 1
+        self._arm("nan", {"id": inj.fault.id, "rank": inj.fault.rank, "step": step})
+        inj.details = {"armed_for_step": step}
+
+    def _inject_storage(self, inj: Injection) -> None:
+        p = inj.fault.params
+        entry = {"id": inj.fault.id, "rank": inj.fault.rank, "error": p["error"],
+                 "files": int(p["files"]), "hang_s": float(p["hang_s"])}  # fmt: skip
+        self._arm("storage", entry)
+
+    def _arm(self, kind: str, entry: dict[str, Any]) -> None:
+        armed = self._armed.setdefault(kind, [])
+        armed.append(entry)
+        write_control(self._seams[kind], armed)
+
+    # -- following --------------------------------------------------------------------------
+
+    def _follow(self, inj: Injection, *, final: bool = False, until: float | None = None) -> None:
+        """Update ``inj`` from what the seams and the run show; give up on it when its time is
+        out (continuing a rank left stopped, ending a slowdown)."""
+        kind = inj.fault.kind
+        if kind in self._seams and inj.fired_ts is None:
+            fired = [r for r in read_fired(self._seams[kind]) if r.get("id") == inj.fault.id]
+            if fired:
+                inj.fired_ts = float(fired[0]["ts"])
+                if kind == "nan":
+                    inj.step = int(fired[0]["step"])
+                inj.details["fired"] = [
+                    {k: v for k, v in r.items() if k not in ("id", "rank")} for r in fired
+                ]
+                self._record("fired", id=inj.fault.id, kind=kind, records=inj.details["fired"])
+        cycle = self._cycles.get(inj.fault.id)
+        if cycle is not None and inj.end_ts is None and not cycle.running:
+            inj.end_ts = cycle.ended_ts or time.time()
+            inj.end_step = self._view.step()
+            inj.details["cycles"] = cycle.cycles
+        assess(inj, self._view, until=until)
+        waited = time.time() - inj.ts
+        if not inj.resolved and (final or waited > self.resolve_timeout_s):
+            inj.gave_up = True
+            if inj.pid in self._stopped and inj.pid is not None:
+                send(inj.pid, signal.SIGCONT)
+            if cycle is not None:
+                cycle.finish()
+
+    def _resolved(self, inj: Injection) -> None:
+        self._record(
+            "resolved",
+            id=inj.fault.id,
+            detected_by=inj.detected_by,
+            recovered_by=inj.recovered_by,
+            lost_steps=inj.lost_steps,
+            gave_up=inj.gave_up,
+        )
+        outcome = (
+            f"detected by {inj.detected_by}; recovered: {inj.recovered_by}"
+            if inj.detected and inj.recovered
+            else f"NOT {'recovered' if inj.detected else 'detected'} (gave up)"
+        )
+        self._say(f"[chaos] {self._elapsed():6.1f}s  {inj.fault.id} {outcome}")
+
+    def _release(self) -> None:
+        """Leave no rank stopped and no slowdown running."""
+        for cycle in self._cycles.values():
+            cycle.finish()
+        for pid in self._stopped:
+            send(pid, signal.SIGCONT)
+
+    def _show_progress(self, injected: int) -> None:
+        """Move the bar to the furthest step of the newest attempt (back, after a restore: the
+        work a failure lost shows), a few times a second."""
+        if self._bar is None or time.monotonic() - self._bar_at < _PROGRESS_EVERY_S:
+            return
+        self._bar_at = time.monotonic()
+        step = self._view.step()
+        if step >= 0:
+            self._bar.n = step
+        self._bar.set_postfix_str(
+            f"attempt {max(self._view.attempt, 0)}, faults {injected}/{len(self.schedule)}",
+            refresh=False,
+        )
+        self._bar.refresh()
+
+    def _record(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"ts": time.time(), "event": event, **fields}, default=str)
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, CHAOS_LOG), "a") as f:
+            f.write(line + "\n")
+
+    def _say(self, text: str) -> None:
+        log.info("%s", text)
+        if self._bar is not None:
+            self._bar.write(text)  # above the bar, which stays at the bottom
+        elif self.echo:
+            print(text, flush=True)
+
+
+def _brief(details: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in details.items() if k != "fired")

@@ -1,0 +1,151 @@
+"""``crashproof chaos`` against ``examples/train_tiny.py`` on 2 ranks (DDP over gloo): one fault
+of every kind, each detected and recovered from, no NaN ever committed, each failure costing at
+most one checkpoint interval (two for a corruption: the newest checkpoint is the one lost), and
+the final checkpoint bit for bit the one of a run without faults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crashproof.chaos import add_chaos_parser
+from crashproof.telemetry import read_events
+from tests.conftest import EXAMPLES, REPO
+
+EVERY = 10
+
+
+def _chaos(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="crashproof")
+    add_chaos_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["chaos", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def _trainer(steps: int) -> list[str]:
+    return [
+        "--nproc-per-node", "2", "--hang-timeout", "2", "--max-restarts", "20",
+        str(EXAMPLES / "train_tiny.py"), "--run-dir", "{run}", "--steps", str(steps),
+        "--every", str(EVERY), "--sync",
+    ]  # fmt: skip
+
+
+FAULTS = [
+    "at=step:30,rank=1,kind=kill",
+    "at=step:60,rank=0,kind=hang",
+    "at=step:100,rank=1,kind=nan",
+    "at=step:130,rank=0,kind=corrupt,mode=flip",
+    "at=step:170,rank=1,kind=storage,error=eio",
+    "at=step:200,rank=0,kind=storage,error=enospc",
+    "at=step:240,rank=1,kind=straggler,stop=0.5,period_s=0.1,for_s=3",
+    "at=step:290,rank=0,kind=storage,error=hang,hang_s=1.5",
+    "at=step:330,rank=1,kind=corrupt,mode=truncate",
+]
+
+
+@pytest.mark.timeout(420)
+def test_a_campaign_of_every_kind_is_detected_recovered_and_ends_bit_identical_to_a_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRASHPROOF_PROGRESS_INTERVAL_S", "0.5")
+    report_path = tmp_path / "report.json"
+    argv = ["--dir", str(tmp_path / "c"), "--seed", "11", "--compare-baseline",
+            "--resolve-timeout", "60", "--timeout", "150", "--report", str(report_path)]  # fmt: skip
+    for spec in FAULTS:
+        argv += ["--fault", spec]
+    code = _chaos([*argv, "--", *_trainer(600)])
+    report: dict[str, Any] = json.loads(report_path.read_text())
+    faults = report["faults"]
+    summary = [(f["id"], f["kind"], f["step"], f["detected_by"], f["recovered_by"],
+                f["lost_steps"]) for f in faults]  # fmt: skip
+    assert code == 0, json.dumps(report, indent=1)[-6000:]
+    assert report["passed"] and report["run"]["exitcode"] == 0
+    assert [f["kind"] for f in faults] == [s.split("kind=")[1].split(",")[0] for s in FAULTS]
+    assert report["injected"] == report["detected"] == report["recovered"] == len(FAULTS)
+    assert not report["not_injected"]
+    by_kind = {f["id"]: f for f in faults}
+    assert by_kind["f1"]["detected_by"] == "rank_exit: rank 1 SIGKILL"
+    assert by_kind["f2"]["detected_by"].startswith("hang: ")
+    assert by_kind["f3"]["detected_by"].startswith("numerics: nonfinite loss")
+    assert by_kind["f4"]["detected_by"].startswith(("restore: from step", "trainer log"))
+    assert "crashproof chaos fault f5" in by_kind["f5"]["detected_by"]
+    assert "crashproof chaos fault f6" in by_kind["f6"]["detected_by"]
+    assert by_kind["f7"]["detected_by"].startswith("straggler: rank 1")
+    assert by_kind["f8"]["detected_by"].startswith(("checkpoint: step", "hang: "))
+    assert by_kind["f9"]["detected_by"].startswith(("restore: from step", "trainer log"))
+    for f in faults:  # synchronous saves: at most one interval, two for a corruption
+        bound = 2 * EVERY if f["kind"] == "corrupt" else EVERY
+        assert 0 <= f["lost_steps"] <= bound, summary
+    assert any(f["lost_steps"] > 0 for f in faults), summary  # restarts did recompute
+    assert report["ettr"] is not None and 0 < report["ettr"] < 1
+
+    baseline = report["baseline"]
+    assert baseline["identical"] and baseline["exitcode"] == 0, baseline
+    assert baseline["step"] == 600 and baseline["world_size"] == 2 and baseline["tensors"] > 40
+
+    run_dir = tmp_path / "c" / "run"
+    events = list(read_events(run_dir / "events.jsonl"))
+    nan_losses = [e for e in events if e["event"] == "numerics" and e["loss"] == "nan"]
+    assert [(e["rank"], e["step"]) for e in nan_losses] == [(1, by_kind["f3"]["step"])]
+    # No checkpoint left holds a NaN or an infinity: the guard never applied the step.
+    shards = list((run_dir / "checkpoints").glob("step_*/*.safetensors"))
+    assert shards
+    for shard in shards:
+        for name, tensor in load_file(shard).items():
+            if tensor.is_floating_point():
+                assert torch.isfinite(tensor).all(), f"{shard}: {name}"
+    log = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()]
+    assert [e["id"] for e in log if e["event"] == "inject"] == [f["id"] for f in faults]
+    assert {e["id"] for e in log if e["event"] == "fired"} == {"f3", "f5", "f6", "f8"}
+
+
+@pytest.mark.timeout(180)
+def test_crashproof_chaos_on_the_command_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", "chaos", "--dir", str(tmp_path / "c"),
+         "--fault", "at=step:20,rank=1,kind=kill", "--resolve-timeout", "60", "--timeout", "120",
+         "--", *_trainer(60)],
+        capture_output=True, text=True, timeout=170, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "1 fault(s) injected, 1 detected, 1 recovered" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-2].endswith("PASSED")
+    report = json.loads((tmp_path / "c" / "run" / "chaos_report.json").read_text())
+    assert report["passed"] and report["faults"][0]["kind"] == "kill"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fault", "at=1s,kind=kill"], "give the `crashproof run` arguments"),
+        (["--fault", "at=1s,kind=kill", "--", "--nproc-per-node", "2", "t.py"], None),
+        (["--compare-baseline", "--fault", "at=1s,kind=kill", "--", "t.py", "--x", "1"],
+         "must put its checkpoints under {run}"),
+        (["--fault", "at=1s,kind=boom", "--", "t.py"], "unknown kind"),
+        (["--fault", "at=1s,kind=kill", "--mtbf", "5", "--", "t.py"], "either --mtbf"),
+        (["--mtbf", "5", "--", "t.py"], "needs --duration"),
+        (["--", "t.py"], "give --mtbf"),
+        (["--fault", "at=1s,kind=kill", "--", "--nproc-per-node", "2", "--bogus", "t.py"],
+         "do not parse"),
+    ],
+)  # fmt: skip
+def test_usage_errors_exit_2_before_anything_runs(
+    argv: list[str], message: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if message is None:  # a rank the run does not have
+        argv = [argv[0], "at=1s,kind=kill,rank=2", *argv[2:]]
+        message = "the run has 2 rank(s)"
+    assert _chaos(["--dir", str(tmp_path / "c"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
