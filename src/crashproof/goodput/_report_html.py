@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 import crashproof
-from crashproof.goodput._ledger import Ledger, Marker, TimelinePoint
+from crashproof.goodput._records import Ledger, Marker, TimelinePoint
 
 __all__ = ["PART_LABELS", "render_html"]
 
