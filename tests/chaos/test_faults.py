@@ -237,3 +237,21 @@ def _tensor_names(ckpt: Path) -> list[str]:
     storage = LocalStorage()
     manifest = read_manifest(storage, str(ckpt))
     return [t.name for t in read_rank_index(storage, str(ckpt), manifest, 0).tensors]
+
+
+def test_a_fault_due_while_the_previous_one_was_resolved_waits_its_gap_from_the_resolution(
+    tmp_path: Path,
+) -> None:
+    from crashproof.chaos._campaign import Campaign
+
+    faults = [Fault(id=f"f{i}", kind="kill", rank=0, at_s=t) for i, t in ((1, 10.0), (2, 14.0))]
+    campaign = Campaign(
+        run_args=[], run_dir=str(tmp_path), schedule=faults, console_path=str(tmp_path / "log")
+    )
+    first = Injection(fault=faults[0], due_s=10.0, at_s=10.0, ts=0.0, pid=1, attempt=0, step=5)
+    assert campaign._due_s(faults[1], [first]) == 14.0  # not resolved yet: as drawn
+    first.resolved_at_s = 12.0  # resolved before the next was due: as drawn
+    assert campaign._due_s(faults[1], [first]) == 14.0
+    first.resolved_at_s = 20.0  # resolved after: the 4 s gap again, from the resolution
+    assert campaign._due_s(faults[1], [first]) == 24.0
+    assert campaign._due_s(faults[0], []) == 10.0

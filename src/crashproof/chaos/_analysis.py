@@ -65,6 +65,8 @@ class Injection:
     recovered_by: str | None = None
     lost_steps: int = 0
     lost_s: float = 0.0
+    resolved_at_s: float | None = None
+    """When the campaign saw it resolved, seconds after the launch."""
     gave_up: bool = False
     """The campaign stopped waiting for it (``--resolve-timeout``) or the run ended first."""
 
@@ -80,6 +82,7 @@ class Injection:
             "trigger": self.fault.trigger,
             "due_s": self.due_s,
             "at_s": round(self.at_s, 3),
+            "resolved_at_s": None if self.resolved_at_s is None else round(self.resolved_at_s, 3),
             "rank": self.fault.rank,
             "pid": self.pid,
             "attempt": self.attempt,

@@ -223,7 +223,7 @@ class Campaign:
     def _try_inject(self, fault: Fault, previous: list[Injection]) -> Injection | None:
         """Inject ``fault`` if it is due and its target can be hit now; None: not yet."""
         elapsed = self._elapsed()
-        if fault.at_s is not None and elapsed < fault.at_s:
+        if fault.at_s is not None and elapsed < self._due_s(fault, previous):
             return None
         early_nan = fault.kind == "nan" and fault.at_step is not None  # armed ahead of its step
         if fault.at_step is not None and not early_nan and self._view.step() < fault.at_step:
@@ -262,6 +262,21 @@ class Campaign:
             + (f"  {_brief(inj.details)}" if inj.details else "")
         )
         return inj
+
+    def _due_s(self, fault: Fault, previous: list[Injection]) -> float:
+        """When a time-triggered fault is due. One that came due while the previous fault was
+        still being resolved gets its gap from that fault's due time again, counted from the
+        resolution: injected the moment the previous one resolved (right after a checkpoint
+        committed, which is what resolves a fault) every such fault would hit at the cheapest
+        moment and understate the work lost. Exponential gaps stay exponential either way."""
+        assert fault.at_s is not None
+        if not previous or previous[-1].resolved_at_s is None or previous[-1].due_s is None:
+            return fault.at_s
+        before = previous[-1]
+        assert before.resolved_at_s is not None and before.due_s is not None
+        if fault.at_s >= before.resolved_at_s:
+            return fault.at_s
+        return before.resolved_at_s + max(0.0, fault.at_s - before.due_s)
 
     def _corruptible(self, previous: list[Injection]) -> bool:
         """Whether a corruption can be injected now: something is committed, and the checkpoint
@@ -359,6 +374,7 @@ class Campaign:
                 cycle.finish()
 
     def _resolved(self, inj: Injection) -> None:
+        inj.resolved_at_s = self._elapsed()
         self._record(
             "resolved",
             id=inj.fault.id,
