@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -510,3 +511,19 @@ def test_any_loader_with_state_dict_is_accepted_as_data(tmp_path: Path) -> None:
         assert manager.restore(TrainState(data=resumed)) == 5
     assert resumed.position == 5
     assert next(iter(resumed)) == 6
+
+
+def test_ddp_state_is_replicated_except_a_zero_optimizer_s_and_asking_imports_nothing(
+    gloo_world_of_one: None,
+) -> None:
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    plain = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    sys.modules.pop("torch.distributed.optim.zero_redundancy_optimizer", None)
+    assert plain.replicated_prefixes() == ("model/", "optimizer/")
+    # the first save after a restart would pay the import (TorchScript compiles): not needed
+    assert "torch.distributed.optim.zero_redundancy_optimizer" not in sys.modules
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    assert TrainState(model=model, optimizer=zero).replicated_prefixes() == ("model/",)
+    assert TrainState(model=nn.Linear(4, 4)).replicated_prefixes() == ()

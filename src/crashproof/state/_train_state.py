@@ -8,6 +8,7 @@ another optimizer layout) raises :class:`StateMismatchError` and leaves the live
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -186,9 +187,12 @@ class TrainState:
         ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         if not ddp:
             return ()
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+        # Not imported here: importing torch.distributed.optim compiles TorchScript classes
+        # (0.2-0.7 s, paid by the first save after every restart). An optimizer of that class
+        # means its module is loaded already.
+        zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        zero = getattr(zero_module, "ZeroRedundancyOptimizer", None)
+        if zero is not None and isinstance(self.optimizer, zero):
             return ("model/",)
         return ("model/", "optimizer/")
 
