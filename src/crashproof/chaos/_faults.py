@@ -104,6 +104,11 @@ class DutyCycle:
 
     def __init__(self, pid: int, *, stop: float, period_s: float, for_s: float) -> None:
         self.pid = pid
+        # Signals through a pidfd reach this very process or none: a pid freed by the trainer's
+        # exit and reused meanwhile must never be stopped.
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self._pidfd = os.pidfd_open(pid)
         self.stopped_s = stop * period_s
         self.period_s = period_s
         self.for_s = for_s
@@ -122,17 +127,28 @@ class DutyCycle:
         self._done.set()
         self._thread.join()
 
+    def _send(self, sig: signal.Signals) -> bool:
+        if self._pidfd is None:
+            return send(self.pid, sig)
+        try:
+            signal.pidfd_send_signal(self._pidfd, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
     def _run(self) -> None:
         until = time.monotonic() + self.for_s
         try:
             while not self._done.is_set() and time.monotonic() < until:
-                if not send(self.pid, signal.SIGSTOP):
+                if not self._send(signal.SIGSTOP):
                     return
                 self._done.wait(self.stopped_s)
-                send(self.pid, signal.SIGCONT)
+                self._send(signal.SIGCONT)
                 self.cycles += 1
                 self._done.wait(self.period_s - self.stopped_s)
         finally:
             with contextlib.suppress(OSError):
-                send(self.pid, signal.SIGCONT)
+                self._send(signal.SIGCONT)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
             self.ended_ts = time.time()
