@@ -1,6 +1,6 @@
 """An FSDP2 trainer for the resharding tests, run by torchrun on CPU with gloo.
 
-Restores if there is a checkpoint, trains ``--train N`` more steps (AdamW, a model whose
+Restores if there is a checkpoint (and saves it again with ``--save-first``), trains ``--train N`` more steps (AdamW, a model whose
 dimensions do not divide evenly among 3 or 4 ranks) and saves. Rank 0 writes the whole
 (consolidated) model and optimizer state to a safetensors file as restored (``--dump-restored``)
 and at the end (``--dump``), to compare runs on different numbers of ranks.
@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--train", type=int, default=0)
     p.add_argument("--dump", default=None)
     p.add_argument("--dump-restored", default=None)
+    p.add_argument("--save-first", action="store_true", help="save before training, too")
     args = p.parse_args()
     dist.init_process_group("gloo")
     model, optimizer = build()
@@ -64,6 +65,8 @@ def main() -> None:
         step = ckpt.restore(state)
         print(f"rank {dist.get_rank()}: starting at step {step}", flush=True)
         dump(model, optimizer, args.dump_restored)
+        if args.save_first:
+            ckpt.save(step, state)
         for _ in range(args.train):
             step += 1
             gen = torch.Generator().manual_seed(step * 100 + dist.get_rank())

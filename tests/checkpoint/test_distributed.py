@@ -118,3 +118,75 @@ def test_replicated_state_that_differs_between_ranks_fails_the_save(tmp_path: Pa
         p.join(60)
     assert all("have diverged" in outcomes[r] for r in (0, 1)), outcomes
     assert not list((tmp_path / "ckpt").glob("step_*"))
+
+
+def _batchnorm_ranks(rank: int, root: str, port: int, out: Any) -> None:
+    """DDP with BatchNorm: each rank's running statistics follow its own batches."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = cp.TrainState(model=model, optimizer=optimizer)
+    with cp.CheckpointManager(root, async_save=False, handle_signals=False) as ckpt:
+        if ckpt.restore(state) == 0:
+            gen = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                model(torch.randn(8, 4, generator=gen) * (rank + 1)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            ckpt.save(3, state)
+    out.put((rank, {k: v.clone() for k, v in model.module.state_dict().items()}))
+    torch.distributed.destroy_process_group()
+
+
+def _spawn_batchnorm_ranks(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_batchnorm_ranks, args=(r, str(root), port, queue)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    states = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return states
+
+
+def test_ddp_buffers_that_differ_between_ranks_are_saved_per_rank_and_restore_anywhere(
+    tmp_path: Path,
+) -> None:
+    saved = _spawn_batchnorm_ranks(tmp_path / "ckpt")
+    mean = "1.running_mean"
+    assert not torch.equal(saved[0][mean], saved[1][mean])  # the ranks' statistics differ
+    assert torch.equal(saved[0]["0.weight"], saved[1]["0.weight"])  # the parameters do not
+
+    # Parameters written once (rank 1's index points into rank 0's file or the other way round),
+    # each rank's buffers in its own file.
+    newest = tmp_path / "ckpt" / "step_0000000003"
+    indexes = [json.loads((newest / f"rank_0000{r}.json").read_text()) for r in (0, 1)]
+    by_name = [{t["name"]: t.get("file") for t in index["tensors"]} for index in indexes]
+    files = {name: [by_name[0][name], by_name[1][name]] for name in by_name[0]}
+    assert all(None in files[f"model/{k}"] and files[f"model/{k}"] != [None, None]
+               for k in ("0.weight", "0.bias", "1.weight", "1.bias")), files  # fmt: skip
+    assert files[f"model/{mean}"] == [None, None], files
+
+    # The same world size: every rank gets its own statistics back, bit for bit.
+    restored = _spawn_batchnorm_ranks(tmp_path / "ckpt")
+    for rank in (0, 1):
+        for name, tensor in saved[rank].items():
+            assert torch.equal(restored[rank][name], tensor), (rank, name)
+
+    # One rank: rank 0's statistics, the common parameters.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with cp.CheckpointManager(tmp_path / "ckpt", handle_signals=False) as ckpt:
+        assert ckpt.restore(cp.TrainState(model=model, optimizer=optimizer)) == 3
+    for name, tensor in saved[0].items():
+        assert torch.equal(model.state_dict()[name], tensor), name

@@ -6,6 +6,7 @@ restore fall back to the checkpoint before; exports put the pieces back together
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -54,12 +55,23 @@ def test_sharded_state_restores_on_other_world_sizes_with_equal_tensors(tmp_path
     # Exports put every rank's pieces back together.
     exported = tmp_path / "model.safetensors"
     result = run_python(
-        ["-m", "crashproof.cli", "export", str(root), "--format", "safetensors", "-o", str(exported)]
+        [
+            "-m",
+            "crashproof.cli",
+            "export",
+            str(root),
+            "--format",
+            "safetensors",
+            "-o",
+            str(exported),
+        ]
     )
     assert "step 7" in result.stdout
     whole = load_file(tmp_path / "saved4.st")  # step 7, as 4 ranks saved it
     weights = load_file(exported)
-    assert sorted(weights) == sorted(k.removeprefix("model/") for k in whole if k.startswith("model/"))
+    assert sorted(weights) == sorted(
+        k.removeprefix("model/") for k in whole if k.startswith("model/")
+    )
     for name, tensor in weights.items():
         assert torch.equal(tensor, whole[f"model/{name}"]), name
 
@@ -74,9 +86,15 @@ def test_sharded_state_restores_on_other_world_sizes_with_equal_tensors(tmp_path
 
 def test_sharded_resume_on_the_same_world_size_is_bit_exact(tmp_path: Path) -> None:
     _torchrun(tmp_path / "straight", 2, "--train", "5", "--dump", str(tmp_path / "straight.st"))
-    _torchrun(tmp_path / "resumed", 2, "--train", "3")
-    assert (
-        _torchrun(tmp_path / "resumed", 2, "--train", "2", "--dump", str(tmp_path / "resumed.st"))
-        == 3
-    )
+    # Saving before the first step (torch's state-dict helper steps an optimizer without state
+    # to create it) must not change the run: the resumed run still ends like the straight one.
+    resumed = tmp_path / "resumed"
+    _torchrun(resumed, 2, "--save-first", "--train", "3")
+    assert _torchrun(resumed, 2, "--train", "2", "--dump", str(tmp_path / "resumed.st")) == 3
     _assert_same(tmp_path / "straight.st", tmp_path / "resumed.st")
+
+    # Nor does restoring that step-0 checkpoint: its optimizer has no state, as it had then.
+    for later in ("step_0000000003", "step_0000000005"):
+        shutil.rmtree(resumed / later)
+    assert _torchrun(resumed, 2, "--train", "5", "--dump", str(tmp_path / "again.st")) == 0
+    _assert_same(tmp_path / "straight.st", tmp_path / "again.st")

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 import crashproof as cp
+from crashproof.chaos._control import read_fired, write_control
 from crashproof.checkpoint import committed_steps
 from crashproof.storage import LocalStorage
+from crashproof.storage._faulty import ENV_CHAOS_STORAGE
 from tests.conftest import free_port
 
 TRAINER = textwrap.dedent(
@@ -24,13 +26,15 @@ TRAINER = textwrap.dedent(
     import json, os, signal, sys, threading, time
     import torch
     import crashproof as cp
+    from crashproof.chaos._control import read_fired, write_control
 
-    root, rank = sys.argv[1], int(os.environ["RANK"])
+    root, control, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
     torch.manual_seed(0)
-    model = torch.nn.Linear(4096, 4096)  # 64 MB of weights, 192 MB with AdamW's moments
+    # DDP: the replicated state is written once, spread over the ranks (the save's all-gather)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2048, 2048))
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4096)).sum().backward()
+    model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     state = cp.TrainState(model=model, optimizer=optimizer)
     ckpt = cp.CheckpointManager(root, timeout_s=10, handle_signals=False)
@@ -38,11 +42,15 @@ TRAINER = textwrap.dedent(
     ckpt.wait()
     print(json.dumps({"rank": rank, "committed": 1}), flush=True)
     optimizer.step()
+    if rank == 1:  # the next file rank 1 writes stalls (the storage seam chaos campaigns use)
+        write_control(control, [{"id": "mid-save", "rank": 1, "error": "hang", "hang_s": 60}])
+    torch.distributed.barrier()
     started = time.monotonic()
     try:
         ckpt.save(2, state)  # returns once the state is copied; the write goes on behind
-        if rank == 1:  # die in the middle of writing the shard
-            time.sleep(0.05)
+        if rank == 1:  # die while the shard is being written
+            while not read_fired(control):
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
         outcome = "committed"
@@ -59,12 +67,13 @@ def test_a_rank_killed_during_a_save_means_no_commit_no_hang_and_the_previous_ch
 ) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    root = str(tmp_path / "ckpt")
+    root, control = str(tmp_path / "ckpt"), str(tmp_path / "storage.json")
+    write_control(control, [])
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+           "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1", ENV_CHAOS_STORAGE: control}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), root],
+            [sys.executable, str(script), root, control],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -80,10 +89,13 @@ def test_a_rank_killed_during_a_save_means_no_commit_no_hang_and_the_previous_ch
     [survivor] = [r for r in lines if "outcome" in r]
     assert survivor["outcome"] != "committed", survivor
     assert survivor["outcome"].startswith("CheckpointWriteError"), survivor
+    assert "checkpoint of step 2" in survivor["outcome"], survivor  # says which save failed
     assert survivor["seconds"] < 60, survivor  # the manager's timeout, not a hang
+    [fired] = read_fired(control)
+    assert fired["rank"] == 1  # rank 1 died with its write stalled: in the middle of the save
 
     assert [s for s, _ in committed_steps(LocalStorage(), root)] == [1]
-    model = torch.nn.Linear(4096, 4096)
+    model = torch.nn.Linear(2048, 2048)
     with cp.CheckpointManager(root, handle_signals=False) as ckpt:
         assert ckpt.restore(cp.TrainState(model=model)) == 1
     assert [s for s, _ in committed_steps(LocalStorage(), root)] == [1]

@@ -1,6 +1,6 @@
-"""Restoring on another world size (torchrun, gloo, DDP): 2 ranks -> 1 -> 3. Replicated state
-reloads on any number of ranks; the data position is global, so across both changes no sample of
-an epoch is repeated or skipped and every step consumed exactly its global batch. State that
+"""Restoring on another world size (torchrun, gloo, DDP): 4 ranks -> 2 -> 3 -> 2 -> 1. Replicated
+state reloads on any number of ranks; the data position is global, so across every change no
+sample of an epoch is repeated or skipped and every step consumed exactly its global batch. State that
 differs between ranks (sharded) is refused with a clear error instead of being loaded wrongly."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import crashproof as cp
 from tests.conftest import EXAMPLES, free_port, run_python
 
-N_SAMPLES, BATCH, STEPS = 200, 16, 30
+N_SAMPLES, BATCH, STEPS = 200, 16, 25
 
 
 def _torchrun(run_dir: Path, log: Path, nproc: int, *extra: str) -> str:
@@ -41,24 +41,26 @@ def _records(log: Path, nproc: int) -> list[dict[int, list[int]]]:
     return out
 
 
-def test_two_ranks_resume_on_one_then_on_three_without_repeating_or_skipping_data(
-    tmp_path: Path,
-) -> None:
+def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    segments = [(2, 0, 10, "12"), (1, 10, 15, "17"), (3, 15, STEPS, None)]
-    for nproc, start, _, crash_at in segments:
+    # (ranks, step it starts at, step of its last checkpoint, step it crashes at): 4 -> 2, 2 -> 3,
+    # 3 -> 2 and 2 -> 1, each resumed from a checkpoint the previous world size wrote.
+    segments = [
+        (4, 0, 5, "7"), (2, 5, 10, "12"), (3, 10, 15, "17"), (2, 15, 20, "22"), (1, 20, STEPS, None)
+    ]  # fmt: skip
+    for n, (nproc, start, _, crash_at) in enumerate(segments):
         output = _torchrun(
-            run, tmp_path / f"log{nproc}", nproc, *(["--crash-at", crash_at] if crash_at else [])
+            run, tmp_path / f"log{n}", nproc, *(["--crash-at", crash_at] if crash_at else [])
         )
         assert f"starting at step {start}" in output, output[-2000:]
     newest = cp.CheckpointManager(str(run / "checkpoints"), handle_signals=False).list()[0]
-    assert newest.step == STEPS and newest.world_size == 3 and newest.valid
+    assert newest.step == STEPS and newest.world_size == 1 and newest.valid
 
     # The whole job's sample order: the sampler's, epoch after epoch, dealt out per step.
     sampler = cp.ResumableSampler(N_SAMPLES, shuffle=True, seed=0, rank=0, world_size=1)
     epoch, position = 0, 0
-    for nproc, start, end, _ in segments:
-        records = _records(tmp_path / f"log{nproc}", nproc)
+    for n, (nproc, start, end, _) in enumerate(segments):
+        records = _records(tmp_path / f"log{n}", nproc)
         for step in range(start + 1, end + 1):
             if -(-(N_SAMPLES - position) // nproc) < BATCH:  # drop_last: this epoch is done
                 epoch, position = epoch + 1, 0

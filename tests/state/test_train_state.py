@@ -513,17 +513,22 @@ def test_any_loader_with_state_dict_is_accepted_as_data(tmp_path: Path) -> None:
     assert next(iter(resumed)) == 6
 
 
-def test_ddp_state_is_replicated_except_a_zero_optimizer_s_and_asking_imports_nothing(
+def test_ddp_parameters_and_optimizer_are_replicated_not_buffers_nor_a_zero_optimizer_s(
     gloo_world_of_one: None,
 ) -> None:
-    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     plain = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    names = [*(f"model/{k}" for k in model.module.state_dict()), "optimizer/state/0/momentum_buffer",
+             "rng/torch", "data/epoch"]  # fmt: skip
+    params = {"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"}
+    buffers = {"model/1.running_mean", "model/1.running_var", "model/1.num_batches_tracked"}
     sys.modules.pop("torch.distributed.optim.zero_redundancy_optimizer", None)
-    assert plain.replicated_prefixes() == ("model/", "optimizer/")
+    assert plain.replicated_names(names) == params | {"optimizer/state/0/momentum_buffer"}
+    assert plain.per_rank_names() == buffers  # BatchNorm's statistics follow each rank's batch
     # the first save after a restart would pay the import (TorchScript compiles): not needed
     assert "torch.distributed.optim.zero_redundancy_optimizer" not in sys.modules
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-    assert TrainState(model=model, optimizer=zero).replicated_prefixes() == ("model/",)
-    assert TrainState(model=nn.Linear(4, 4)).replicated_prefixes() == ()
+    assert TrainState(model=model, optimizer=zero).replicated_names(names) == params
+    assert TrainState(model=nn.Linear(4, 4)).replicated_names(names) == frozenset()

@@ -70,6 +70,11 @@ def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path:
     assert {e["rank"] for e in of(events, "rank_exit")} == {0, 1}
     assert [e["step"] for e in of(events, "checkpoint")] == [5, 10]
     assert all(e["bytes"] > 0 and e["persist_s"] >= 0 for e in of(events, "checkpoint"))
+    # bytes: the whole checkpoint, both ranks' files (what the manifest lists)
+    last = of(events, "checkpoint")[-1]
+    manifest = json.loads((Path(last["path"]) / "manifest.json").read_text())
+    assert last["bytes"] == sum(f["size"] for f in manifest["files"].values())
+    assert {n for n in manifest["files"] if n.startswith("rank_00001")}  # rank 1's are counted
     # every rank's output is on the console, prefixed, and in the run directory
     assert "[rank 0] rank 0 finished at step 12" in output
     assert "[rank 1] rank 1 finished at step 12" in output

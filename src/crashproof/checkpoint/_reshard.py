@@ -8,13 +8,17 @@ sharded tensors (DTensors: FSDP2, tensor parallel), which :mod:`._sharded` redis
 their recorded placements. Other state that differs between ranks (sharded by hand, e.g. a
 ``ZeroRedundancyOptimizer``) is refused with a clear error: nothing says how it is split.
 
-Only the tensors agree; per-rank values (RNG states, ``extra``) come from the saved rank ``r % W``,
+A DDP model's buffers may differ too (BatchNorm's running statistics follow each rank's own batch
+after DDP hands out rank 0's): the caller names them in ``per_rank``, and they come, like other
+per-rank values (RNG states, ``extra``), from the saved rank ``r % W``,
 so two new ranks may start with the same RNG state. A run resumed on another world size is not
 bit-exact anyway (the gradient reduction order changes); the data position is global and carries
 over exactly (see :class:`~crashproof.ResumableSampler`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from crashproof.checkpoint._format import Manifest
 from crashproof.checkpoint._reader import read_rank_index
@@ -27,7 +31,13 @@ _PER_RANK_PREFIXES = ("rng/",)
 
 
 def source_rank(
-    storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int, world_size: int
+    storage: Storage,
+    ckpt_dir: str,
+    manifest: Manifest,
+    rank: int,
+    world_size: int,
+    *,
+    per_rank: Collection[str] = (),
 ) -> int:
     """The saved rank whose part ``rank`` (of ``world_size``) restores; see the module docstring.
 
@@ -37,13 +47,21 @@ def source_rank(
     saved = manifest.world_size
     if saved == world_size:
         return rank
+    indexes = [read_rank_index(storage, ckpt_dir, manifest, r) for r in range(saved)]
+    # A save that wrote replicated tensors once (they point into another rank's file) wrote the
+    # rest of the model per rank on purpose: its buffers (see TrainState.replicated_names).
+    shared = {t.name for index in indexes for t in index.tensors if t.file is not None}
+    if any(name.startswith("model/") for name in shared):
+        per_rank = {*per_rank, *(t.name for t in indexes[0].tensors
+                                 if t.name.startswith("model/") and t.name not in shared)}  # fmt: skip
     reference: dict[str, str] | None = None
-    for r in range(saved):
-        index = read_rank_index(storage, ckpt_dir, manifest, r)
+    for r, index in enumerate(indexes):
         tensors = {
             t.name: t.checksum
             for t in index.tensors
-            if not t.name.startswith(_PER_RANK_PREFIXES) and t.global_shape is None
+            if not t.name.startswith(_PER_RANK_PREFIXES)
+            and t.global_shape is None
+            and t.name not in per_rank
         }
         if reference is None:
             reference = tensors

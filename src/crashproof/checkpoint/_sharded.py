@@ -18,12 +18,14 @@ where ``state_dict`` is keyed like the checkpoint (``model/<fqn>``,
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -40,7 +42,7 @@ from crashproof.checkpoint._dtypes import dtype_from_name
 from crashproof.checkpoint._format import Manifest, TensorEntry, shard_name
 from crashproof.checkpoint._reader import read_manifest, read_rank_index
 from crashproof.checkpoint._shard import ShardRead
-from crashproof.errors import CorruptCheckpointError
+from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state._dtensor import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for
 
@@ -48,6 +50,8 @@ __all__ = ["CrashproofReader", "load_sharded", "restore_targets"]
 
 _Piece = tuple[int, TensorEntry]
 """A saved piece: the rank whose index lists it, and its entry there."""
+
+_OPTIMIZER_STATE = "optimizer/state/"
 
 
 class CrashproofReader(StorageReader):
@@ -91,7 +95,16 @@ class CrashproofReader(StorageReader):
                     whole, offset = entry.shape, (0,) * len(entry.shape)
                 key = MetadataIndex(entry.name, torch.Size(offset))
                 if key in self._pieces:
-                    continue  # the same piece saved by several ranks (replicated over a mesh dim)
+                    # The same piece saved by several ranks (replicated over a mesh dimension):
+                    # any copy will do, so they must be the same.
+                    first_rank, first = self._pieces[key]
+                    if (first.shape, first.checksum) != (entry.shape, entry.checksum):
+                        raise CorruptCheckpointError(
+                            f"{self._where}: ranks {first_rank} and {rank} saved different pieces "
+                            f"of {entry.name!r} at {list(offset)} ({list(first.shape)} with "
+                            f"checksum {first.checksum}, {list(entry.shape)} with {entry.checksum})"
+                        )
+                    continue
                 described = tensors.get(entry.name)
                 dtype = dtype_from_name(entry.dtype, where=self._where)
                 if described is None:
@@ -108,6 +121,17 @@ class CrashproofReader(StorageReader):
                     ChunkStorageMetadata(torch.Size(offset), torch.Size(entry.shape))
                 )
                 self._pieces[key] = (rank, entry)
+        for name, described in tensors.items():
+            # Pieces lie inside their whole tensor (checked as each index is read), so pieces
+            # that do not overlap cover it exactly when their sizes add up; a gap would leave
+            # part of a restored tensor uninitialised.
+            covered = sum(math.prod(chunk.sizes) for chunk in described.chunks)
+            if covered != math.prod(described.size):
+                raise CorruptCheckpointError(
+                    f"{self._where}: the saved pieces of {name!r} hold {covered} of its "
+                    f"{math.prod(described.size)} elements ({list(described.size)}): a rank's "
+                    "piece is missing or the pieces overlap"
+                )
         return Metadata(state_dict_metadata=dict(tensors))
 
     # -- the StorageReader interface ------------------------------------------------------------
@@ -184,6 +208,8 @@ def restore_targets(
     targets: dict[str, torch.Tensor] = {}
     for name, entry in pieces.items():
         counterpart = live.get(name)
+        if counterpart is None:
+            counterpart = _parameter_of(name, entry, live)
         if counterpart is not None and is_dtensor(counterpart):
             targets[name] = empty_like_piece(counterpart)
         else:
@@ -194,13 +220,29 @@ def restore_targets(
     return targets
 
 
+def _parameter_of(
+    name: str, entry: TensorEntry, live: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """For an optimizer's per-element state (keyed by parameter name, as torch's state-dict
+    helpers key it: ``optimizer/state/<fqn>/exp_avg``) that the live optimizer does not hold yet
+    (it never stepped): the parameter it is laid out like."""
+    if not name.startswith(_OPTIMIZER_STATE):
+        return None
+    fqn = name[len(_OPTIMIZER_STATE) :].rpartition("/")[0]
+    param = live.get(f"model/{fqn}")
+    if param is None or entry.global_shape != tuple(param.shape):
+        return None
+    return param
+
+
 def load_sharded(
     storage: Storage, ckpt_dir: str, manifest: Manifest, targets: Mapping[str, torch.Tensor]
 ) -> None:
     """Fill ``targets`` (DTensors, or whole tensors to consolidate) from the checkpoint's pieces.
 
     Planned by DCP on this rank alone (every rank has the whole metadata, so there is nothing to
-    agree on); raises :class:`CorruptCheckpointError` when a piece is missing or corrupt.
+    agree on); raises :class:`CorruptCheckpointError` when a piece is missing or corrupt, and
+    :class:`StateMismatchError` when DCP finds that the saved tensors do not fit ``targets``.
     """
     reader = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
     try:
@@ -209,14 +251,18 @@ def load_sharded(
             dcp_load(dict(targets), storage_reader=reader, no_dist=True)
     except CorruptCheckpointError:
         raise
-    except Exception as exc:
-        # DCP wraps errors raised while reading; a missing key or shape is a mismatch the
-        # caller checked already, so what is left is a checkpoint that does not hold up.
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        # DCP wraps the errors of its reader (ours: a missing or corrupt piece, raised as
+        # CorruptCheckpointError). Anything else is its planner finding a tensor that does not
+        # fit (a name or a size the caller's checks let through, e.g. an optimizer's factored
+        # state): the checkpoint is sound, the live state is not the one that saved it. Such a
+        # restore must stop with the reason, not skip to an older checkpoint, or to step 0.
         cause = _root_cause(exc)
         if isinstance(cause, CorruptCheckpointError):
             raise cause from None
-        raise CorruptCheckpointError(
-            f"{storage.describe(ckpt_dir)}: the sharded state cannot be read: {cause}"
+        raise StateMismatchError(
+            f"{storage.describe(ckpt_dir)}: the sharded state does not fit this run's "
+            f"tensors: {cause}. Was the model, the optimizer or their sharding changed?"
         ) from exc
 
 
@@ -225,6 +271,8 @@ def _root_cause(exc: BaseException) -> BaseException:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner:  # (exception, its stack summary)
+            inner = inner[0]
         if isinstance(inner, BaseException):
             return inner
     return exc

@@ -14,9 +14,12 @@ to wait for step 2.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,6 +60,8 @@ __all__ = [
     "persist",
     "take_snapshot",
 ]
+
+log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 
@@ -99,6 +104,8 @@ class CommitResult:
     kind: str = "full"
     checksums: Mapping[str, str] = field(default_factory=dict)
     """This rank's tensors' checksums by name (of the stored bytes)."""
+    checkpoint_bytes: int | None = None
+    """On the coordinator: the size of every rank's files together (None on other ranks)."""
 
 
 def take_snapshot(
@@ -204,18 +211,32 @@ def persist(
     # Replicated tensors: every rank learns where their owners wrote them (even a rank whose own
     # write failed takes part, or the others would wait for it).
     shared: list[dict[str, TensorEntry] | None] = []
+    lost = functools.partial(_lost_a_rank, snapshot.step, storage.describe(root))
     if snapshot.owners:
-        shared = group.all_gather(None if shard is None else shard.owned(snapshot.owners))
+        with lost("agree on who wrote the replicated tensors"):
+            shared = group.all_gather(None if shard is None else shard.owned(snapshot.owners))
     if shard is not None and failure is None:
         try:
             files, checksums = _write_index(storage, tmp_dir, snapshot, group.rank, shard, shared)
         except Exception as exc:
             failure = _failure(group.rank, exc)
-    reports = group.gather((files, failure))
+    with lost("gather every rank's report"):
+        reports = group.gather((files, failure))
     outcome: Failure | None = None
     if reports is not None:  # the coordinator
         outcome = _commit(storage, tmp_dir, final_dir, snapshot, reports, group.world_size)
-    outcome = group.broadcast(outcome)
+    try:
+        outcome = group.broadcast(outcome)
+    except Exception as exc:
+        if reports is None or outcome is not None:
+            with lost("hear from rank 0 whether the checkpoint committed"):
+                raise
+        # Committed: what failed is telling the others, whose own failure will say why.
+        log.warning(
+            "checkpoint of step %d committed, but the other ranks could not be told: %s",
+            snapshot.step,
+            exc,
+        )
     if outcome is not None:
         text, code, nonfinite = outcome
         message = (
@@ -232,7 +253,25 @@ def persist(
         persist_s=time.perf_counter() - started,
         kind="full" if snapshot.delta is None else "delta",
         checksums=checksums,
+        checkpoint_bytes=None
+        if reports is None
+        else sum(e.size for rank_files, _ in reports for e in (rank_files or {}).values()),
     )
+
+
+@contextlib.contextmanager
+def _lost_a_rank(step: int, root: str, what: str) -> Iterator[None]:
+    """A collective of the save that fails (a rank died, or stopped answering within the
+    collective timeout) as a :class:`CheckpointWriteError` that says what it means."""
+    try:
+        yield
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"checkpoint of step {step}: the ranks could not {what} ({type(exc).__name__}: "
+            f"{exc}): a rank died or stopped responding. Rank 0 commits only once every rank's "
+            f"part is written, so the step is in {root} only if `crashproof ls {root}` lists it; "
+            "the checkpoints committed before it are intact"
+        ) from exc
 
 
 def _failure(rank: int, exc: Exception) -> Failure:

@@ -423,6 +423,12 @@ class CheckpointManager:
             and self.stats.saves_started % self.delta.full_every != 0
             and not snapshot.sharded
         )
+        if self.delta is not None and snapshot.sharded and self.stats.saves_started == 0:
+            log.warning(
+                "CheckpointManager(delta=...): the model is sharded (DTensor, FSDP2), and sharded "
+                "state is always saved in full, so every checkpoint of %s is a full one",
+                self.root,
+            )
         if self.dedup_replicated and self._group.world_size > 1 and self.delta is None:
             snapshot.owners = self._replicated_owners(snapshot.tensors, state)
         if self._tmp_token is None:  # agreed once; each save's name adds its number
@@ -448,11 +454,11 @@ class CheckpointManager:
         """Which rank writes each replicated tensor (DDP's model and optimizer): every rank must
         list the same names, shapes and dtypes, agreed in one small all-gather, or nothing is
         deduplicated. Whether the values agree is checked by the writer, by checksum."""
-        prefixes = state.replicated_prefixes()
+        replicated = state.replicated_names(n for n, _ in tensors)
         named = [
             (n, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))
             for n, t in tensors
-            if prefixes and n.startswith(prefixes)
+            if n in replicated
         ]
         signature = digest(json.dumps(named).encode())
         if not named or len(set(self._group.all_gather(signature))) != 1:
@@ -475,10 +481,17 @@ class CheckpointManager:
             if snapshot.delta is None:
                 self._delta_base = None  # the full save failed: the next save is a full one
             raise
-        if self.delta is not None and result.kind == "full":
+        if self.delta is not None and result.kind == "full" and not snapshot.sharded:
+            # (Sharded state is never delta-encoded: a copy kept as a base would only cost memory.)
             self._delta_base = keep_as_base(snapshot, result.checksums, self._delta_base)
         self._reporter.committed(
-            snapshot.step, result.path, blocking_s, result.persist_s, result.bytes_written
+            snapshot.step,
+            result.path,
+            blocking_s,
+            result.persist_s,
+            result.checkpoint_bytes
+            if result.checkpoint_bytes is not None
+            else result.bytes_written,
         )
         self._newest_valid = max(self._newest_valid or 0, snapshot.step)
         log.info(
@@ -861,8 +874,9 @@ class CheckpointManager:
                 )
             # Another world size: replicated state only, each rank reading a saved rank's part.
             source = source_rank(
-                self.storage, path, manifest, self._group.rank, self._group.world_size
-            )
+                self.storage, path, manifest, self._group.rank, self._group.world_size,
+                per_rank=state.per_rank_names(),
+            )  # fmt: skip
             if source != self._group.rank or manifest.world_size != self._group.world_size:
                 log.info(
                     "checkpoint step %d was saved by %d ranks: rank %d restores saved rank %d's state",
@@ -871,6 +885,16 @@ class CheckpointManager:
                     self._group.rank,
                     source,
                 )
+                if state.data is not None and state.sampler is None and self._group.rank == 0:
+                    log.warning(
+                        "checkpoint step %d was saved by %d ranks and is restored on %d: the "
+                        "data loader's own state_dict() is per rank, so each rank resumes from a "
+                        "saved rank's position and samples may be repeated or skipped; a "
+                        "DataLoader over crashproof.ResumableSampler carries the global position",
+                        step,
+                        manifest.world_size,
+                        self._group.world_size,
+                    )
             reader = RankRead(self.storage, path, manifest, source, into=state.live_tensors())
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Neither step writes into the live state: only finish() does, after all ranks agree.

@@ -9,7 +9,7 @@ another optimizer layout) raises :class:`StateMismatchError` and leaves the live
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -120,7 +120,15 @@ class TrainState:
             assert self.model is not None
             tree["model"] = get_model_state_dict(self.model)
             if self.optimizer is not None:
-                tree["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+                unstepped = not self.optimizer.state
+                optimizer_tree = get_optimizer_state_dict(self.model, self.optimizer)
+                if unstepped:
+                    # torch's helper creates the state of an optimizer that never stepped by
+                    # stepping it (zero gradients, zero learning rate): undo that, a checkpoint
+                    # must not change the run (Adam would count one step too many).
+                    self.optimizer.state.clear()
+                    optimizer_tree = {**optimizer_tree, "state": {}}
+                tree["optimizer"] = optimizer_tree
         else:
             if self.model is not None:
                 tree["model"] = unwrap_model(self.model).state_dict()
@@ -179,22 +187,38 @@ class TrainState:
             names.update(f"optimizer/state/{param_id}/{k}" for k in param_state)
         return frozenset(names)
 
-    def replicated_prefixes(self) -> tuple[str, ...]:
-        """Name prefixes of the tensors every rank holds identically, so a save may write them
-        once, spread over the ranks: the model and optimizer of a DDP job. Empty otherwise (a
-        ``ZeroRedundancyOptimizer`` shards its state). The writer still checks, by checksum,
-        that every rank's copy is the same."""
-        ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
-        if not ddp:
-            return ()
+    def replicated_names(self, names: Iterable[str]) -> frozenset[str]:
+        """Of ``names`` (tensors as named in a checkpoint), those every rank holds identically,
+        so a save may write them once, spread over the ranks: the parameters and optimizer state
+        of a DDP job. Not its buffers: DDP hands rank 0's to the others at the start of a
+        forward pass, and BatchNorm's running statistics then move with each rank's own batch,
+        so at a save they differ. Empty when the job is not DDP; the optimizer's state is left
+        out under a ``ZeroRedundancyOptimizer``, which shards it. The writer still checks, by
+        checksum, that every rank's copy of what it deduplicates is the same."""
+        if not isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return frozenset()
+        module = unwrap_model(self.model)
+        params = {f"model/{k}" for k, _ in module.named_parameters(remove_duplicate=False)}
         # Not imported here: importing torch.distributed.optim compiles TorchScript classes
         # (0.2-0.7 s, paid by the first save after every restart). An optimizer of that class
         # means its module is loaded already.
         zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
         zero = getattr(zero_module, "ZeroRedundancyOptimizer", None)
-        if zero is not None and isinstance(self.optimizer, zero):
-            return ("model/",)
-        return ("model/", "optimizer/")
+        sharded_optimizer = zero is not None and isinstance(self.optimizer, zero)
+        return frozenset(
+            n
+            for n in names
+            if n in params or (not sharded_optimizer and n.startswith("optimizer/"))
+        )
+
+    def per_rank_names(self) -> frozenset[str]:
+        """Names (as in a checkpoint) of the model's buffers: tensors the ranks of a DDP job may
+        hold differently (see :meth:`replicated_names`), so a restore on another number of ranks
+        takes them from one saved rank instead of requiring every rank's to agree."""
+        if self.model is None:
+            return frozenset()
+        buffers = unwrap_model(self.model).named_buffers(remove_duplicate=False)
+        return frozenset(f"model/{k}" for k, _ in buffers)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -211,6 +235,8 @@ class TrainState:
             set_model_state_dict(self.model, tree["model"])
             if self.optimizer is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, tree["optimizer"])
+                if not tree["optimizer"]["state"]:  # saved before its first step (see capture)
+                    self.optimizer.state.clear()
         else:
             if self.model is not None:
                 unwrap_model(self.model).load_state_dict(tree["model"], strict=True)
