@@ -64,7 +64,14 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
         {"ts": 4.0, "event": "rank_exit", "rank": 0, "exitcode": -15, "first": False, "step": 12},
         {"ts": 4.1, "event": "restart", "restart": 1},
         {"ts": 5.0, "event": "restore", "step": 10, "seconds": 0.3},
-        {"ts": 6.0, "event": "straggler", "rank": 1, "ratio": 1.6},
+        # One NaN, logged by both ranks; one hang, reported for both silent ranks: one failure each.
+        {"ts": 6.5, "event": "numerics", "rank": 0, "step": 11, "kind": "nonfinite", "action": "skip"},
+        {"ts": 6.5, "event": "numerics", "rank": 1, "step": 11, "kind": "nonfinite", "action": "skip"},
+        {"ts": 7.0, "event": "hang", "rank": 1, "step": 13},
+        {"ts": 7.0, "event": "hang", "rank": 0, "step": 13},
+        {"ts": 7.1, "event": "restart", "restart": 2},
+        {"ts": 8.0, "event": "hang", "rank": 0, "step": 15},
+        {"ts": 9.0, "event": "straggler", "rank": 1, "ratio": 1.6},
     ]  # fmt: skip
     text = "".join(json.dumps(e) + "\n" for e in lines)
     events.write_text(text[:-20])  # the last line still being written
@@ -78,7 +85,9 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     assert value("crashproof_checkpoints_total") == 1
     assert value("crashproof_checkpoint_bytes_total") == 1000
     assert value("crashproof_failures_total", {"kind": "killed"}) == 1
-    assert value("crashproof_restarts_total") == 1
+    assert value("crashproof_failures_total", {"kind": "numerics"}) == 1
+    assert value("crashproof_failures_total", {"kind": "hang"}) == 2  # the second restart's own
+    assert value("crashproof_restarts_total") == 2
     assert value("crashproof_restore_seconds") == 0.3
     assert value("crashproof_straggler_ratio", {"rank": "1"}) == 1.6
     assert value("crashproof_ettr") == 0.75

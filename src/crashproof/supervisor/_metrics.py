@@ -35,8 +35,8 @@ def failure_kind(event: dict[str, Any]) -> str | None:
         return "killed" if int(event["exitcode"]) < 0 else "error"
     if name == "hang":
         return "hang"
-    if name == "numerics":
-        return "numerics"
+    if name == "numerics":  # every rank logs the verdict they agreed on: count it once
+        return "numerics" if event.get("rank", 0) == 0 else None
     if name == "preempted":
         return "preemption"
     if name == "replication_failed":
@@ -84,7 +84,7 @@ class RunMetrics:
             registry=r,
         )
         self.checkpoint_bytes = Counter(
-            "crashproof_checkpoint_bytes", "Bytes written by checkpoints (rank 0's)", registry=r
+            "crashproof_checkpoint_bytes", "Bytes written by checkpoints (all ranks')", registry=r
         )
         self.restarts = Counter("crashproof_restarts", "Restarts of the worker group", registry=r)
         self.failures = Counter("crashproof_failures", "Failures, by kind", ["kind"], registry=r)
@@ -106,6 +106,7 @@ class RunMetrics:
         self._ettr_due = 0.0
         self._tail = EventTail(self.path)
         self._last_step = -1
+        self._hang_counted = False  # a hang of this worker group counted already
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -154,6 +155,10 @@ class RunMetrics:
     def observe(self, event: dict[str, Any]) -> None:
         name, ts = event.get("event"), float(event.get("ts", 0.0))
         kind = failure_kind(event)
+        if kind == "hang":  # one event per silent rank (its peers wait on it): one failure
+            kind, self._hang_counted = (None if self._hang_counted else kind), True
+        elif name in ("restart", "run_start"):
+            self._hang_counted = False
         if kind is not None:
             self.failures.labels(kind=kind).inc()
         if name == "progress":
