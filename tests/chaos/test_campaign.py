@@ -138,6 +138,7 @@ def test_crashproof_chaos_on_the_command_line(tmp_path: Path) -> None:
         (["--", "t.py"], "give --mtbf"),
         (["--fault", "at=1s,kind=kill", "--", "--nproc-per-node", "2", "--bogus", "t.py"],
          "do not parse"),
+        (["--fault", "at=1s,kind=kill", "--", "--nnodes", "2", "t.py"], "single-node jobs"),
     ],
 )  # fmt: skip
 def test_usage_errors_exit_2_before_anything_runs(
@@ -149,3 +150,15 @@ def test_usage_errors_exit_2_before_anything_runs(
     assert _chaos(["--dir", str(tmp_path / "c"), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_duration_that_is_not_a_finite_time_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --duration inf would draw faults forever; --resolve-timeout nan would never give up.
+    for option in ("--duration", "--resolve-timeout"):
+        with pytest.raises(SystemExit) as exit_:
+            _chaos(["--mtbf", "5", option, value, "--", "t.py"])
+        assert exit_.value.code == 2
+        assert "finite number of seconds" in capsys.readouterr().err

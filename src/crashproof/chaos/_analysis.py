@@ -114,7 +114,8 @@ def assess(inj: Injection, view: RunView, *, until: float | None = None) -> None
         found = _detection(inj, view, until)
         if found is not None:
             inj.detected, inj.detected_by = True, found[0]
-            inj.detect_s = max(0.0, found[1] - inj.ts)
+            # None when only a trainer's log line showed it: such a line carries no time
+            inj.detect_s = None if found[1] is None else max(0.0, found[1] - inj.ts)
     if inj.detected and not inj.recovered:
         recovery = _recovery(inj, view, until)
         if recovery is not None:
@@ -135,8 +136,11 @@ def _start(inj: Injection) -> float:
     return inj.ts
 
 
-def _detection(inj: Injection, view: RunView, until: float | None) -> tuple[str, float] | None:
-    """What showed the fault (in words) and when; None while nothing has."""
+def _detection(
+    inj: Injection, view: RunView, until: float | None
+) -> tuple[str, float | None] | None:
+    """What showed the fault (in words) and when (None: a log line, whose time is unknown); None
+    while nothing has."""
     kind, rank, after = inj.fault.kind, inj.fault.rank, _start(inj)
     if kind in _SEAM_KINDS and inj.fired_ts is None:
         return None
@@ -170,7 +174,7 @@ def _detection(inj: Injection, view: RunView, until: float | None) -> tuple[str,
                 return f"rank_exit: rank {e.get('rank')}: {e.get('error')}", float(e["ts"])
         line = view.find_in_logs(marker, from_attempt=inj.attempt)
         if line is not None:
-            return f"trainer log: {line[:300]}", after
+            return f"trainer log: {line[:300]}", None
     elif kind == "straggler":
         e = _first(view.of("straggler", after=after, before=until), rank=rank)
         if e is not None:
@@ -199,7 +203,7 @@ def _slow_save(
 
 def _corruption_seen(
     inj: Injection, view: RunView, until: float | None
-) -> tuple[str, float] | None:
+) -> tuple[str, float | None] | None:
     corrupted = inj.details.get("step")
     if corrupted is None:
         return None
@@ -213,8 +217,7 @@ def _corruption_seen(
             return None  # restored the damaged checkpoint as if it were whole: missed
     line = view.find_in_logs(f"skipping checkpoint step {corrupted}:", from_attempt=inj.attempt + 1)
     if line is not None:
-        starts = view.of("rank_start", after=inj.ts)
-        return f"trainer log: {line[:300]}", float(starts[0]["ts"]) if starts else inj.ts
+        return f"trainer log: {line[:300]}", None
     return None
 
 

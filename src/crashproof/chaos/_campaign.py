@@ -85,6 +85,9 @@ def stop_run(proc: subprocess.Popen[str], *, grace_s: float = 30.0) -> None:
 class CampaignResult:
     injections: list[Injection]
     not_injected: list[Fault]
+    blocked: dict[str, str] = field(default_factory=dict)
+    """Faults of ``not_injected`` that were due for longer than the resolve timeout but could
+    not be injected, by id, with why (a campaign that silently skipped them proved nothing)."""
     exitcode: int | None
     """``crashproof run``'s exit code (None: it had to be stopped)."""
     outcome: str | None
@@ -120,6 +123,8 @@ class Campaign:
     _armed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     _bar: tqdm[Any] | None = None
     _bar_at: float = 0.0
+    _waiting: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Faults due but not injectable yet: since when (campaign seconds), and why not."""
 
     def __post_init__(self) -> None:
         self._view = RunView(self.run_dir)
@@ -201,6 +206,13 @@ class Campaign:
         result = CampaignResult(
             injections=injections,
             not_injected=list(pending),
+            blocked={
+                f.id: f"due for {self._elapsed() - since:.0f} s, never injectable: {why}"
+                for f in pending
+                if f.id in self._waiting
+                for since, why in [self._waiting[f.id]]
+                if self._elapsed() - since > self.resolve_timeout_s
+            },
             exitcode=None if timed_out else proc.returncode,
             outcome=str(end.get("outcome")) if end else None,
             wall_s=self._elapsed(),
@@ -231,9 +243,15 @@ class Campaign:
         target = self._view.ranks().get(fault.rank)
         beat = self._view.heartbeat(target) if target is not None else None
         training = beat is not None and beat.phase == "step"
+        since = self._waiting.get(fault.id, (elapsed, ""))[0]
         if not early_nan and not training:
+            self._waiting[fault.id] = (since, f"rank {fault.rank} was not training")
             return None
         if fault.kind == "corrupt" and not self._corruptible(previous):
+            self._waiting[fault.id] = (
+                since,
+                "no committed checkpoint whose fallback keeps the previous fault's recovery",
+            )
             return None
         inj = Injection(
             fault=fault,

@@ -8,10 +8,13 @@ campaign runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from crashproof.chaos._schedule import KINDS, Fault, draw_schedule, parse_duration, parse_fault
@@ -39,9 +42,9 @@ def add_chaos_parser(
         "(and the baseline matched), 1: not, 2: usage error. See docs/chaos.md.",
     )
     p.add_argument("--seed", type=int, default=0, help="the same seed draws the same schedule")
-    p.add_argument("--mtbf", type=parse_duration, metavar="SECONDS",
+    p.add_argument("--mtbf", type=_duration, metavar="SECONDS",
                    help="mean time between faults: exponential inter-arrival times")  # fmt: skip
-    p.add_argument("--duration", type=parse_duration, metavar="SECONDS",
+    p.add_argument("--duration", type=_duration, metavar="SECONDS",
                    help="with --mtbf: no faults after this long; the run is then left to finish")  # fmt: skip
     p.add_argument("--faults", default=",".join(KINDS), metavar="KIND,...",
                    help=f"with --mtbf: the kinds drawn from, uniformly (default {','.join(KINDS)})")  # fmt: skip
@@ -61,9 +64,9 @@ def add_chaos_parser(
     )
     p.add_argument("--compare-baseline", action="store_true",
                    help="also run without faults and compare the final checkpoints bit for bit")  # fmt: skip
-    p.add_argument("--resolve-timeout", type=parse_duration, default=300.0, metavar="SECONDS",
+    p.add_argument("--resolve-timeout", type=_duration, default=300.0, metavar="SECONDS",
                    help="how long to wait for a fault's detection and recovery (default 300)")  # fmt: skip
-    p.add_argument("--timeout", type=parse_duration, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=_duration, default=None, metavar="SECONDS",
                    help="stop each run after this long (default: no limit)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true",
@@ -85,6 +88,15 @@ def _parse_run_args(run_args: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(run_args)
 
 
+def _duration(text: str) -> float:
+    """``parse_duration`` for argparse, which shows an ArgumentTypeError's message (a ValueError's
+    it replaces with "invalid value")."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _world_size(run: argparse.Namespace) -> int:
     try:
         nproc = int(run.nproc_per_node)
@@ -94,6 +106,11 @@ def _world_size(run: argparse.Namespace) -> int:
             f"--nproc-per-node {run.nproc_per_node} --nnodes {run.nnodes}: give whole numbers, "
             "so the campaign knows which ranks there are"
         ) from None
+    if nodes != 1:
+        raise ValueError(
+            f"--nnodes {run.nnodes}: crashproof chaos injects faults into the ranks of the "
+            "machine it runs on, so it runs single-node jobs (--nnodes 1)"
+        )
     return nproc * nodes
 
 
@@ -163,7 +180,25 @@ def run_chaos(args: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(run_dir, "events.jsonl")):
         return _usage(f"{run_dir} already holds a run's events: give the campaign a new --dir")
     os.makedirs(directory, exist_ok=True)
-    return _campaign(args, schedule, directory, run_args, faulted_args, run_dir)
+    with _signals_end_the_campaign():
+        return _campaign(args, schedule, directory, run_args, faulted_args, run_dir)
+
+
+@contextlib.contextmanager
+def _signals_end_the_campaign() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a CI job's time limit, a closed terminal) end the campaign as Ctrl-C
+    does: by an exception, so the runs it started are stopped on the way out instead of going
+    on training (they run in sessions of their own, out of reach of the signal)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _campaign(
@@ -263,9 +298,8 @@ def _campaign(
         for line in format_table(result.injections):
             print(line)
         for f in result.not_injected:
-            print(
-                f"{f.id:<5} {f.kind:<9} {f.trigger:>7} {f.rank:>4}  not injected: the run ended first"
-            )
+            why = result.blocked.get(f.id, "the run ended first")
+            print(f"{f.id:<5} {f.kind:<9} {f.trigger:>7} {f.rank:>4}  not injected: {why}")
         print()
         print(summary_line(report))
         print(f"report: {report_path}; the run's output: {os.path.join(directory, 'run.log')}")

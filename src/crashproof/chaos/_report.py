@@ -47,13 +47,16 @@ def build_report(
         and bool(injections)
         and all(i.detected and i.recovered for i in injections)
         and not (explicit and result.not_injected)
+        and not result.blocked
         and (baseline is None or (baseline.identical and baseline_exitcode == 0))
     )
     return {
         "run_dir": run_dir,
         "seed": seed,
         "faults": [i.to_json() for i in injections],
-        "not_injected": [f.to_json() for f in result.not_injected],
+        "not_injected": [
+            {**f.to_json(), "blocked": result.blocked.get(f.id)} for f in result.not_injected
+        ],
         "injected": len(injections),
         "detected": sum(i.detected for i in injections),
         "recovered": sum(i.recovered for i in injections),
@@ -108,8 +111,12 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{report['injected']} fault(s) injected, {report['detected']} detected, "
         f"{report['recovered']} recovered, {report['lost_steps']} step(s) recomputed",
     ]
-    if report["not_injected"]:
-        parts.append(f"{len(report['not_injected'])} not injected (the run ended first)")
+    blocked = sum(f["blocked"] is not None for f in report["not_injected"])
+    if len(report["not_injected"]) > blocked:
+        ended = len(report["not_injected"]) - blocked
+        parts.append(f"{ended} not injected (the run ended first)")
+    if blocked:
+        parts.append(f"{blocked} never injectable though due (see not_injected)")
     run = report["run"]
     parts.append(f"run {run['outcome'] or 'did not end'} (exit {run['exitcode']})")
     if report["ettr"] is not None:

@@ -8,6 +8,7 @@ give the same list of :class:`Fault` objects: drawing is a pure function of the 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,8 +104,8 @@ def parse_duration(text: str) -> float:
         value = float(number) * units[unit]
     except ValueError:
         raise ValueError(f"{text!r} is not a duration: write e.g. 30s, 1.5m or 2h") from None
-    if value < 0:
-        raise ValueError(f"{text!r}: a time must not be negative")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r}: a time must be a finite number of seconds, not negative")
     return value
 
 
