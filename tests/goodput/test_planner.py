@@ -339,6 +339,17 @@ def test_failures_never_cost_more_than_the_compute_even_when_they_come_every_min
     assert 0.99 * result.compute_cost < result.expected_failure_cost <= result.compute_cost
 
 
+@pytest.mark.parametrize("rate", [{"mtbf_hours": 0.25}, {"cluster_mtbf_hours": 0.5}])
+def test_a_device_failing_every_few_minutes_still_gets_a_plan(rate: dict[str, float]) -> None:
+    # Its daily failure probability rounds to 1.0: the odds come from the rate instead.
+    result = plan(devices=1, days=1.0, ckpt_minutes=1.0, restart_minutes=1.0,
+                  cost_per_device_hour=1.0, **rate)  # fmt: skip
+    hours = rate.get("mtbf_hours", rate.get("cluster_mtbf_hours"))
+    assert result.p_no_failure == pytest.approx(math.exp(-24 / hours), rel=1e-12)
+    assert result.p_no_failure > 0
+    assert result.expected_failures == pytest.approx(24 / hours)
+
+
 def test_plan_json_has_the_contract_keys_and_the_inputs() -> None:
     out = plan(**RUN, daily_failure_prob=0.001).to_json()
     assert set(out) == CONTRACT_KEYS | {"inputs"}
