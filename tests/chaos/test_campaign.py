@@ -139,6 +139,7 @@ def test_crashproof_chaos_on_the_command_line(tmp_path: Path) -> None:
         (["--fault", "at=1s,kind=kill", "--", "--nproc-per-node", "2", "--bogus", "t.py"],
          "do not parse"),
         (["--fault", "at=1s,kind=kill", "--", "--nnodes", "2", "t.py"], "single-node jobs"),
+        (["--fault", "at=1s,kind=kill", "--", "--nnodes", "1:4", "t.py"], "single-node jobs"),
     ],
 )  # fmt: skip
 def test_usage_errors_exit_2_before_anything_runs(

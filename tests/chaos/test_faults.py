@@ -255,3 +255,26 @@ def test_a_fault_due_while_the_previous_one_was_resolved_waits_its_gap_from_the_
     first.resolved_at_s = 20.0  # resolved after: the 4 s gap again, from the resolution
     assert campaign._due_s(faults[1], [first]) == 24.0
     assert campaign._due_s(faults[0], []) == 10.0
+
+
+def test_a_drawn_fault_is_blocked_only_if_training_went_on_past_the_resolve_timeout(
+    tmp_path: Path,
+) -> None:
+    from crashproof.chaos._campaign import Campaign
+
+    faults = [Fault(id=f"f{i}", kind="kill", rank=0, at_s=1.0) for i in (1, 2, 3)]
+    campaign = Campaign(
+        run_args=[], run_dir=str(tmp_path), schedule=faults,
+        console_path=str(tmp_path / "log"), resolve_timeout_s=30.0,
+    )  # fmt: skip
+    events = [{"ts": 100.0 + s, "event": "progress", "step": s, "step_time_s": 0.01}
+              for s in range(0, 61, 10)]  # fmt: skip
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    campaign.view.refresh()
+    campaign._waiting = {
+        "f1": (110.0, "no committed checkpoint"),  # due at 110, training went on to 160
+        "f2": (140.0, "rank 0 was not training"),  # only 20 s of training after it: ended first
+    }  # f3 never came due
+    blocked = campaign._blocked(faults)
+    assert list(blocked) == ["f1"]
+    assert "50 s" in blocked["f1"] and "no committed checkpoint" in blocked["f1"]

@@ -517,14 +517,18 @@ def test_ddp_parameters_and_optimizer_are_replicated_not_buffers_nor_a_zero_opti
     gloo_world_of_one: None,
 ) -> None:
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
-    plain = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    outside = nn.Parameter(torch.zeros(3))  # optimized, but not DDP's: each rank its own
+    optimizer = torch.optim.SGD([*model.parameters(), outside], lr=0.1)
+    plain = TrainState(model=model, optimizer=optimizer)
     names = [*(f"model/{k}" for k in model.module.state_dict()), "optimizer/state/0/momentum_buffer",
-             "rng/torch", "data/epoch"]  # fmt: skip
+             "optimizer/state/4/momentum_buffer", "rng/torch", "data/epoch"]  # fmt: skip
     params = {"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"}
     buffers = {"model/1.running_mean", "model/1.running_var", "model/1.num_batches_tracked"}
     sys.modules.pop("torch.distributed.optim.zero_redundancy_optimizer", None)
     assert plain.replicated_names(names) == params | {"optimizer/state/0/momentum_buffer"}
     assert plain.per_rank_names() == buffers  # BatchNorm's statistics follow each rank's batch
+    compiled = TrainState(model=torch.compile(model), optimizer=optimizer)  # type: ignore[arg-type]
+    assert compiled.replicated_names(names) == plain.replicated_names(names)
     # the first save after a restart would pay the import (TorchScript compiles): not needed
     assert "torch.distributed.optim.zero_redundancy_optimizer" not in sys.modules
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -124,7 +125,7 @@ class Campaign:
     _bar: tqdm[Any] | None = None
     _bar_at: float = 0.0
     _waiting: dict[str, tuple[float, str]] = field(default_factory=dict)
-    """Faults due but not injectable yet: since when (campaign seconds), and why not."""
+    """Faults due but not injectable yet: since when (Unix time), and why not."""
 
     def __post_init__(self) -> None:
         self._view = RunView(self.run_dir)
@@ -206,13 +207,7 @@ class Campaign:
         result = CampaignResult(
             injections=injections,
             not_injected=list(pending),
-            blocked={
-                f.id: f"due for {self._elapsed() - since:.0f} s, never injectable: {why}"
-                for f in pending
-                if f.id in self._waiting
-                for since, why in [self._waiting[f.id]]
-                if self._elapsed() - since > self.resolve_timeout_s
-            },
+            blocked=self._blocked(pending),
             exitcode=None if timed_out else proc.returncode,
             outcome=str(end.get("outcome")) if end else None,
             wall_s=self._elapsed(),
@@ -226,6 +221,20 @@ class Campaign:
             not_injected=[f.id for f in result.not_injected],
         )
         return result
+
+    def _blocked(self, pending: Iterable[Fault]) -> dict[str, str]:
+        """Of the faults never injected, those the run kept training past for longer than the
+        resolve timeout after they came due (a fault due while the run was shutting down, or
+        ended, is not blocked: the run ended first)."""
+        progress = [float(e["ts"]) for e in self._view.of("progress") + self._view.of("checkpoint")]
+        last = max(progress, default=0.0)
+        return {
+            f.id: f"due, and training went on {last - since:.0f} s without a chance to inject it: {why}"
+            for f in pending
+            if f.id in self._waiting
+            for since, why in [self._waiting[f.id]]
+            if last - since > self.resolve_timeout_s
+        }
 
     # -- injecting -------------------------------------------------------------------------
 
@@ -243,7 +252,7 @@ class Campaign:
         target = self._view.ranks().get(fault.rank)
         beat = self._view.heartbeat(target) if target is not None else None
         training = beat is not None and beat.phase == "step"
-        since = self._waiting.get(fault.id, (elapsed, ""))[0]
+        since = self._waiting.get(fault.id, (time.time(), ""))[0]  # wall time, as events
         if not early_nan and not training:
             self._waiting[fault.id] = (since, f"rank {fault.rank} was not training")
             return None

@@ -100,7 +100,7 @@ def _duration(text: str) -> float:
 def _world_size(run: argparse.Namespace) -> int:
     try:
         nproc = int(run.nproc_per_node)
-        nodes = int(str(run.nnodes).split(":", 1)[0])
+        nodes = max(int(n) for n in str(run.nnodes).split(":", 1))  # "1:4": up to 4
     except ValueError:
         raise ValueError(
             f"--nproc-per-node {run.nproc_per_node} --nnodes {run.nnodes}: give whole numbers, "
@@ -191,9 +191,13 @@ def _signals_end_the_campaign() -> Iterator[None]:
     on training (they run in sessions of their own, out of reach of the signal)."""
 
     def stop(signum: int, _frame: object) -> None:
+        for ignored in previous:  # a second signal must not cut the clean-up short
+            signal.signal(ignored, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, stop)
     try:
         yield
     finally:

@@ -51,8 +51,6 @@ __all__ = ["CrashproofReader", "load_sharded", "restore_targets"]
 _Piece = tuple[int, TensorEntry]
 """A saved piece: the rank whose index lists it, and its entry there."""
 
-_OPTIMIZER_STATE = "optimizer/state/"
-
 
 class CrashproofReader(StorageReader):
     """A ``torch.distributed.checkpoint`` storage reader for one crashproof checkpoint.
@@ -189,6 +187,8 @@ class CrashproofReader(StorageReader):
             stream = self._storage.open(self._storage.join(self._dir, file))
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: missing") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{where}: cannot be opened ({exc})") from None
         try:
             read = ShardRead(stream, [entry], self._manifest.files[file], where, partial=True)
             read.verify()  # the piece's own checksum; the file is its writer's to verify whole
@@ -208,8 +208,6 @@ def restore_targets(
     targets: dict[str, torch.Tensor] = {}
     for name, entry in pieces.items():
         counterpart = live.get(name)
-        if counterpart is None:
-            counterpart = _parameter_of(name, entry, live)
         if counterpart is not None and is_dtensor(counterpart):
             targets[name] = empty_like_piece(counterpart)
         else:
@@ -218,21 +216,6 @@ def restore_targets(
                 entry.global_shape, dtype=dtype_from_name(entry.dtype, where=entry.name)
             )
     return targets
-
-
-def _parameter_of(
-    name: str, entry: TensorEntry, live: Mapping[str, torch.Tensor]
-) -> torch.Tensor | None:
-    """For an optimizer's per-element state (keyed by parameter name, as torch's state-dict
-    helpers key it: ``optimizer/state/<fqn>/exp_avg``) that the live optimizer does not hold yet
-    (it never stepped): the parameter it is laid out like."""
-    if not name.startswith(_OPTIMIZER_STATE):
-        return None
-    fqn = name[len(_OPTIMIZER_STATE) :].rpartition("/")[0]
-    param = live.get(f"model/{fqn}")
-    if param is None or entry.global_shape != tuple(param.shape):
-        return None
-    return param
 
 
 def load_sharded(
@@ -258,11 +241,15 @@ def load_sharded(
         # state): the checkpoint is sound, the live state is not the one that saved it. Such a
         # restore must stop with the reason, not skip to an older checkpoint, or to step 0.
         cause = _root_cause(exc)
-        if isinstance(cause, CorruptCheckpointError):
-            raise cause from None
+        if isinstance(cause, CorruptCheckpointError) or not isinstance(cause, Exception):
+            raise cause from None  # and an interrupt (KeyboardInterrupt, SystemExit) stays one
+        if isinstance(cause, OSError):
+            raise CorruptCheckpointError(
+                f"{storage.describe(ckpt_dir)}: the sharded state cannot be read: {cause}"
+            ) from exc
         raise StateMismatchError(
-            f"{storage.describe(ckpt_dir)}: the sharded state does not fit this run's "
-            f"tensors: {cause}. Was the model, the optimizer or their sharding changed?"
+            f"{storage.describe(ckpt_dir)}: the sharded state does not fit the tensors it is "
+            f"restored into: {cause}. Was the model, the optimizer or their sharding changed?"
         ) from exc
 
 

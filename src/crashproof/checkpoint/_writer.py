@@ -228,13 +228,15 @@ def persist(
     try:
         outcome = group.broadcast(outcome)
     except Exception as exc:
-        if reports is None or outcome is not None:
+        if reports is None:
             with lost("hear from rank 0 whether the checkpoint committed"):
                 raise
-        # Committed: what failed is telling the others, whose own failure will say why.
+        # Rank 0 knows the outcome (committed, or why not): it stands; only telling the other
+        # ranks failed, and their own failure says why.
         log.warning(
-            "checkpoint of step %d committed, but the other ranks could not be told: %s",
+            "checkpoint of step %d: %s, but the other ranks could not be told: %s",
             snapshot.step,
+            "committed" if outcome is None else "not committed",
             exc,
         )
     if outcome is not None:

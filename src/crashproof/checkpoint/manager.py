@@ -907,8 +907,9 @@ class CheckpointManager:
             state.check(meta, where=self.storage.describe(path))
             pieces = reader.sharded_entries()
             if pieces:  # cut this rank's pieces out of the saved ones, before anything changes
-                _, live = named_tensors(state.capture())
-                targets = restore_targets(pieces, dict(live))
+                with state.restore_layout() as layout:
+                    _, live = named_tensors(layout)
+                    targets = restore_targets(pieces, dict(live))
                 load_sharded(self.storage, path, manifest, targets)
                 reader.sharded_values = targets
             self._restored_environment = manifest.environment

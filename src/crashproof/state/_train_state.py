@@ -8,8 +8,9 @@ another optimizer layout) raises :class:`StateMismatchError` and leaves the live
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -108,6 +109,22 @@ class TrainState:
 
     def capture(self) -> dict[str, Any]:
         """The current state as a tree of plain values and (live, uncopied) tensors."""
+        return self._capture(keep_created_state=False)
+
+    @contextlib.contextmanager
+    def restore_layout(self) -> Iterator[dict[str, Any]]:
+        """The live state as :meth:`capture` gives it, but with a sharded optimizer's state even
+        before its first step: the layout (DTensor placements) a restore cuts saved pieces into.
+        torch's helper creates that state by stepping the optimizer (zero gradients, zero
+        learning rate, so its step hooks do run); it is removed again on exit."""
+        unstepped = self.optimizer is not None and not self.optimizer.state
+        try:
+            yield self._capture(keep_created_state=True)
+        finally:
+            if unstepped and self.optimizer is not None:
+                self.optimizer.state.clear()
+
+    def _capture(self, *, keep_created_state: bool) -> dict[str, Any]:
         tree: dict[str, Any] = {"rng": capture_rng()}
         if self.sharded:
             # FSDP2 / DTensor parameters: torch's state-dict helpers give the optimizer's state
@@ -122,10 +139,11 @@ class TrainState:
             if self.optimizer is not None:
                 unstepped = not self.optimizer.state
                 optimizer_tree = get_optimizer_state_dict(self.model, self.optimizer)
-                if unstepped:
+                if unstepped and not keep_created_state:
                     # torch's helper creates the state of an optimizer that never stepped by
                     # stepping it (zero gradients, zero learning rate): undo that, a checkpoint
-                    # must not change the run (Adam would count one step too many).
+                    # must not change the run (Adam would count one step too many). The step's
+                    # hooks, if the optimizer has any, have run all the same.
                     self.optimizer.state.clear()
                     optimizer_tree = {**optimizer_tree, "state": {}}
                 tree["optimizer"] = optimizer_tree
@@ -189,34 +207,56 @@ class TrainState:
 
     def replicated_names(self, names: Iterable[str]) -> frozenset[str]:
         """Of ``names`` (tensors as named in a checkpoint), those every rank holds identically,
-        so a save may write them once, spread over the ranks: the parameters and optimizer state
-        of a DDP job. Not its buffers: DDP hands rank 0's to the others at the start of a
-        forward pass, and BatchNorm's running statistics then move with each rank's own batch,
-        so at a save they differ. Empty when the job is not DDP; the optimizer's state is left
-        out under a ``ZeroRedundancyOptimizer``, which shards it. The writer still checks, by
-        checksum, that every rank's copy of what it deduplicates is the same."""
-        if not isinstance(self.model, nn.parallel.DistributedDataParallel):
+        so a save may write them once, spread over the ranks: a DDP job's parameters and the
+        optimizer's state of those parameters. Not its buffers: DDP hands rank 0's to the others
+        at the start of a forward pass, and BatchNorm's running statistics then move with each
+        rank's own batch, so at a save they differ. Nor parameters DDP is told to ignore, nor
+        optimizer state of parameters outside the DDP module, nor any optimizer state under a
+        ``ZeroRedundancyOptimizer`` (it shards it). Empty when the job is not DDP. The writer
+        still checks, by checksum, that every rank's copy of what it deduplicates is the same."""
+        ddp = self._ddp()
+        if ddp is None:
             return frozenset()
-        module = unwrap_model(self.model)
-        params = {f"model/{k}" for k, _ in module.named_parameters(remove_duplicate=False)}
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        module = unwrap_model(ddp)
+        synced = {
+            id(p): f"model/{name}"
+            for name, p in module.named_parameters(remove_duplicate=False)
+            if name not in ignored
+        }
+        replicated = set(synced.values())
         # Not imported here: importing torch.distributed.optim compiles TorchScript classes
         # (0.2-0.7 s, paid by the first save after every restart). An optimizer of that class
         # means its module is loaded already.
         zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
         zero = getattr(zero_module, "ZeroRedundancyOptimizer", None)
         sharded_optimizer = zero is not None and isinstance(self.optimizer, zero)
-        return frozenset(
-            n
-            for n in names
-            if n in params or (not sharded_optimizer and n.startswith("optimizer/"))
-        )
+        state_of: tuple[str, ...] = ()
+        if self.optimizer is not None and not sharded_optimizer:
+            # optimizer.state_dict() numbers the parameters across its groups, in order
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            state_of = tuple(
+                f"optimizer/state/{i}/" for i, p in enumerate(params) if id(p) in synced
+            )
+        return frozenset(n for n in names if n in replicated or n.startswith(state_of))
+
+    def _ddp(self) -> nn.parallel.DistributedDataParallel | None:
+        """The model's DDP wrapper, also under ``torch.compile(DDP(model))``."""
+        model = self.model
+        while model is not None:
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                return model
+            inner = getattr(model, "_orig_mod", None)
+            model = inner if isinstance(inner, nn.Module) else None
+        return None
 
     def per_rank_names(self) -> frozenset[str]:
         """Names (as in a checkpoint) of the model's buffers: tensors the ranks of a DDP job may
         hold differently (see :meth:`replicated_names`), so a restore on another number of ranks
         takes them from one saved rank instead of requiring every rank's to agree."""
-        if self.model is None:
+        if self._ddp() is None:
             return frozenset()
+        assert self.model is not None
         buffers = unwrap_model(self.model).named_buffers(remove_duplicate=False)
         return frozenset(f"model/{k}" for k, _ in buffers)
 
