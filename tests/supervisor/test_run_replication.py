@@ -26,8 +26,10 @@ def _run(tmp_path: Path, name: str, train_args: list[str]) -> subprocess.Complet
         sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2",
         "--max-restarts", "0", "--run-dir", str(tmp_path / name),
         str(EXAMPLES / "train_tiny.py"), "--steps", "30", "--every", "5", "--keep", "2",
-        "--workers", "0", *train_args,
+        "--workers", "0", "--sync", *train_args,
     ]  # fmt: skip
+    # --sync: step 15 is committed locally before the crash at step 18 (3 steps of a few ms
+    # each can outrun an asynchronous write); the upload is still the agent's to finish.
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
