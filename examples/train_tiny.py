@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dump", default=None, help="at the end, write model+optimizer tensors here (safetensors)"
     )
+    p.add_argument(
+        "--dump-restored",
+        default=None,
+        help="right after the restore, write this rank's model, optimizer and EMA tensors here "
+        "(safetensors; DUMP.rank<r> on several ranks)",
+    )
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
     p.add_argument(
         "--full-every", type=int, default=0, help="deltas between full checkpoints (0: all full)"
@@ -171,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     state.extra["guard"] = guard
     start = ckpt.restore(state)
     print(f"starting at step {start}", flush=True)
+    if args.dump_restored:
+        where = args.dump_restored if world_size == 1 else f"{args.dump_restored}.rank{rank}"
+        dump_state(where, model, optimizer, ema)
     log_file = open(args.step_log, "a") if args.step_log else None  # noqa: SIM115 - closed below
     batches = iter(loader)
     accumulate = (

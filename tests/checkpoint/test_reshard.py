@@ -1,18 +1,24 @@
 """Restoring on another world size (torchrun, gloo, DDP): 4 ranks -> 2 -> 3 -> 2 -> 1. Replicated
-state reloads on any number of ranks; the data position is global, so across every change no
-sample of an epoch is repeated or skipped and every step consumed exactly its global batch. State that
-differs between ranks (sharded) is refused with a clear error instead of being loaded wrongly."""
+state reloads on any number of ranks: after every change each rank holds the model, optimizer
+(AdamW's moments and step) and EMA tensors the checkpoint holds; the data position is global, so
+across every change no sample of an epoch is repeated or skipped and every step consumed exactly
+its global batch. State that differs between ranks (sharded) is refused with a clear error
+instead of being loaded wrongly."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 import crashproof as cp
+from crashproof.checkpoint import load_rank_state, read_manifest
+from crashproof.storage import LocalStorage
 from tests.conftest import EXAMPLES, free_port, run_python
 
 N_SAMPLES, BATCH, STEPS = 200, 16, 25
@@ -41,6 +47,35 @@ def _records(log: Path, nproc: int) -> list[dict[int, list[int]]]:
     return out
 
 
+def _saved_tensors(run: Path, step: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """The number of ranks that wrote checkpoint ``step``, and its model, optimizer and EMA
+    tensors as crashproof's reader reads them (every byte verified), named as ``train_tiny.py``'s
+    dumps name them."""
+    storage, ckpt = LocalStorage(), str(run / "checkpoints" / f"step_{step:010d}")
+    manifest = read_manifest(storage, ckpt)
+    tree = load_rank_state(storage, ckpt, manifest, 0)
+    tensors = {f"model/{k}": v for k, v in tree["model"].items()}
+    for pid, entry in tree["optimizer"]["state"].items():
+        tensors.update({f"optimizer/{pid}/{k}": v for k, v in entry.items()})
+    shadow = tree["extra"]["ema"]["state_dict"]["shadow"]
+    tensors.update({f"ema/{k}": v for k, v in shadow.items()})
+    return manifest.world_size, tensors
+
+
+def _assert_restored_state_is_the_checkpoints(run: Path, dump: Path, nproc: int, step: int) -> None:
+    """Every rank's state as restored (``--dump-restored``) equals what checkpoint ``step`` holds,
+    which was written by another number of ranks."""
+    saved_by, saved = _saved_tensors(run, step)
+    assert saved_by != nproc, f"step {step} was saved by {saved_by} ranks, restored by {nproc}"
+    steps = {k: int(v) for k, v in saved.items() if re.fullmatch(r"optimizer/\d+/step", k)}
+    assert steps and set(steps.values()) == {step}, steps  # AdamW has state, as many steps old
+    for rank in range(nproc):
+        restored = load_file(dump if nproc == 1 else f"{dump}.rank{rank}")
+        assert sorted(restored) == sorted(saved), f"rank {rank} of {nproc}"
+        for name, tensor in saved.items():
+            assert torch.equal(restored[name], tensor), f"{name} on rank {rank} of {nproc}"
+
+
 def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # (ranks, step it starts at, step of its last checkpoint, step it crashes at): 4 -> 2, 2 -> 3,
@@ -49,10 +84,14 @@ def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(tmp_path: Pat
         (4, 0, 5, "7"), (2, 5, 10, "12"), (3, 10, 15, "17"), (2, 15, 20, "22"), (1, 20, STEPS, None)
     ]  # fmt: skip
     for n, (nproc, start, _, crash_at) in enumerate(segments):
+        dump = tmp_path / f"restored{n}.safetensors"
         output = _torchrun(
-            run, tmp_path / f"log{n}", nproc, *(["--crash-at", crash_at] if crash_at else [])
-        )
+            run, tmp_path / f"log{n}", nproc, "--dump-restored", str(dump),
+            *(["--crash-at", crash_at] if crash_at else []),
+        )  # fmt: skip
         assert f"starting at step {start}" in output, output[-2000:]
+        if start:  # every rank holds the model and optimizer state the other world size saved
+            _assert_restored_state_is_the_checkpoints(run, dump, nproc, start)
     newest = cp.CheckpointManager(str(run / "checkpoints"), handle_signals=False).list()[0]
     assert newest.step == STEPS and newest.world_size == 1 and newest.valid
 
