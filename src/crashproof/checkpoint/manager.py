@@ -429,15 +429,18 @@ class CheckpointManager:
                 "state is always saved in full, so every checkpoint of %s is a full one",
                 self.root,
             )
+        replicated: builtins.list[tuple[str, int, str, tuple[int, ...]]] | None = None
         if self.dedup_replicated and self._group.world_size > 1 and self.delta is None:
-            snapshot.owners = self._replicated_owners(snapshot.tensors, state)
+            replicated = self._replicated_tensors(snapshot.tensors, state)
         if self._tmp_token is None:  # agreed once; each save's name adds its number
             self._tmp_token = str(self._group.broadcast(uuid.uuid4().hex[:8]))
         tmp_name = new_tmp_name(step, f"{self._tmp_token}-{self.stats.saves_started}")
         blocking_s = time.perf_counter() - started
         self._inflight.append(
             (
-                self._executor.submit(self._persist, snapshot, tmp_name, blocking_s, may_be_delta),
+                self._executor.submit(
+                    self._persist, snapshot, tmp_name, blocking_s, may_be_delta, replicated
+                ),
                 free,
             )
         )
@@ -448,20 +451,28 @@ class CheckpointManager:
         self.stats.last_blocking_s = time.perf_counter() - started
         return True
 
-    def _replicated_owners(
-        self, tensors: builtins.list[tuple[str, Any]], state: TrainState
-    ) -> dict[str, int]:
-        """Which rank writes each replicated tensor (DDP's model and optimizer): every rank must
-        list the same names, shapes and dtypes, agreed in one small all-gather, or nothing is
-        deduplicated. Whether the values agree is checked by the writer, by checksum."""
+    @staticmethod
+    def _replicated_tensors(
+        tensors: builtins.list[tuple[str, Any]], state: TrainState
+    ) -> builtins.list[tuple[str, int, str, tuple[int, ...]]]:
+        """This rank's replicated tensors (DDP's model and optimizer): name, bytes, dtype, shape."""
         replicated = state.replicated_names(n for n, _ in tensors)
-        named = [
+        return [
             (n, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))
             for n, t in tensors
             if n in replicated
         ]
+
+    def _replicated_owners(
+        self, named: builtins.list[tuple[str, int, str, tuple[int, ...]]]
+    ) -> dict[str, int]:
+        """Which rank writes each replicated tensor: every rank must list the same names, shapes
+        and dtypes, agreed in one small all-gather, or nothing is deduplicated. Whether the values
+        agree is checked by the writer, by checksum. Runs on the writer thread, over its own
+        group: an all-gather waits for the slowest rank, which the training loop must not."""
         signature = digest(json.dumps(named).encode())
-        if not named or len(set(self._group.all_gather(signature))) != 1:
+        agreed = len(set(self._persist_group.all_gather(signature))) == 1
+        if not named or not agreed:
             return {}
         return assign_owners([(n, size) for n, size, _, _ in named], self._group.world_size)
 
@@ -471,8 +482,15 @@ class CheckpointManager:
         return self.stats.last_blocking_s
 
     def _persist(
-        self, snapshot: Snapshot, tmp_name: str, blocking_s: float, may_be_delta: bool
+        self,
+        snapshot: Snapshot,
+        tmp_name: str,
+        blocking_s: float,
+        may_be_delta: bool,
+        replicated: builtins.list[tuple[str, int, str, tuple[int, ...]]] | None,
     ) -> CommitResult:
+        if replicated is not None:  # the same on every rank: they all take part in agreeing
+            snapshot.owners = self._replicated_owners(replicated)
         if may_be_delta and self.delta is not None and self._delta_base is not None:
             snapshot.delta = (self.delta, self._delta_base)
         try:
