@@ -7,6 +7,8 @@ group within its budget. On top of it this agent
 * checks every trainer's heartbeat each monitor interval and treats a silent one as a failure:
   every trainer's Python stack is dumped to the run directory first (``SIGUSR2``, then
   ``SIGCONT`` for a stopped process), then the group is stopped and restarted;
+* acts on a trainer's exit the moment it happens (not at the next monitor interval), and
+  SIGKILLs the peers of a failed trainer at once: they can neither go on nor checkpoint;
 * stops trainers with a short grace period (SIGTERM, then SIGKILL), not torch's 30 s;
 * backs off between failures that make no progress, and stops a crash loop with a report;
 * writes every start, exit, hang and restart to the event log.
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -56,6 +59,9 @@ from crashproof.telemetry._events import ENV_RUN_DIR, EventLog
 __all__ = ["CrashproofAgent", "SupervisorConfig"]
 
 log = logging.getLogger(__name__)
+
+_EXIT_CODE_WAIT_S = 0.05
+"""How long a look waits for the exit code of a trainer seen to end (reaped by its parent)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,6 +129,14 @@ class CrashproofAgent(LocalElasticAgent):
         self._failed_at_s: float | None = None
         self._stop_reason = ""
         self._exits: ExitWatcher | None = None
+        self._stopped_by_us: set[int] = set()
+        """Trainers SIGKILLed because a peer had failed (their exit is not a failure of theirs)."""
+        # torch's loop sleeps a whole monitor interval between looks; ours waits on this event
+        # instead, which the exit watcher sets when a trainer exits, so a failure is acted on the
+        # moment it happens and a look still comes every interval when nothing does.
+        self._wake = threading.Event()
+        self._monitor_interval_s = spec.monitor_interval
+        spec.monitor_interval = 1e-3  # torch's own sleep: all but gone
 
     @property
     def restart_count(self) -> int:
@@ -135,10 +149,11 @@ class CrashproofAgent(LocalElasticAgent):
             os.remove(stale)  # a previous attempt's record must not vouch for a new trainer
         started = time.monotonic()
         self.attempt = self.restart_count
+        self._stopped_by_us.clear()
         pids: dict[int, Any] = super()._start_workers(worker_group)
         if self._exits is not None:
             self._exits.close()
-        self._exits = ExitWatcher(list(pids.values()))
+        self._exits = ExitWatcher(list(pids.values()), on_exit=self._wake.set)
         self._shorten_shutdown_grace()
         start_s = round(time.monotonic() - started, 4)
         for worker in worker_group.workers:
@@ -217,6 +232,9 @@ class CrashproofAgent(LocalElasticAgent):
     # -- watching ----------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._wake.wait(self._monitor_interval_s)
+        self._wake.clear()  # a wake-up after this is seen by the look below, or the next one
+        self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state == WorkerState.SUCCEEDED:
@@ -231,6 +249,40 @@ class CrashproofAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.FAILED)
             self._watch_stragglers(worker_group)
         return result
+
+    def _stop_doomed_peers(self, worker_group: WorkerGroup) -> None:
+        """When a trainer has failed, SIGKILL the ones still running, at once.
+
+        They cannot go on (their next collective waits for the dead rank) nor checkpoint (that
+        takes every rank), and torch would first SIGTERM them and wait for them to unwind:
+        about 0.2 s per failure here, and to a crashproof trainer SIGTERM means "preempted:
+        checkpoint and stop". Their committed checkpoints are safe: commits are atomic. A trainer
+        that stopped on a preemption notice (exit code 75) or finished (0) dooms no one: its
+        peers are saving or finishing too.
+        """
+        codes = self._exit_codes(worker_group)
+        if all(code in (None, 0, EXIT_PREEMPTED) for code in codes.values()):
+            return
+        for worker in worker_group.workers:
+            if codes[worker.local_rank] is None and worker.id is not None:
+                self._stopped_by_us.add(worker.id)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(worker.id, signal.SIGKILL)
+
+    def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
+        """Every trainer's exit code by local rank (None: running). A trainer the exit watcher saw
+        end has a code a moment later, once the forkserver has reaped it: wait that moment
+        (briefly; past it, the next look will tell)."""
+        exited = self._exits.exited_s if self._exits is not None else {}
+        deadline = time.monotonic() + _EXIT_CODE_WAIT_S
+        while True:
+            codes = {w.local_rank: self._exit_code(w) for w in worker_group.workers}
+            unknown = [
+                w for w in worker_group.workers if w.id in exited and codes[w.local_rank] is None
+            ]
+            if not unknown or time.monotonic() > deadline:
+                return codes
+            time.sleep(0.002)
 
     def _watch_stragglers(self, worker_group: WorkerGroup) -> None:
         by_local_rank = {w.local_rank: w for w in worker_group.workers}
@@ -307,7 +359,9 @@ class CrashproofAgent(LocalElasticAgent):
                 continue  # still running: torch stops it next
             signame = _signal_name(-exitcode) if exitcode < 0 else None
             how = f"killed by {signame}" if signame else f"exit code {exitcode}"
-            error = self._last_error(worker, failure)
+            stopped = worker.id in self._stopped_by_us
+            # A rank stopped because of its peer has no error of its own to show.
+            error = None if stopped else self._last_error(worker, failure)
             self.events.emit(
                 "rank_exit",
                 rank=worker.global_rank,
@@ -317,6 +371,7 @@ class CrashproofAgent(LocalElasticAgent):
                 error=error,
                 first=first is None,
                 step=furthest,
+                stopped=stopped,
             )
             if first is None and exitcode == EXIT_PREEMPTED:
                 self._on_preempted(worker.global_rank, furthest)
@@ -358,7 +413,9 @@ class CrashproofAgent(LocalElasticAgent):
         trainer; they checkpoint at their next step and exit with code 75.
 
         Safe in a signal handler or another thread: it only records the notice; the monitor
-        loop sends it (and logs it) at its next turn, every ``--monitor-interval``.
+        loop sends it (and logs it) at its next look, within ``--monitor-interval``. (It does not
+        wake the loop: setting a ``threading.Event`` from a signal handler can deadlock on the
+        event's own lock, and a notice leaves seconds, not milliseconds.)
         """
         self._notice = (sig, source)
 

@@ -4,8 +4,9 @@ torch elastic polls its trainers every monitor interval and, when one fails, sto
 survivors then fail too (a peer's closed connection), often within the same interval. Which rank
 failed *first* is the root cause the user needs, so this watcher waits on a pidfd per trainer
 (Linux >= 5.3; it works for the forkserver's children as well, which are not the agent's) and
-records the order of exits as they happen. Where pidfds are missing it records nothing and the
-agent falls back to torch's own timestamps.
+records the order of exits as they happen. It also wakes the agent's monitor loop at once, so a
+failure is acted on without waiting for the next monitor interval. Where pidfds are missing it
+records nothing and the agent falls back to torch's own timestamps and its polling.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["ExitWatcher"]
 
 
 class ExitWatcher:
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], on_exit: Callable[[], None] | None = None) -> None:
+        """Watch ``pids``; ``on_exit`` is called (on the watcher's thread) after each exit."""
         self.exited_s: dict[int, float] = {}
         """``time.monotonic()`` at which each trainer was seen to exit, by pid."""
         self._fds: dict[int, int] = {}
@@ -28,6 +31,7 @@ class ExitWatcher:
                 self._fds[os.pidfd_open(pid)] = pid
             except (AttributeError, OSError):  # no pidfd support, or the process is gone
                 continue
+        self._on_exit = on_exit
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="crashproof-exits", daemon=True)
         self._thread.start()
@@ -45,6 +49,8 @@ class ExitWatcher:
                 self.exited_s.setdefault(self._fds[fd], time.monotonic())
                 poller.unregister(fd)
                 pending.discard(fd)
+                if self._on_exit is not None:
+                    self._on_exit()
 
     def order(self, pid: int) -> float:
         """A sort key: when ``pid`` exited (infinity if not seen)."""
