@@ -58,6 +58,8 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
     lines = [
         {"ts": 1.0, "event": "run_start"},
+        {"ts": 1.5, "event": "progress", "step": 5, "step_time_s": 0.4},
+        {"ts": 1.6, "event": "checkpoint", "step": 5, "blocking_s": 0.02, "persist_s": 3.0, "bytes": 500},
         {"ts": 2.0, "event": "progress", "step": 10, "step_time_s": 0.5},
         {"ts": 3.0, "event": "checkpoint", "step": 10, "blocking_s": 0.01, "persist_s": 0.2, "bytes": 1000},
         {"ts": 4.0, "event": "rank_exit", "rank": 1, "exitcode": -9, "first": True, "step": 12},
@@ -82,8 +84,19 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     metrics.poll()
     value = metrics.registry.get_sample_value
     assert value("crashproof_step") == 10
-    assert value("crashproof_checkpoints_total") == 1
-    assert value("crashproof_checkpoint_bytes_total") == 1000
+    assert value("crashproof_step_time_seconds") == 0.5  # the last progress event's, not the first
+    assert value("crashproof_checkpoints_total") == 2
+    assert value("crashproof_checkpoint_bytes_total") == 1500
+    # One observation per checkpoint, each in its own histogram: blocking 0.02 and 0.01 s,
+    # persisting 3.0 and 0.2 s (the buckets tell which value went where).
+    blocking = "crashproof_checkpoint_blocking_seconds"
+    assert value(f"{blocking}_count") == 2 and value(f"{blocking}_sum") == pytest.approx(0.03)
+    les = ("0.005", "0.01", "0.05", "+Inf")
+    assert [value(f"{blocking}_bucket", {"le": le}) for le in les] == [0, 1, 2, 2]
+    persist = "crashproof_checkpoint_persist_seconds"
+    assert value(f"{persist}_count") == 2 and value(f"{persist}_sum") == pytest.approx(3.2)
+    les = ("0.1", "0.5", "1.0", "5.0", "+Inf")
+    assert [value(f"{persist}_bucket", {"le": le}) for le in les] == [0, 1, 1, 2, 2]
     assert value("crashproof_failures_total", {"kind": "killed"}) == 1
     assert value("crashproof_failures_total", {"kind": "numerics"}) == 1
     assert value("crashproof_failures_total", {"kind": "hang"}) == 2  # the second restart's own
