@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     launchers = args.launchers.split(",")
     schedule = kill_schedule(args.seed, args.mtbf, args.duration, args.rounds)
-    out: dict[str, Any] = {"args": vars(args) | {"dir": str(args.dir)}, "load_before": loadavg()}
+    plain_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    out: dict[str, Any] = {"args": plain_args, "load_before": loadavg()}
     runs = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for round_no, kills in enumerate(schedule):
