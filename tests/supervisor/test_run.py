@@ -83,15 +83,22 @@ def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path:
 
 
 def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    started = time.monotonic()
     code, events, output = crashproof_run(
         tmp_path,
         ["--max-restarts", "3"],
-        ["--steps", "20", "--fail-at", "12", "--fail-attempts", "1"],
+        # rank 0 is busy for 60 s when rank 1 fails: it would notice only at its next collective
+        ["--steps", "20", "--fail-at", "12", "--fail-attempts", "1", "--peer-busy-s", "60"],
     )
     assert code == 0, output
     exits = of(events, "rank_exit")
     assert exits[0]["rank"] == 1 and exits[0]["exitcode"] == 3
     assert "fails after step 12" in (exits[0]["error"] or "")
+    assert exits[0]["first"] and not exits[0]["stopped"]
+    # the supervisor did not wait for rank 0 to find out: it SIGKILLed it at once
+    assert (exits[1]["rank"], exits[1]["exitcode"], exits[1]["stopped"]) == (0, -9, True)
+    assert exits[1]["error"] is None  # no error of its own
+    assert time.monotonic() - started < 30, output  # not 60 s (nor torch's 30 s grace)
     [restart] = of(events, "restart")
     assert restart["restart"] == 1
     [restore] = of(events, "restore")

@@ -6,6 +6,7 @@ collective (a real hang), and a rank that dies leaves them with a broken connect
     --fail-at STEP        exit 3 after STEP, on every attempt (a crash loop)
     --fail-attempts K     ... only on the first K attempts
     --fail-every-attempt  fail STEP + 5 * attempt: progress each time (spends the budget)
+    --peer-busy-s S       when a rank fails, the others work S seconds before their next collective
     --stop-at STEP        SIGSTOP rank --stop-rank after STEP on the first attempt (a hang)
 """
 
@@ -34,6 +35,9 @@ def main() -> int:
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-attempts", type=int, default=None)
     p.add_argument("--fail-every-attempt", action="store_true")
+    p.add_argument(
+        "--peer-busy-s", type=float, default=0.0, help="the other ranks' work when one fails"
+    )
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--stop-rank", type=int, default=1)
     p.add_argument("--exit-zero", action="store_true", help="finish with sys.exit(0)")
@@ -70,14 +74,16 @@ def main() -> int:
         fail_at = args.fail_at
         if fail_at is not None and args.fail_every_attempt:
             fail_at += 5 * attempt
-        if (
+        failing = (
             fail_at is not None
             and done == fail_at
-            and rank == args.fail_rank
             and (args.fail_attempts is None or attempt < args.fail_attempts)
-        ):
+        )
+        if failing and rank == args.fail_rank:
             print(f"rank {rank} fails after step {done}", file=sys.stderr, flush=True)
             os._exit(3)
+        if failing:
+            time.sleep(args.peer_busy_s)  # the others' own work, before their next collective
         if args.stop_at == done and rank == args.stop_rank and attempt == 0:
             os.kill(os.getpid(), signal.SIGSTOP)
     ckpt.close()

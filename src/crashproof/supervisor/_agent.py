@@ -254,9 +254,10 @@ class CrashproofAgent(LocalElasticAgent):
         """When a trainer has failed, SIGKILL the ones still running, at once.
 
         They cannot go on (their next collective waits for the dead rank) nor checkpoint (that
-        takes every rank), and torch would first SIGTERM them and wait for them to unwind:
-        about 0.2 s per failure here, and to a crashproof trainer SIGTERM means "preempted:
-        checkpoint and stop". Their committed checkpoints are safe: commits are atomic. A trainer
+        takes every rank), and torch would first SIGTERM them and wait for them to unwind (a
+        collective's error, the interpreter's exit), time every failure pays; to a crashproof
+        trainer SIGTERM means "preempted: checkpoint and stop" besides. Their committed
+        checkpoints are safe: commits are atomic. A trainer
         that stopped on a preemption notice (exit code 75) or finished (0) dooms no one: its
         peers are saving or finishing too.
         """
