@@ -2,20 +2,33 @@
 export checkpoints.
 
 ``crashproof run`` is :mod:`crashproof.supervisor._launch` (its exit codes are documented there).
-For the rest, exit codes: 0 success (and, for ``verify``, everything checked is valid); 1 a checkpoint is
-invalid; 2 a usage error, or nothing to act on (no such root or step).
+For the rest (README "Command line" has the table):
+
+- 0 success (and, for ``verify``, everything checked is valid);
+- 1 a checkpoint is invalid (``verify``, ``inspect``, ``export``), a campaign failed (``chaos``);
+- 2 a usage error, or nothing to act on (no such root or step, a root that is a file or a run
+  directory, an output path an export must not write);
+- 74 the storage could not be read or written (no credentials, no such bucket, an I/O error);
+- 70 an internal error (a bug: ``-v`` shows the traceback); 130 interrupted (Ctrl-C).
+
+Every failure is one line on stderr, ``crashproof: <what>: <why>; <what to do>``, naming the
+argument or path it is about; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import logging
+import math
+import os
 import signal
+import stat
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -23,14 +36,15 @@ import crashproof
 from crashproof.chaos import add_chaos_parser
 from crashproof.checkpoint import (
     committed_steps,
-    describe_checkpoint,
     read_manifest,
     verify_checkpoint,
 )
 from crashproof.checkpoint._catalog import prune_plan
-from crashproof.checkpoint._export import export_dcp, export_safetensors
+from crashproof.checkpoint._export import check_target, export_dcp, export_safetensors
+from crashproof.checkpoint._format import parse_step_dir
+from crashproof.checkpoint._listing import list_checkpoints
 from crashproof.checkpoint._reader import read_rank_index
-from crashproof.errors import CrashproofError
+from crashproof.errors import ConfigError, CrashproofError
 from crashproof.goodput._planner import add_plan_parser
 from crashproof.goodput._report import add_report_parser
 from crashproof.policy import (
@@ -48,6 +62,14 @@ from crashproof.storage import Storage, storage_for
 __all__ = ["main"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_INTERNAL, EXIT_STORAGE, EXIT_INTERRUPTED = 70, 74, 130
+"""70: a bug (the message says so); 74: storage unreadable or unwritable; 130: Ctrl-C."""
+
+log = logging.getLogger("crashproof.cli")
+
+_STORAGE_MODULES = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "adlfs", "fsspec",
+                    "google", "azure", "aiohttp", "urllib3", "requests")  # fmt: skip
+"""Packages whose exceptions, reaching the command line, mean the storage is out of reach."""
 
 
 def _human(n: float) -> str:
@@ -59,24 +81,150 @@ def _human(n: float) -> str:
 
 
 def _iso(ts: float | None) -> str:
-    return (
-        dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
-        if ts is not None
-        else "-"
-    )
+    if ts is None:
+        return "-"
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # a manifest's time no calendar holds
+        return str(ts)
 
 
 def _open_root(root: str) -> tuple[str, Storage, list[tuple[int, str]]]:
-    path, storage = storage_for(root)
-    found = committed_steps(storage, path)
-    if not found and not storage.list(path):
-        raise SystemExit(
-            _fail(
-                f"no checkpoints in {storage.describe(path)}: the directory is empty or missing",
-                EXIT_USAGE,
-            )
+    """The root's path, storage and checkpoints; exit 2, saying why, when it holds none."""
+    if not root.strip():
+        _usage(
+            "ROOT is empty: give the checkpoint root (the directory passed to CheckpointManager)"
         )
+    path, storage = storage_for(root)
+    local = "://" not in path
+    if local:
+        _check_local_root(root.removeprefix("file://"))
+    # What the listing warns about (each stray name in the root) is news only beside checkpoints;
+    # without any, the one line below says what the directory is instead.
+    with _held_warnings() as held:
+        found = committed_steps(storage, path)
+        if not found:
+            _usage(f"no checkpoints in {storage.describe(path)}: {_why_none(storage, path, local)}")
+    for record in held:
+        logging.getLogger().handle(record)
     return path, storage, found
+
+
+class _Hold(logging.Handler):
+    def __init__(self, held: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.held.append(record)
+
+
+@contextlib.contextmanager
+def _held_warnings() -> Iterator[list[logging.LogRecord]]:
+    """crashproof's log records, kept back (not shown) while the block runs."""
+    held: list[logging.LogRecord] = []
+    top = logging.getLogger("crashproof")
+    handler, propagate = _Hold(held), top.propagate
+    top.addHandler(handler)
+    top.propagate = False
+    try:
+        yield held
+    finally:
+        top.removeHandler(handler)
+        top.propagate = propagate
+
+
+def _usage(message: str) -> NoReturn:
+    raise SystemExit(_fail(message, EXIT_USAGE))
+
+
+def _check_local_root(path: str) -> None:
+    """A local root must be a directory: say what it is instead."""
+    where = os.path.abspath(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        _usage(
+            f"no checkpoints in {where}: a symbolic link to {os.readlink(path)}, which does not "
+            "exist"
+        )
+    if not os.path.lexists(path):
+        _usage(f"no checkpoints in {where}: no such directory")
+    if not os.path.isdir(path):
+        kind = "a file" if os.path.isfile(path) else "not a directory (a FIFO, socket or device)"
+        _usage(
+            f"no checkpoints in {where}: it is {kind}; give the checkpoint root, the directory "
+            "passed to CheckpointManager"
+        )
+    step = parse_step_dir(os.path.basename(where))
+    if step is not None:
+        _usage(
+            f"{where} is one checkpoint (step {step}), not a checkpoint root: give the "
+            f"directory it is in, {os.path.dirname(where)}"
+        )
+
+
+def _why_none(storage: Storage, path: str, local: bool) -> str:
+    """Why a root without checkpoints has none, and where they may be instead."""
+    names = storage.list(path)
+    if not local:
+        return (
+            "nothing under that prefix is a checkpoint (step_NNNNNNNNNN)"
+            if names
+            else ("nothing is stored under that prefix (check the bucket and the prefix)")
+        )
+    if "events.jsonl" in names:
+        roots = _roots_in_events(os.path.join(path, "events.jsonl"))
+        where = (
+            f"its checkpoints are in {', '.join(roots)} (from its checkpoint events); "
+            "run this command on that root"
+            if roots
+            else "its events record no checkpoint yet; give the checkpoint root the training "
+            "script passes to CheckpointManager"
+        )
+        return f"it is the run directory of `crashproof run` (it holds events.jsonl); {where}"
+    nested = [os.path.join(path, n) for n in names if _holds_steps(os.path.join(path, n))]
+    if nested:
+        verb = "holds" if len(nested) == 1 else "hold"
+        return f"{', '.join(nested)} {verb} checkpoints: give that as the root"
+    if not names:
+        return "the directory is empty"
+    return f"none of its {len(names)} entries is a checkpoint directory (step_NNNNNNNNNN)"
+
+
+def _holds_steps(directory: str) -> bool:
+    """``directory`` is a real directory with a checkpoint directory in it (a hint, no more)."""
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return False
+    try:
+        return any(parse_step_dir(n) is not None for n in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def _roots_in_events(events: str) -> list[str]:
+    """The checkpoint roots a run's events name (the parents of checkpoint and restore paths),
+    newest first."""
+    try:
+        fd = os.open(events, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the command
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return []
+        roots: list[str] = []
+        for line in f:
+            try:
+                event = json.loads(line)
+                where = event.get("path") if event.get("event") == "checkpoint" else None
+                if event.get("event") == "restore":
+                    where = event.get("source")
+            except (ValueError, AttributeError):
+                continue  # a torn or foreign line
+            if isinstance(where, str) and where:
+                root = os.path.dirname(where.rstrip("/")) or "."
+                if root in roots:
+                    roots.remove(root)
+                roots.insert(0, root)
+        return roots
 
 
 def _pick(found: list[tuple[int, str]], step: int | None, root: str) -> list[tuple[int, str]]:
@@ -98,17 +246,41 @@ def _fail(message: str, code: int) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     _, storage, found = _open_root(args.root)
-    infos = [describe_checkpoint(storage, s, p) for s, p in found]
+    total = 0
+    if args.verify:
+        total = sum(sum(e.size for e in _manifest_files(storage, p)) for _, p in found)
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        disable=not args.verify or args.json or None,
+        file=sys.stderr,
+    ) as bar:
+        rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
     if args.json:
-        print(json.dumps([i.to_json() for i in infos], indent=2))
+        print(json.dumps([r.to_json() for r in rows], indent=2))
         return EXIT_OK
-    print(f"{'step':>10}  {'created (UTC)':<25}  {'size':>10}  {'kind':<18}  valid")
-    for i in infos:
-        note = "yes" if i.valid else f"NO  {i.problem}"
+    # The header says which checks stand behind each column (docs: README "Command line").
+    checks = (
+        "valid (manifest, sizes)"
+        if args.verify
+        else "valid (manifest, sizes; checksums unread: --verify)"
+    )
+    print(
+        f"{'step':>10}  {'created (UTC)':<25}  {'size':>10}  {'kind':<18}  {checks}"
+        + ("  verified (checksums)" if args.verify else "")
+    )
+    for r in rows:
+        i = r.info
         kind = f"delta (base {i.base_step})" if i.base_step is not None else i.kind
-        print(
-            f"{i.step:>10}  {_iso(i.created):<25}  {_human(i.size_bytes):>10}  {kind:<18}  {note}"
-        )
+        line = f"{i.step:>10}  {_iso(i.created):<25}  {_human(i.size_bytes):>10}  {kind:<18}  "
+        if not args.verify:
+            line += "yes" if i.valid else f"NO  {i.problem}"
+        else:
+            line += f"{'yes' if i.valid else 'NO':<23}  "
+            line += "yes" if r.verified else f"NO  {r.problem}"
+        print(line)
     return EXIT_OK
 
 
@@ -153,7 +325,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
     try:
         return list(read_manifest(storage, ckpt).files.values())
-    except CrashproofError:
+    except (CrashproofError, OSError):
         return []
 
 
@@ -258,6 +430,8 @@ def _prune_policies(args: argparse.Namespace) -> list[RetentionPolicy]:
             policies.append(cls(n))
     for spec in args.keep_best:
         metric, _, mode = spec.partition(":")
+        if not metric.strip():
+            raise ValueError(f"--keep-best {spec!r}: name the metric, e.g. val_loss:min")
         if mode not in ("", "min", "max"):
             raise ValueError(f"--keep-best {spec!r}: write METRIC, METRIC:min or METRIC:max")
         policies.append(KeepBest(metric, mode="max" if mode == "max" else "min"))
@@ -269,30 +443,45 @@ def _duration_s(text: str) -> float:
     units = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
     number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
     try:
-        return float(number) * units[unit]
+        seconds = float(number) * units[unit]
     except ValueError:
-        raise ValueError(f"{text!r} is not a duration: use e.g. 90s, 30m, 6h, 7d, 2w") from None
+        seconds = math.nan
+    if not seconds > 0:  # NaN too
+        raise ValueError(
+            f"--keep-within {text!r} is not a positive duration: use e.g. 90s, 30m, 6h, 7d, 2w"
+        )
+    return seconds
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    path, storage, found = _open_root(args.root)
-    chosen = _pick(found, args.step, storage.describe(path))
     try:
         max_shard = _size_bytes(args.max_shard_size)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    path, storage, found = _open_root(args.root)
+    # Before anything is read: an export never writes over what it did not write, nor over the
+    # root, an ancestor of it, or the current directory (the export functions check again).
+    check_target(
+        args.output,
+        kind="dir" if args.format == "dcp" else "file",
+        force=args.force,
+        protected=[path] if "://" not in path else [],
+    )
+    chosen = _pick(found, args.step, storage.describe(path))
     for step, ckpt in chosen:  # newest first: the first that exports wins
         try:
             if args.format == "dcp":
-                state = export_dcp(storage, ckpt, args.output)
+                state = export_dcp(storage, ckpt, args.output, force=args.force)
                 print(
                     f"exported step {step} ({', '.join(sorted(state))}) as a "
                     f"torch.distributed.checkpoint directory: {args.output}"
                 )
                 return EXIT_OK
             tensors, files = export_safetensors(
-                storage, ckpt, args.output, max_shard_bytes=max_shard
+                storage, ckpt, args.output, max_shard_bytes=max_shard, force=args.force
             )
+        except ConfigError as exc:  # the output path, or state safetensors cannot hold
+            return _fail(str(exc), EXIT_USAGE)
         except CrashproofError as exc:
             if args.step is not None:
                 return _fail(str(exc), EXIT_INVALID)
@@ -312,31 +501,55 @@ def _size_bytes(text: str) -> int:
     number = text.strip().upper().rstrip("BIKMGT")
     unit = text.strip().upper()[len(number) :]
     try:
-        value = int(float(number) * units[unit])
+        value = float(number) * units[unit]
     except (ValueError, KeyError):
-        raise ValueError(f"{text!r} is not a size: use e.g. 5GB, 500MB, 64MiB") from None
-    if value < 1:
-        raise ValueError(f"{text!r}: a shard size must be positive")
-    return value
+        raise ValueError(
+            f"--max-shard-size {text!r} is not a size: use e.g. 5GB, 500MB, 64MiB"
+        ) from None
+    if not math.isfinite(value) or value < 1:  # inf, nan, 1e400, 0, -5GB
+        raise ValueError(
+            f"--max-shard-size {text!r}: give a positive, finite size, e.g. 5GB, 500MB, 64MiB"
+        )
+    return int(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line that names the argument (not the whole usage);
+    the subcommands' parsers are of this class too (``add_subparsers`` takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="crashproof", description="Fault-tolerant PyTorch training: checkpoint tools."
     )
     parser.add_argument(
         "--version", action="version", version=f"crashproof {crashproof.__version__}"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what crashproof does")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Of _Parser too (one-line errors); typed as the plain class the add_*_parser hooks take.
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser
+    )
 
     # Listed for --help only: main() hands `run` to torchrun's parser before this one runs.
     sub.add_parser(
         "run", help="run a training script like torchrun, restarting it on failures", add_help=False
     )
-    p = sub.add_parser("ls", help="list checkpoints: step, created, size, kind, valid")
+    p = sub.add_parser(
+        "ls",
+        help="list checkpoints: step, created, size, kind, valid (manifest and file sizes), "
+        "verified (checksums, with --verify)",
+    )
     p.add_argument("root")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read every checkpoint whole and check its checksums (the `verified` column)",
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="check every file's checksum; exit 1 if anything is invalid")
@@ -393,6 +606,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="safetensors above this are split into numbered files plus an index (default 5GB)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier export at -o (only one: a file or directory this command wrote, "
+        "holding nothing else)",
+    )
     p.set_defaults(func=cmd_export)
     add_plan_parser(sub)
     add_report_parser(sub)
@@ -405,11 +624,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["run"]:  # torchrun's own option parser: see crashproof.supervisor._launch
         from crashproof.supervisor._launch import main as run_main
 
-        return run_main(argv[1:])  # a supervisor must outlive a closed pipe: SIGPIPE stays ignored
+        try:  # a supervisor must outlive a closed pipe: SIGPIPE stays ignored
+            return run_main(argv[1:])
+        except SystemExit as exc:  # its usage errors: said already, in one line
+            return _exit_code(exc.code)
     # Die quietly when piped into `head`, like other Unix tools.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error (one line, said already), --help, --version
+        return _exit_code(exc.code)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -417,10 +642,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except SystemExit as exc:
-        return int(exc.code or 0)
+        return _exit_code(exc.code)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     except (CrashproofError, ValueError) as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except Exception as exc:
+        return _unexpected(args, exc)
     return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return EXIT_OK
+    if isinstance(code, int):
+        return code
+    return _fail(str(code), EXIT_USAGE)
+
+
+def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
+    """An exception no command turned into a message: the storage's, or a bug."""
+    subject = next(
+        (str(v) for k in ("root", "run_dir", "output", "dir") if (v := getattr(args, k, None))),
+        args.command,
+    )
+    what = f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " ")
+    log.debug("%s failed", args.command, exc_info=exc)  # -v: the traceback
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
+        return _fail(
+            f"{subject}: cannot read or write the storage ({what}); check that it exists, the "
+            "credentials (for S3: AWS_* variables, ~/.aws) and the permissions",
+            EXIT_STORAGE,
+        )
+    return _fail(
+        f"{args.command} {subject}: internal error ({what}); please report it, with the "
+        "traceback `crashproof -v` prints",
+        EXIT_INTERNAL,
+    )
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def add_chaos_parser(
                    help="how long to wait for a fault's detection and recovery (default 300)")  # fmt: skip
     p.add_argument("--timeout", type=_duration, default=None, metavar="SECONDS",
                    help="stop each run after this long (default: no limit)")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier campaign's report at --report (nothing else)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true",
                    help="no live progress bar (it shows only on a terminal anyway)")  # fmt: skip
@@ -118,10 +120,7 @@ def _schedule(args: argparse.Namespace, world_size: int) -> list[Fault]:
     if args.fault and args.mtbf is not None:
         raise ValueError("give either --mtbf (a drawn schedule) or --fault (explicit faults)")
     if args.fault:
-        return [
-            parse_fault(spec, index=i, seed=args.seed, world_size=world_size)
-            for i, spec in enumerate(args.fault)
-        ]
+        return [_fault(spec, i, args.seed, world_size) for i, spec in enumerate(args.fault)]
     if args.mtbf is None:
         raise ValueError('give --mtbf SECONDS --duration SECONDS, or --fault "at=30s,kind=kill"')
     if args.duration is None:
@@ -134,6 +133,16 @@ def _schedule(args: argparse.Namespace, world_size: int) -> list[Fault]:
         kinds=kinds,
         world_size=world_size,
     )
+
+
+def _fault(spec: str, index: int, seed: int, world_size: int) -> Fault:
+    """``parse_fault``, its message naming the ``--fault`` it is about."""
+    try:
+        return parse_fault(spec, index=index, seed=seed, world_size=world_size)
+    except ValueError as exc:
+        if spec in str(exc):
+            raise
+        raise ValueError(f"--fault {spec!r}: {exc}") from None
 
 
 def _fill(run_args: list[str], directory: str) -> list[str]:
@@ -179,9 +188,61 @@ def run_chaos(args: argparse.Namespace) -> int:
     run_dir = os.path.abspath(_parse_run_args(faulted_args).run_dir)
     if os.path.exists(os.path.join(run_dir, "events.jsonl")):
         return _usage(f"{run_dir} already holds a run's events: give the campaign a new --dir")
+    report_path = args.report or os.path.join(run_dir, "chaos_report.json")
+    refused = _refuse_outputs(directory, report_path, force=args.force)
+    if refused:
+        return _usage(refused)
     os.makedirs(directory, exist_ok=True)
     with _signals_end_the_campaign():
-        return _campaign(args, schedule, directory, run_args, faulted_args, run_dir)
+        return _campaign(args, schedule, directory, run_args, faulted_args, run_dir, report_path)
+
+
+_REPORT_KEYS = {"run_dir", "seed", "faults", "injected", "detected", "recovered", "passed"}
+"""A JSON object with these keys is a campaign's report: the mark ``--force`` replaces."""
+
+
+def _refuse_outputs(directory: str, report: str, *, force: bool) -> str | None:
+    """Why the campaign must not write where it was told to (None: it may). It never writes into
+    a directory that holds anything, nor over a file that is not an earlier campaign's report
+    (and that only with ``--force``), nor under a file."""
+    for path in (directory, report):
+        parent = path
+        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        if parent != path and not os.path.isdir(parent):
+            return f"{path}: {parent} is a file, not a directory; choose a path in a directory"
+    if os.path.lexists(directory):
+        if not os.path.isdir(directory) or os.path.islink(directory):
+            return f"--dir {directory}: exists and is not a directory; give a new directory"
+        if os.listdir(directory):
+            return (
+                f"--dir {directory}: the directory holds files already; a campaign writes its "
+                "runs and logs there and must not mix them with others: give a new or empty --dir"
+            )
+    if not os.path.lexists(report):
+        return None
+    if os.path.islink(report) or not os.path.isfile(report):
+        return f"--report {report}: exists and is not a regular file; choose another path"
+    if not _is_report(report):
+        return (
+            f"--report {report}: the file exists and is not a campaign report; a campaign never "
+            "replaces what it did not write: choose a new path"
+        )
+    if not force:
+        return f"--report {report}: holds an earlier campaign's report; give --force to replace it"
+    return None
+
+
+def _is_report(path: str) -> bool:
+    import json
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(64 * 1024 * 1024))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and set(doc) >= _REPORT_KEYS
 
 
 @contextlib.contextmanager
@@ -212,6 +273,7 @@ def _campaign(
     run_args: list[str],
     faulted_args: list[str],
     run_dir: str,
+    report_path: str,
 ) -> int:
     from crashproof.chaos._baseline import Comparison, compare_final_checkpoints
     from crashproof.chaos._campaign import Campaign, run_crashproof, stop_run
@@ -291,7 +353,6 @@ def _campaign(
         baseline_exitcode=baseline_code,
         baseline_run_dir=baseline_dir,
     )
-    report_path = args.report or os.path.join(run_dir, "chaos_report.json")
     write_report(report, report_path)
     if args.json:
         import json

@@ -12,7 +12,12 @@ several ranks exports its replicated state (DDP: every rank holds the same tenso
 the indexes' checksums) and its sharded tensors (FSDP2, DTensor) whole, put together from every
 rank's pieces (see :mod:`crashproof.checkpoint._sharded`); state split between ranks by hand is
 refused (see :mod:`crashproof.checkpoint._reshard`).
-Every output appears under its final name only once complete.
+
+An export never deletes what it did not write (:func:`check_target`): every output is written
+beside its target under a fresh name and renamed into place once complete; an existing target is
+replaced only when it is empty, or when it carries the mark of an earlier export (the
+:data:`MARKER` file in a DCP directory, :data:`MARK_KEY` in a safetensors header or index) and
+``force`` is given; the checkpoint root, its ancestors and the current directory never are.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+import uuid
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, BinaryIO, Literal
 
 import torch
 
+import crashproof
 from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
 from crashproof.checkpoint._reader import RankRead, read_manifest
 from crashproof.checkpoint._reshard import source_rank
@@ -33,12 +42,30 @@ from crashproof.checkpoint._sharded import load_sharded, restore_targets
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_dcp", "export_safetensors", "model_tensors"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "MARKER",
+    "MARK_KEY",
+    "check_target",
+    "export_dcp",
+    "export_safetensors",
+    "model_tensors",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """Above this, a safetensors export is split (Hugging Face's default shard size, 5 GB)."""
 
+MARKER = ".crashproof-export.json"
+"""In a DCP export's directory: which export wrote it and the files it wrote (``--force`` replaces
+such a directory only while it holds nothing else)."""
+
+MARK_KEY = "crashproof_export"
+"""In a safetensors export's ``__metadata__`` and its index's ``metadata``: which export wrote it."""
+
 _DCP_PARTS = ("model", "optimizer", "scheduler", "scaler")
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
+
+Kind = Literal["file", "dir"]
 
 
 def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
@@ -63,12 +90,192 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
 
 def model_tensors(storage: Storage, ckpt_dir: str) -> dict[str, torch.Tensor]:
     """The model's tensors of a checkpoint, verified."""
-    model = saved_state(storage, ckpt_dir).get("model")
+    return _model_tensors(storage, ckpt_dir)[0]
+
+
+def _model_tensors(storage: Storage, ckpt_dir: str) -> tuple[dict[str, torch.Tensor], int]:
+    tree = saved_state(storage, ckpt_dir)
+    model = tree.get("model")
     if not isinstance(model, dict):
         raise CorruptCheckpointError(
             f"{storage.describe(ckpt_dir)}: holds no model state to export"
         )
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}, int(tree["step"])
+
+
+# -- where an export may write ---------------------------------------------------------------------
+
+
+def check_target(
+    out: str, *, kind: Kind, force: bool = False, protected: Sequence[str] = ()
+) -> None:
+    """Refuse (:class:`ConfigError`, naming ``out``) an output path an export must not write.
+
+    Never the current directory, a directory it lies in, or any of ``protected`` (the checkpoint
+    root), a directory one of them lies in, or a path inside one of them; never under a file;
+    never a link. An existing target must be empty, or an earlier export of the same kind
+    (:data:`MARKER` / :data:`MARK_KEY`) replaced with ``force``.
+    """
+    if not out:
+        raise ConfigError("-o '': give the path to write the export to")
+    real = os.path.realpath(out)
+    for place, what in [(os.getcwd(), "the current directory")] + [
+        (p, f"the checkpoint root {p}") for p in protected
+    ]:
+        there = os.path.realpath(place)
+        if real == there:
+            raise ConfigError(f"-o {out}: that is {what}; export into a new path")
+        if _inside(there, real):
+            raise ConfigError(f"-o {out}: that directory holds {what}; export into a new path")
+        if what != "the current directory" and _inside(real, there):
+            raise ConfigError(
+                f"-o {out}: that is inside {what}, where only checkpoints belong; "
+                "export to a path outside it"
+            )
+    _check_parent(out)
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out):
+        raise ConfigError(
+            f"-o {out}: is a symbolic link; an export replaces only what it wrote itself: "
+            "remove the link or choose another path"
+        )
+    if kind == "dir":
+        _check_dir_target(out, force)
+    else:
+        _check_file_target(out, force)
+
+
+def _inside(path: str, directory: str) -> bool:
+    """``path`` lies strictly inside ``directory`` (both resolved)."""
+    return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _check_parent(out: str) -> None:
+    """The nearest existing directory above ``out`` must be a directory (not a file, a FIFO)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"-o {out}: {parent} is a file, not a directory; choose a path in a directory"
+        )
+
+
+def _check_dir_target(out: str, force: bool) -> None:
+    if not os.path.isdir(out):
+        raise ConfigError(
+            f"-o {out}: exists and is not a directory; a DCP export writes a directory: "
+            "choose a new path"
+        )
+    present = _files_under(out)
+    if not present:
+        return
+    mark = _dcp_mark(out)
+    if mark is None:
+        raise ConfigError(
+            f"-o {out}: the directory is not empty and was not written by crashproof export "
+            f"(no {MARKER}); an export never replaces what it did not write: choose a new or "
+            "empty directory"
+        )
+    extra = sorted(set(present) - set(mark.get("files", [])) - {MARKER})
+    if extra:
+        raise ConfigError(
+            f"-o {out}: holds an earlier export, but also {os.path.join(out, extra[0])}, which "
+            "the export did not write; move it away or choose another directory"
+        )
+    if not force:
+        raise ConfigError(
+            f"-o {out}: holds an earlier export (step {mark.get('step')}); "
+            "give --force to replace it"
+        )
+
+
+def _check_file_target(out: str, force: bool) -> None:
+    if os.path.isdir(out):
+        raise ConfigError(
+            f"-o {out}: is a directory; a safetensors export writes a file: "
+            f"give a file path such as {os.path.join(out, 'model.safetensors')}"
+        )
+    if not os.path.isfile(out):
+        raise ConfigError(f"-o {out}: exists and is not a regular file; choose another path")
+    if os.path.getsize(out) == 0:
+        return
+    mark = _file_mark(out)
+    if mark is None:
+        raise ConfigError(
+            f"-o {out}: the file exists and was not written by crashproof export; an export "
+            "never replaces what it did not write: choose a new path"
+        )
+    if not force:
+        raise ConfigError(f"-o {out}: holds an earlier export ({mark}); give --force to replace it")
+
+
+def _files_under(directory: str) -> list[str]:
+    """Every entry under ``directory`` (relative paths; directories too, links not followed)."""
+    found = []
+    for parent, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            found.append(os.path.relpath(os.path.join(parent, name), directory))
+    return found
+
+
+def _dcp_mark(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, MARKER)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    try:
+        with _open_regular(path) as f:
+            mark = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return mark if isinstance(mark, dict) and mark.get("command") == "export" else None
+
+
+def _file_mark(path: str) -> str | None:
+    """The :data:`MARK_KEY` of a safetensors file or index written by an export, else None."""
+    try:
+        with _open_regular(path) as f:
+            if f.read(1) == b"{":  # an index (JSON); a safetensors file starts with its length
+                f.seek(0)
+                doc = json.loads(f.read(_MAX_HEADER))
+                meta = doc.get("metadata") if isinstance(doc, dict) else None
+            else:
+                f.seek(0)
+                length = int.from_bytes(f.read(8), "little")
+                if not 0 < length <= _MAX_HEADER:
+                    return None
+                header = json.loads(f.read(length))
+                meta = header.get("__metadata__") if isinstance(header, dict) else None
+    except (OSError, ValueError):
+        return None
+    mark = meta.get(MARK_KEY) if isinstance(meta, dict) else None
+    return mark if isinstance(mark, str) else None
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (never blocks on a FIFO, never follows
+    a link); OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _protected(storage: Storage, ckpt_dir: str) -> list[str]:
+    """The local checkpoint root ``ckpt_dir`` lies in (nothing for an object store)."""
+    where = storage.describe(ckpt_dir)
+    return [] if "://" in where else [os.path.dirname(where.rstrip("/"))]
+
+
+def _fresh(path: str, what: str) -> str:
+    """A name beside ``path`` that nothing uses: ``.<name>.<what>-<random>``."""
+    head, name = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{name}.{what}-{uuid.uuid4().hex[:12]}")
+
+
+# -- writers ---------------------------------------------------------------------------------------
 
 
 def export_safetensors(
@@ -77,47 +284,82 @@ def export_safetensors(
     out_path: str,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    force: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Write the model weights of ``ckpt_dir`` as safetensors at ``out_path``; returns the tensors
-    and the files written (one, or the shards and their index)."""
+    and the files written (one, or the shards and their index). ``force``: replace an earlier
+    export's files (see :func:`check_target`)."""
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes}: must be positive")
-    tensors = model_tensors(storage, ckpt_dir)
+    protected = _protected(storage, ckpt_dir)
+    check_target(out_path, kind="file", force=force, protected=protected)
+    tensors, step = _model_tensors(storage, ckpt_dir)
     for name, tensor in tensors.items():
         if safetensors_code(dtype_name(tensor.dtype, where=name)) is None:
             raise ConfigError(
                 f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
             )
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
     shards = _split(sorted(tensors.items()), max_shard_bytes)
+    mark = f"step {step} of {storage.describe(ckpt_dir)}, crashproof {crashproof.__version__}"
     if len(shards) == 1:
-        _write_safetensors(out_path, shards[0])
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        _write_safetensors(out_path, shards[0], mark)
         return tensors, [out_path]
     stem = out_path[: -len(".safetensors")] if out_path.endswith(".safetensors") else out_path
     names = [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    index_path = f"{stem}.safetensors.index.json"
+    for name in [*names, index_path]:  # every file checked before the first is written
+        check_target(name, kind="file", force=force, protected=protected)
+    earlier = _listed_shards(index_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     for name, shard in zip(names, shards, strict=True):
-        _write_safetensors(name, shard)
+        _write_safetensors(name, shard, mark)
     index = {
-        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values()), MARK_KEY: mark},
         "weight_map": {
             tensor_name: os.path.basename(file)
             for file, shard in zip(names, shards, strict=True)
             for tensor_name, _ in shard
         },
     }
-    index_path = f"{stem}.safetensors.index.json"
     _write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+    # The shards of the export this one replaced, that it does not overwrite: they were written
+    # by an export (marked), and left alone they would sit beside the new index as if current.
+    for old in earlier - {os.path.abspath(n) for n in names}:
+        if not os.path.islink(old) and os.path.isfile(old) and _file_mark(old) is not None:
+            os.remove(old)
     return tensors, [*names, index_path]
 
 
-def export_dcp(storage: Storage, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
+def _listed_shards(index_path: str) -> set[str]:
+    """The files an earlier export's index names (absolute paths; none without an index)."""
+    if _file_mark(index_path) is None:
+        return set()
+    try:
+        with _open_regular(index_path) as f:
+            weight_map = json.loads(f.read(_MAX_HEADER)).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return set()
+    head = os.path.dirname(os.path.abspath(index_path))
+    return {
+        os.path.join(head, name)
+        for name in weight_map.values()
+        if isinstance(name, str) and name == os.path.basename(name)  # never outside the directory
+    }
+
+
+def export_dcp(
+    storage: Storage, ckpt_dir: str, out_dir: str, *, force: bool = False
+) -> dict[str, Any]:
     """Write ``ckpt_dir``'s model, optimizer, scheduler and scaler state as a
-    ``torch.distributed.checkpoint`` directory ``out_dir`` (replacing it); returns what was
-    written. Runs in this process alone (no process group needed)."""
+    ``torch.distributed.checkpoint`` directory ``out_dir``; returns what was written. ``out_dir``
+    must be new or empty, or an earlier export replaced with ``force`` (see
+    :func:`check_target`). Runs in this process alone (no process group needed)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    protected = _protected(storage, ckpt_dir)
+    check_target(out_dir, kind="dir", force=force, protected=protected)
     tree = saved_state(storage, ckpt_dir)
     state: dict[str, Any] = {k: tree[k] for k in _DCP_PARTS if k in tree}
     if "model" not in state:
@@ -125,18 +367,43 @@ def export_dcp(storage: Storage, ckpt_dir: str, out_dir: str) -> dict[str, Any]:
             f"{storage.describe(ckpt_dir)}: holds no model state to export"
         )
     state["step"] = torch.tensor(tree["step"])
-    tmp = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    tmp = _fresh(out_dir, "tmp")
+    os.mkdir(tmp)  # fails rather than reuse anything: the name is new
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
-        if os.path.lexists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        mark = {
+            "command": "export",
+            "format": "dcp",
+            "step": int(tree["step"]),
+            "source": storage.describe(ckpt_dir),
+            "crashproof": crashproof.__version__,
+            "files": sorted(_files_under(tmp)),
+        }
+        _write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())
+        _swap_in(tmp, out_dir, force=force, protected=protected)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)  # ours: a fresh name, created above
     return state
+
+
+def _swap_in(tmp: str, out_dir: str, *, force: bool, protected: Sequence[str]) -> None:
+    """Rename ``tmp`` to ``out_dir``, the earlier export there (checked again, now) removed."""
+    check_target(out_dir, kind="dir", force=force, protected=protected)
+    if not os.path.lexists(out_dir) or not os.listdir(out_dir):
+        os.replace(tmp, out_dir)  # onto nothing, or onto an empty directory
+        return
+    old = _fresh(out_dir, "old")
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)  # put the earlier export back
+        raise
+    shutil.rmtree(old)  # the earlier export, holding only what it wrote (check_target)
 
 
 def _split(
@@ -158,21 +425,26 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    local = LocalStorage()
-    local.remove(tmp)
-    try:
-        write_shard(local, tmp, tensors, metadata={"format": "pt"})
+def _write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], mark: str) -> None:
+    tmp = _fresh(path, "tmp")
+    write_shard(LocalStorage(), tmp, tensors, metadata={"format": "pt", MARK_KEY: mark})
+    try:  # write_shard removes its file when it fails; from here on, the file is ours to remove
         os.replace(tmp, path)
-    finally:
-        local.remove(tmp)
+    except BaseException:
+        os.remove(tmp)
+        raise
 
 
 def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _fresh(path, "tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise

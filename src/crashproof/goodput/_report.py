@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 
 from crashproof.goodput._ledger import Ledger, read_ledger
-from crashproof.goodput._report_html import PART_LABELS, duration, render_html
+from crashproof.goodput._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
 
 __all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
 
@@ -32,6 +33,21 @@ def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:
         f.write(render_html(ledger))
     os.replace(tmp, target)
     return target
+
+
+def _replaceable(path: str) -> bool:
+    """Whether ``path`` is a report page written earlier (never follows a link, never blocks
+    on a FIFO): only those are overwritten."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return False
+        head = f.read(4096)
+    # Pages from before the mark was added are recognised by their title.
+    return GENERATOR_MARK.encode() in head or b"<title>crashproof report: " in head
 
 
 def format_summary(ledger: Ledger) -> str:
@@ -110,6 +126,13 @@ def run_report(args: argparse.Namespace) -> int:
     html_path = args.html
     if html_path is None and not args.json:
         html_path = os.path.join(args.run_dir, REPORT_FILE)
+    if html_path is not None and os.path.lexists(html_path) and not _replaceable(html_path):
+        print(
+            f"crashproof: report: --html {html_path}: exists and is not a page this command "
+            "wrote; choose a new path",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if html_path is not None:
         try:
             write_html_report(ledger, html_path)

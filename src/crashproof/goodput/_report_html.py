@@ -14,7 +14,10 @@ from collections.abc import Callable, Iterable, Sequence
 import crashproof
 from crashproof.goodput._records import Ledger, Marker, TimelinePoint
 
-__all__ = ["PART_LABELS", "render_html"]
+__all__ = ["GENERATOR_MARK", "PART_LABELS", "render_html"]
+
+GENERATOR_MARK = '<meta name="generator" content="crashproof report">'
+"""In every page's head: ``crashproof report`` overwrites only files that carry it."""
 
 PART_LABELS: dict[str, tuple[str, str, str]] = {
     "productive_s": ("productive", "#2e8b57", "computing steps the run kept"),
@@ -91,7 +94,8 @@ def render_html(ledger: Ledger) -> str:
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
+        + GENERATOR_MARK
+        + f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )
