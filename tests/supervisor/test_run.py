@@ -116,7 +116,8 @@ def test_a_rank_failing_at_the_same_step_every_time_is_a_crash_loop(tmp_path: Pa
     [loop] = of(events, "crash_loop")
     assert loop["rank"] == 1 and loop["step"] == 12 and loop["attempts"] == 3
     assert "exit code 3" in loop["reason"]
-    assert len(of(events, "rank_start")) == 2 * 3  # three attempts, not eleven
+    # the first attempt got to step 12 (progress); the next three did not get past it
+    assert len(of(events, "rank_start")) == 2 * 4  # four attempts, not eleven
     assert "crash loop" in output and "step 12" in output and "rank 1" in output
     assert of(events, "restart")[-1]["backoff_s"] > 0  # no progress: it backed off
 

@@ -8,11 +8,18 @@ collective (a real hang), and a rank that dies leaves them with a broken connect
     --fail-every-attempt  fail STEP + 5 * attempt: progress each time (spends the budget)
     --peer-busy-s S       when a rank fails, the others work S seconds before their next collective
     --stop-at STEP        SIGSTOP rank --stop-rank after STEP on the first attempt (a hang)
+    --fail-at-start-from K  exit 3 at start-up (before restoring) on attempt K and later
+    --helpers N           fork N sleeping children from the main thread (as DataLoader workers)
+    --spawn-helper        and spawn one (an exec'd child, as a "spawn" DataLoader worker)
+    --ignore-sigterm      ignore SIGTERM (keeps the supervisor waiting out its grace)
+    --hang-after-close R  after closing the manager, rank R (or "all") never exits
+    --work-after-close S  after closing the manager, work S seconds, beating, then exit
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
 import sys
@@ -41,6 +48,13 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--stop-rank", type=int, default=1)
     p.add_argument("--exit-zero", action="store_true", help="finish with sys.exit(0)")
+    p.add_argument("--fail-at-start-from", type=int, default=None)
+    p.add_argument("--helpers", type=int, default=0)
+    p.add_argument("--spawn-helper", action="store_true")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--hang-after-close", default=None)
+    p.add_argument("--work-after-close", type=float, default=0.0)
+    p.add_argument("--remote", default=None, help="a durable tier (replicated by the agent)")
     p.add_argument(
         "--ckpt-per-world",
         action="store_true",
@@ -49,6 +63,9 @@ def main() -> int:
     args = p.parse_args()
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if args.fail_at_start_from is not None and attempt >= args.fail_at_start_from:
+        print(f"attempt {attempt} fails at start-up", file=sys.stderr, flush=True)
+        return 3
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -56,7 +73,24 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = cp.TrainState(model=model, optimizer=optimizer)
     root = f"{args.ckpt}/world_{dist.get_world_size()}" if args.ckpt_per_world else args.ckpt
-    ckpt = cp.CheckpointManager(root, every=cp.EverySteps(args.every), keep=cp.KeepLast(2))
+    ckpt = cp.CheckpointManager(
+        root, every=cp.EverySteps(args.every), keep=cp.KeepLast(2), remote=args.remote
+    )
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    helpers = [
+        multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,), daemon=True)
+        for _ in range(args.helpers)
+    ]
+    if args.spawn_helper:
+        helpers.append(
+            multiprocessing.get_context("spawn").Process(
+                target=time.sleep, args=(3600,), daemon=True
+            )
+        )
+    for helper in helpers:
+        helper.start()
+        print(f"rank {rank} helper pid {helper.pid}", flush=True)
     start = ckpt.restore(state)
     print(
         f"attempt {attempt} starts at step {start} with world size {dist.get_world_size()}",
@@ -87,6 +121,17 @@ def main() -> int:
         if args.stop_at == done and rank == args.stop_rank and attempt == 0:
             os.kill(os.getpid(), signal.SIGSTOP)
     ckpt.close()
+    if args.hang_after_close in ("all", str(rank)):
+        print(f"rank {rank} hangs after close", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:  # as a deadlock in a destructor at exit: never beats, never exits
+            time.sleep(1)
+    deadline = time.monotonic() + args.work_after_close
+    while time.monotonic() < deadline:  # work after close that tells it is alive
+        cp.heartbeat()
+        time.sleep(0.05)
+    for helper in helpers:
+        helper.terminate()
     dist.destroy_process_group()
     print(f"rank {rank} finished at step {args.steps}", flush=True)
     if args.exit_zero:

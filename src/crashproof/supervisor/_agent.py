@@ -11,6 +11,8 @@ group within its budget. On top of it this agent
   SIGKILLs the peers of a failed trainer at once: they can neither go on nor checkpoint;
 * stops trainers with a short grace period (SIGTERM, then SIGKILL), not torch's 30 s;
 * backs off between failures that make no progress, and stops a crash loop with a report;
+* ends trainers that finished (closed their checkpoint manager) but do not exit within the done
+  allowance, without counting it a failure: their work is committed;
 * writes every start, exit, hang and restart to the event log.
 
 It does not parse options (:mod:`crashproof.supervisor._launch` does) or decide what a hang is
@@ -53,7 +55,7 @@ from crashproof.supervisor._heartbeat import (
     read_heartbeat,
 )
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
-from crashproof.supervisor._worker import STACK_DUMP_SIGNAL, stack_dump_path
+from crashproof.supervisor._worker import ENV_PARENT_PID, STACK_DUMP_SIGNAL, stack_dump_path
 from crashproof.telemetry._events import ENV_RUN_DIR, EventLog
 
 __all__ = ["CrashproofAgent", "SupervisorConfig"]
@@ -126,11 +128,18 @@ class CrashproofAgent(LocalElasticAgent):
         # and every exec'd trainer inherit them; per-trainer facts come from torch's own variables.
         os.environ[ENV_RUN_DIR] = config.run_dir
         os.environ[ENV_HEARTBEAT_DIR] = self.heartbeat_dir
+        os.environ[ENV_PARENT_PID] = str(os.getpid())  # trainers and forkserver die with it
         self._failed_at_s: float | None = None
         self._stop_reason = ""
         self._exits: ExitWatcher | None = None
         self._stopped_by_us: set[int] = set()
         """Trainers SIGKILLed because a peer had failed (their exit is not a failure of theirs)."""
+        self._ended_after_done: set[int] = set()
+        """Trainers ended after they were done (work committed) but did not exit: no failure."""
+        self._seen_step = -1
+        """The furthest step this attempt's heartbeats have shown."""
+        self._seen_start_step = -1
+        """The step this attempt's ranks restored, as their heartbeats showed it (-1: none)."""
         # torch's loop sleeps a whole monitor interval between looks; ours waits on this event
         # instead, which the exit watcher sets when a trainer exits, so a failure is acted on the
         # moment it happens and a look still comes every interval when nothing does.
@@ -150,6 +159,8 @@ class CrashproofAgent(LocalElasticAgent):
         started = time.monotonic()
         self.attempt = self.restart_count
         self._stopped_by_us.clear()
+        self._ended_after_done.clear()
+        self._seen_step = self._seen_start_step = -1
         pids: dict[int, Any] = super()._start_workers(worker_group)
         if self._exits is not None:
             self._exits.close()
@@ -237,18 +248,88 @@ class CrashproofAgent(LocalElasticAgent):
         self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and self._all_finished(worker_group):
+            # some ended by us after "done": every rank's work is committed
+            result = RunResult(
+                state=WorkerState.SUCCEEDED,
+                return_values={w.global_rank: None for w in worker_group.workers},
+            )
         if result.state == WorkerState.SUCCEEDED:
             for worker in worker_group.workers:
-                self.events.emit("rank_exit", rank=worker.global_rank, exitcode=0)
+                ended = worker.id in self._ended_after_done
+                self.events.emit(
+                    "rank_exit",
+                    rank=worker.global_rank,
+                    exitcode=self._exit_code(worker) if ended else 0,
+                    **({"ended_after_done": True} if ended else {}),
+                )
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result.failures)
         elif result.state == WorkerState.HEALTHY:
             hung = self._hung_workers(worker_group)
+            stuck = [(w, v) for w, v in hung if v.phase == "done"]
+            hung = [(w, v) for w, v in hung if v.phase != "done"]
             if hung:
                 self._on_hang(worker_group, hung)
                 return RunResult(state=WorkerState.FAILED)
+            if stuck:
+                self._end_stuck_after_done(worker_group, stuck)
             self._watch_stragglers(worker_group)
         return result
+
+    def _all_finished(self, worker_group: WorkerGroup) -> bool:
+        """Whether every trainer exited 0 or was ended by us after it was done."""
+        if not self._ended_after_done:
+            return False
+        codes = self._exit_codes(worker_group)
+        return all(
+            w.id in self._ended_after_done or codes[w.local_rank] == 0 for w in worker_group.workers
+        )
+
+    def _end_stuck_after_done(
+        self, worker_group: WorkerGroup, stuck: list[tuple[Worker, Verdict]]
+    ) -> None:
+        """End trainers that closed their checkpoint manager (their work is committed) but did
+        not exit within the done allowance, once no rank of the group is still working.
+
+        All the done ones are ended together: torch's process context SIGTERMs the survivors of
+        any process that ends non-zero, and a done one SIGTERMed by torch would read as a failure.
+        """
+        codes = self._exit_codes(worker_group)
+        beats = self._beats(worker_group.workers)
+        running = [w for w in worker_group.workers if codes[w.local_rank] is None]
+        if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
+            return  # a rank still works (its own allowance applies); the done ones wait for it
+        verdicts = {w.local_rank: v for w, v in stuck}
+        states = {w.global_rank: _process_state(w.id) for w in running}
+        stacks = self._dump_stacks(worker_group, running)
+        now = time.monotonic()
+        for worker in running:
+            self._ended_after_done.add(worker.id)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(worker.id, signal.SIGKILL)
+            beat = beats[worker.local_rank]
+            verdict = verdicts.get(worker.local_rank)
+            self.events.emit(
+                "done_hang",
+                rank=worker.global_rank,
+                pid=worker.id,
+                step=beat.step,
+                silent_s=round(now - beat.beat_s, 3),
+                timeout_s=round(self.hangs.config.done_timeout_s, 3),
+                past_timeout=verdict is not None,
+                process_state=states.get(worker.global_rank),
+                stacks=stacks.get(worker.global_rank),
+            )
+            log.warning(
+                "rank %d (pid %s) finished its work (step %d committed) but did not exit for "
+                "%.1f s: ended it; stacks in %s",
+                worker.global_rank,
+                worker.id,
+                beat.step,
+                now - beat.beat_s,
+                stacks.get(worker.global_rank, "(none written)"),
+            )
 
     def _stop_doomed_peers(self, worker_group: WorkerGroup) -> None:
         """When a trainer has failed, SIGKILL the ones still running, at once.
@@ -262,7 +343,10 @@ class CrashproofAgent(LocalElasticAgent):
         peers are saving or finishing too.
         """
         codes = self._exit_codes(worker_group)
-        if all(code in (None, 0, EXIT_PREEMPTED) for code in codes.values()):
+        if all(
+            codes[w.local_rank] in (None, 0, EXIT_PREEMPTED) or w.id in self._ended_after_done
+            for w in worker_group.workers
+        ):
             return
         for worker in worker_group.workers:
             if codes[worker.local_rank] is None and worker.id is not None:
@@ -322,12 +406,21 @@ class CrashproofAgent(LocalElasticAgent):
                 beats[worker.local_rank] = beat
         return beats
 
+    def _progress(self, beats: Iterable[Heartbeat]) -> tuple[int, int]:
+        """(the furthest step, the restored step) of this attempt: from ``beats`` and every
+        earlier look (a record can be unreadable at the moment of a failure)."""
+        for beat in beats:
+            self._seen_step = max(self._seen_step, beat.step)
+            self._seen_start_step = max(self._seen_start_step, beat.start_step)
+        return self._seen_step, self._seen_start_step
+
     def _furthest_step(self, worker_group: WorkerGroup) -> int:
-        return max((b.step for b in self._beats(worker_group.workers).values()), default=-1)
+        return self._progress(self._beats(worker_group.workers).values())[0]
 
     def _hung_workers(self, worker_group: WorkerGroup) -> list[tuple[Worker, Verdict]]:
         now = time.monotonic()
         beats = self._beats(worker_group.workers)
+        self._progress(beats.values())
         hung = []
         for worker in worker_group.workers:
             beat = beats.get(worker.local_rank)
@@ -390,6 +483,7 @@ class CrashproofAgent(LocalElasticAgent):
                     step=furthest,
                     rank=worker.global_rank,
                     reason=how + (f": {error}" if error else ""),
+                    start_step=self._seen_start_step,
                 )
         if first is None:
             first = Failure(
@@ -397,6 +491,7 @@ class CrashproofAgent(LocalElasticAgent):
                 step=furthest,
                 rank=None,
                 reason="the worker group became unhealthy",
+                start_step=self._seen_start_step,
             )
         self._record(first)
 
@@ -502,17 +597,22 @@ class CrashproofAgent(LocalElasticAgent):
                 step=self._furthest_step(worker_group),
                 rank=worst_worker.global_rank,
                 reason=f"hang: silent for {worst.silent_s:.1f} s in phase {worst.phase}",
+                start_step=self._seen_start_step,
             )
         )
 
-    def _dump_stacks(self, worker_group: WorkerGroup) -> dict[int, str]:
-        """Ask every trainer for its Python stacks; returns the files written, by global rank."""
+    def _dump_stacks(
+        self, worker_group: WorkerGroup, workers: list[Worker] | None = None
+    ) -> dict[int, str]:
+        """Ask every trainer (or ``workers``) for its Python stacks; returns the files written,
+        by global rank."""
+        workers = worker_group.workers if workers is None else workers
         paths = {
             w.global_rank: stack_dump_path(self.config.run_dir, self.attempt, w.global_rank)
-            for w in worker_group.workers
+            for w in workers
         }
         sizes = {rank: _size(path) for rank, path in paths.items()}
-        for worker in worker_group.workers:
+        for worker in workers:
             for sig in (STACK_DUMP_SIGNAL, signal.SIGCONT):  # a stopped process handles it on CONT
                 try:
                     os.kill(worker.id, sig)
@@ -538,13 +638,16 @@ class CrashproofAgent(LocalElasticAgent):
             self.events.emit(
                 "crash_loop",
                 rank=failure.rank,
-                step=failure.step,
-                attempts=policy.attempts,
+                step=policy.furthest_step,
+                last_step=failure.step,
+                attempts=policy.stalled,
                 reason=failure.reason,
             )
             log.error(
-                "crash loop: %d failures in a row without progress past step %d; last: rank %s, %s",
-                policy.attempts,
+                "crash loop: %d failed attempts in a row without getting past step %d (the "
+                "furthest the run reached); the last one reached step %d: rank %s, %s",
+                policy.stalled,
+                policy.furthest_step,
                 failure.step,
                 failure.rank,
                 failure.reason,

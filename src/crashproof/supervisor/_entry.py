@@ -48,6 +48,7 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     # has the platform's default. Without this, a DataLoader's workers would come from a new
     # forkserver of the trainer's, and outlive the trainer when it is killed.
     multiprocessing.set_start_method(None, force=True)
+    _drop_forkserver_pipe()
     for sig in FORKSERVER_IGNORES:  # the forkserver ignores them; a fresh interpreter does not
         signal.signal(sig, signal.SIG_DFL)
     _fresh_randomness()
@@ -66,6 +67,23 @@ def run_script(kind: str, target: str, *argv: str) -> None:
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+
+
+def _drop_forkserver_pipe() -> None:
+    """Close this trainer's copy of the write end of the forkserver's "alive" pipe.
+
+    multiprocessing hands it to every child of the forkserver; the forkserver exits when the last
+    copy closes. Held by the trainers, it kept the forkserver (and so the trainers, which die
+    with it) alive after the agent was SIGKILLed.
+    """
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010  (not in the stubs)
 
 
 def _fresh_randomness() -> None:

@@ -1,4 +1,5 @@
-"""What ``crashproof run``'s warm forkserver imports: the trainers' entry, and signal immunity.
+"""What ``crashproof run``'s warm forkserver imports: the trainers' entry, signal immunity, and
+death with the agent.
 
 The forkserver is a process of the supervisor's process group. A signal sent to the whole group
 or to every process (a terminal's Ctrl-C, ``kill -- -PGID``, SLURM signalling a step's processes)
@@ -6,15 +7,42 @@ would kill it, and its trainers with it (they are its children and die with thei
 before they could take their emergency checkpoint. So it ignores the signals the trainers handle;
 :func:`crashproof.supervisor._entry.run_script` gives each trainer the default dispositions
 back before the script runs.
+
+It must not outlive the agent, though: it asks the kernel for SIGKILL when the agent dies (and
+exits at once if the agent is gone already), and every trainer it forks asks the same of it,
+from the first instruction after the fork. (The agent's keeper, :mod:`._keeper`, ends them all
+too; these signals hold even when the keeper is killed with the agent.)
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 from crashproof.supervisor._entry import FORKSERVER_IGNORES, run_script
+from crashproof.supervisor._worker import ENV_PARENT_PID, die_with_parent
 
 __all__ = ["run_script"]
 
 for _sig in FORKSERVER_IGNORES:
     signal.signal(_sig, signal.SIG_IGN)
+
+_FORKSERVER_PID = os.getpid()
+_forking_here = False
+
+
+def _before_fork() -> None:
+    global _forking_here
+    # Inherited by the trainers: a trainer forking its DataLoader workers is not the forkserver.
+    _forking_here = os.getpid() == _FORKSERVER_PID
+
+
+def _in_child() -> None:
+    if _forking_here:
+        die_with_parent(_FORKSERVER_PID)
+
+
+if os.environ.get(ENV_PARENT_PID):
+    die_with_parent(int(os.environ[ENV_PARENT_PID]))  # the agent
+    os.environ[ENV_PARENT_PID] = str(_FORKSERVER_PID)  # what the trainers must die with
+    os.register_at_fork(before=_before_fork, after_in_child=_in_child)

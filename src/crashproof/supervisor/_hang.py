@@ -8,7 +8,10 @@ A trainer is hung when its heartbeat is older than the allowance of the phase it
   longest gap between two finished steps seen so far, times ``auto_factor``, and never below
   ``auto_floor_s`` (until ``calibration_steps`` gaps were seen the start-up allowance applies,
   so a first step that compiles or autotunes is not a hang);
-* ``done`` (the training loop closed its checkpoint manager): never.
+* ``done`` (the training loop closed its checkpoint manager, so its work is committed):
+  ``done_timeout_s`` to exit. A trainer still there after that (seen: a deadlock in gloo's
+  process-group destructor at interpreter exit) is ended by the agent, not restarted: its work
+  is safe. Work after ``close()`` that takes longer calls ``crashproof.heartbeat()``.
 
 Calibration outlives restarts: the step time of a run does not change when it restarts.
 This module only decides; the agent reads the heartbeats and acts.
@@ -41,6 +44,8 @@ class HangConfig:
     """For a restore, from its start."""
     save_timeout_s: float = 600.0
     """For the blocking part of a save (a synchronous save writes everything)."""
+    done_timeout_s: float = 120.0
+    """From closing the checkpoint manager (or the last beat after it) to the process's exit."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -49,6 +54,7 @@ class HangConfig:
             "startup_timeout_s",
             "restore_timeout_s",
             "save_timeout_s",
+            "done_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"HangConfig({name}={getattr(self, name)}): must be positive")
@@ -99,6 +105,7 @@ class HangDetector:
             "startup": c.startup_timeout_s,
             "restore": c.restore_timeout_s,
             "save": c.save_timeout_s,
+            "done": c.done_timeout_s,
         }.get(phase)
 
     def check(self, beat: Heartbeat, now_s: float) -> Verdict | None:

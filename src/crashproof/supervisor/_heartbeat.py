@@ -1,14 +1,14 @@
 """Heartbeats from trainers to their supervisor: one small record per rank, rewritten in place.
 
 A trainer run by ``crashproof run`` finds ``CRASHPROOF_HEARTBEAT_DIR`` in its environment and
-keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the phase it is in
-(start-up, step, restore, save, done), when it last beat, the longest gap between two steps
+keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the step it
+started from (its restore), the phase it is in (start-up, step, restore, save, done), when it last beat, the longest gap between two steps
 since its previous write, and the seconds it spent in its own work (``compute_section``: the part
 of a step with no collective in it, which finds a straggler among ranks that wait for each other). The supervisor reads these files every monitor interval and decides
 what is a hang (:mod:`crashproof.supervisor._hang`); this module only moves the facts.
 
-A record is 64 bytes written with one ``pwrite`` and guarded by a CRC, so a reader never acts on a
-torn write. Beats are cheap (a clock read and a 56-byte ``pwrite`` to the page cache, a few
+A record is 72 bytes written with one ``pwrite`` and guarded by a CRC, so a reader never acts on a
+torn write. Beats are cheap (a clock read and a 72-byte ``pwrite`` to the page cache, a few
 microseconds; beats without a step are written at most every 10 ms), so beating every step
 costs nothing measurable.
 """
@@ -39,9 +39,9 @@ ENV_HEARTBEAT_DIR = "CRASHPROOF_HEARTBEAT_DIR"
 Phase = Literal["startup", "step", "restore", "save", "done"]
 _PHASES: tuple[Phase, ...] = ("startup", "step", "restore", "save", "done")
 
-_MAGIC = b"CPHB0002"
-# magic, pid, step, beat time, phase start, max gap, work seconds, phase
-_BODY = struct.Struct("<8sqqddddI")
+_MAGIC = b"CPHB0003"
+# magic, pid, step, beat time, phase start, max gap, work seconds, start step, phase
+_BODY = struct.Struct("<8sqqddddqI")
 _CRC = struct.Struct("<I")
 RECORD_SIZE = _BODY.size + _CRC.size
 _MIN_WRITE_INTERVAL_S = 0.01  # for beats that finish no step
@@ -63,6 +63,8 @@ class Heartbeat:
     """The longest time between two finished steps since the previous record (0: none yet)."""
     work_s: float = 0.0
     """Seconds spent in compute sections since the trainer started (0: it marks none)."""
+    start_step: int = -1
+    """The step the trainer started from: the one it restored (-1: none restored yet)."""
 
 
 def heartbeat_path(directory: str, local_rank: int) -> str:
@@ -81,10 +83,10 @@ def read_heartbeat(path: str) -> Heartbeat | None:
     body, (crc,) = data[: _BODY.size], _CRC.unpack(data[_BODY.size :])
     if zlib.crc32(body) != crc:
         return None
-    magic, pid, step, beat_s, phase_started_s, max_gap_s, work_s, phase = _BODY.unpack(body)
+    magic, pid, step, beat_s, phase_started_s, max_gap_s, work_s, start, phase = _BODY.unpack(body)
     if magic != _MAGIC or not 0 <= phase < len(_PHASES):
         return None
-    return Heartbeat(pid, step, beat_s, _PHASES[phase], phase_started_s, max_gap_s, work_s)
+    return Heartbeat(pid, step, beat_s, _PHASES[phase], phase_started_s, max_gap_s, work_s, start)
 
 
 class HeartbeatWriter:
@@ -95,6 +97,7 @@ class HeartbeatWriter:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self._pid = os.getpid()
         self._step = -1
+        self._start_step = -1
         self._phase: Phase = "startup"
         now = time.monotonic()
         self._phase_started_s = now
@@ -134,7 +137,7 @@ class HeartbeatWriter:
 
     def restored(self, step: int) -> None:
         """The trainer restored the state after ``step``: training resumes from there."""
-        self._step = step
+        self._step = self._start_step = step
         self.set_phase("step")
 
     @property
@@ -154,6 +157,7 @@ class HeartbeatWriter:
             self._phase_started_s,
             self._max_gap_s,
             self._work_s,
+            self._start_step,
             _PHASES.index(self._phase),
         )
         try:

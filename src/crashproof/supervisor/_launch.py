@@ -21,15 +21,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib.util
 import json
 import logging
+import math
 import os
+import shutil
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -45,6 +48,7 @@ from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
+from crashproof.supervisor._keeper import Keeper
 from crashproof.supervisor._metrics import RunMetrics
 from crashproof.supervisor._replication_host import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.supervisor._straggler import StragglerConfig
@@ -73,15 +77,71 @@ EXIT_CRASH_LOOP = 77
 def _seconds_or_auto(text: str) -> float | None:
     if text == "auto":
         return None
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds or 'auto'")
+    return _positive_seconds(text, "or 'auto'")
+
+
+def _positive_seconds(text: str, alternative: str = "") -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a positive number of seconds{' ' + alternative if alternative else ''}"
+        )
     return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if not -1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a port from 1 to 65535, 0 for any free port, or -1 for no metrics"
+        )
+    return value
+
+
+def _above_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 1 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number above 1 (e.g. 1.3)")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return value
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """torchrun's parser, whose usage error is one line naming the option (not a page of usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's argument parser, with crashproof's options added and a few defaults changed."""
     parser = get_args_parser()
+    parser.__class__ = _OneLineErrors  # the same parser, its errors on one line
     parser.prog = "crashproof run"
     parser.description = (
         "Run a training script like torchrun, and keep it running: detect crashed and hung "
@@ -102,19 +162,33 @@ def build_parser() -> argparse.ArgumentParser:
         "from the observed step times: 10x the longest step, at least 60 s",
     )
     group.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="allowance from start to first step"
+        "--startup-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help="allowance from start to first step",
     )
     group.add_argument(
-        "--restore-timeout", type=float, default=600.0, help="allowance for a restore"
+        "--restore-timeout", type=_positive_seconds, default=600.0, help="allowance for a restore"
     )
     group.add_argument(
-        "--save-timeout", type=float, default=600.0, help="allowance for a save's blocking part"
+        "--save-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help="allowance for a save's blocking part",
+    )
+    group.add_argument(
+        "--done-timeout",
+        type=_positive_seconds,
+        default=120.0,
+        help="allowance from closing the checkpoint manager to the trainer's exit; a trainer "
+        "still there after it is ended (its work is committed) and the run goes on",
     )
     group.add_argument(
         "--crash-loop-attempts",
-        type=int,
+        type=_count,
         default=3,
-        help="failures in a row without progress that stop the run as a crash loop (0: never)",
+        help="failed attempts in a row that get no further than the furthest step reached "
+        "that stop the run as a crash loop (0: never)",
     )
     group.add_argument(
         "--cold-start",
@@ -138,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--preemption-grace",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         metavar="SECONDS",
         help="on a preemption (SIGTERM to this command, or a notice), how long trainers get for "
@@ -146,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--replication-timeout",
-        type=float,
+        type=_positive_seconds,
         default=600.0,
         metavar="SECONDS",
         help="when the run ends, how long to wait for checkpoints still being copied to durable "
@@ -154,19 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--straggler-factor",
-        type=float,
+        type=_above_one,
         default=1.3,
         help="report a rank whose work per step exceeds this many times its peers' median",
     )
     group.add_argument(
         "--straggler-steps",
-        type=int,
+        type=_positive_count,
         default=20,
         help="over how many recent steps a rank's work per step is averaged for that",
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=0,
         help="serve Prometheus metrics on this port (default 0: any free port, written to "
         "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
@@ -286,8 +360,27 @@ def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
         os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the option types cannot check alone: torchrun's own options, and the script."""
+    if args.max_restarts < 0:
+        parser.error(f"argument --max-restarts: {args.max_restarts}: give 0 or more restarts")
+    if args.monitor_interval <= 0:
+        parser.error(f"argument --monitor-interval: {args.monitor_interval}: give positive seconds")
+    script = args.training_script
+    if args.module:
+        if importlib.util.find_spec(script.split(".")[0]) is None:  # imports nothing of it
+            parser.error(f"-m {script}: no module {script.split('.')[0]!r} on the Python path")
+    elif args.no_python:
+        if shutil.which(script) is None:
+            parser.error(f"--no-python {script}: no such program (not a file, not on PATH)")
+    elif not os.path.isfile(script):
+        parser.error(f"{script}: no such file (the training script: give its path)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     # Before any trainer (or the warm process they fork from) loads MKL: bit-reproducible CPU math.
     set_reproducible_defaults()
     logging.basicConfig(level=logging.INFO, format="[crashproof run] %(levelname)s %(message)s")
@@ -300,13 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup_timeout_s=args.startup_timeout,
             restore_timeout_s=args.restore_timeout,
             save_timeout_s=args.save_timeout,
+            done_timeout_s=args.done_timeout,
         )
-        crash_loop = CrashLoopPolicy(attempts=max(0, args.crash_loop_attempts))
-        if args.straggler_factor <= 1 or args.straggler_steps < 1:
-            raise ConfigError(
-                f"--straggler-factor {args.straggler_factor} must be above 1 and "
-                f"--straggler-steps {args.straggler_steps} at least 1"
-            )
+        crash_loop = CrashLoopPolicy(attempts=args.crash_loop_attempts)
         straggler = StragglerConfig(args.straggler_factor, args.straggler_steps)
     except ConfigError as exc:
         print(f"crashproof run: {exc}", file=sys.stderr)
@@ -384,6 +473,23 @@ def _launch(
     events: EventLog,
     args: argparse.Namespace,
 ) -> int:
+    # First of all: whatever this process dies of from here on, what it starts dies with it.
+    keeper = Keeper(events.path)
+    try:
+        return _supervise(config, entrypoint, entry_args, start_method, supervisor, events, args)
+    finally:
+        keeper.release()
+
+
+def _supervise(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    entry_args: list[str],
+    start_method: str,
+    supervisor: SupervisorConfig,
+    events: EventLog,
+    args: argparse.Namespace,
+) -> int:
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -447,11 +553,13 @@ def _launch(
             )
         elif agent.crash_loop is not None:
             code, outcome = EXIT_CRASH_LOOP, "crash loop"
-            failure = agent.crash_loop
+            failure, policy = agent.crash_loop, supervisor.crash_loop
             print(
-                f"crashproof run: crash loop: {supervisor.crash_loop.attempts} failures in a row "
-                f"without progress past step {failure.step}; the last one: rank {failure.rank}, "
-                f"{failure.reason}. Events: {events.path}; logs: {args.log_dir}",
+                f"crashproof run: crash loop: {policy.stalled} failed attempts in a row without "
+                f"getting past step {policy.furthest_step} (the furthest the run reached); the "
+                f"last one reached step {failure.step} and failed on rank {failure.rank}: "
+                f"{failure.reason}. Restarting will not help: fix the cause. Events: "
+                f"{events.path}; logs: {args.log_dir}",
                 file=sys.stderr,
             )
         else:

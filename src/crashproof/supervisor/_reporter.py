@@ -71,7 +71,9 @@ class SupervisedReporter:
         now = time.monotonic()
         if self._progress_at is None or step < self._progress_at[1]:
             self._progress_at = (now, step)
-        elif now - self._progress_at[0] >= self._progress_interval_s and step > self._progress_at[1]:
+        elif (
+            now - self._progress_at[0] >= self._progress_interval_s and step > self._progress_at[1]
+        ):
             since, since_step = self._progress_at
             self._events.emit(
                 "progress",

@@ -5,8 +5,9 @@ Under the supervisor (``CRASHPROOF_HEARTBEAT_DIR`` is set), ``import crashproof`
 
 * creates the trainer's heartbeat record in phase "startup", so a trainer that hangs before its
   first step is noticed too;
-* asks the kernel to SIGKILL it when its parent dies: torch starts trainers in sessions of
-  their own, so a trainer whose agent was SIGKILLed would otherwise train on alone;
+* asks the kernel to SIGKILL it when its parent dies (the agent, or the warm forkserver, which
+  dies with the agent): a trainer whose agent was SIGKILLed would otherwise train on alone. The
+  parent it expects is in ``CRASHPROOF_PARENT_PID``; if that one is already gone, it exits;
 * asks the same for every process the trainer forks from its main thread (DataLoader workers):
   a forked worker holds copies of the trainer's sockets, so a SIGKILLed rank's connections to its
   peers stayed open until its workers noticed (up to 5 s, DataLoader's watchdog) and the peers
@@ -31,9 +32,19 @@ from typing import IO
 from crashproof.supervisor._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
 from crashproof.telemetry._events import ENV_RUN_DIR
 
-__all__ = ["STACK_DUMP_SIGNAL", "attach_to_supervisor", "stack_dump_path"]
+__all__ = [
+    "ENV_PARENT_PID",
+    "STACK_DUMP_SIGNAL",
+    "attach_to_supervisor",
+    "die_with_parent",
+    "stack_dump_path",
+]
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
+
+ENV_PARENT_PID = "CRASHPROOF_PARENT_PID"
+"""The process a trainer must die with: the agent (set by it), or the warm forkserver (which
+sets it for the trainers it forks)."""
 
 _stack_file: IO[str] | None = None
 _attached_pid = 0
@@ -53,7 +64,7 @@ def attach_to_supervisor() -> None:
     if _attached_pid == os.getpid():
         return
     _attached_pid = os.getpid()
-    _die_with_parent()
+    die_with_parent(int(os.environ.get(ENV_PARENT_PID) or 0) or None)
     _children_die_with_trainer()
     worker_heartbeat()
     # This process owns the record now; its children (spawned DataLoader workers, helper
@@ -75,7 +86,8 @@ def attach_to_supervisor() -> None:
 
 
 _hooked = False
-_forking_from_main_thread = False
+_forking_parent = 0
+"""The pid of the process forking now, from its main thread (0: another thread)."""
 
 
 def _children_die_with_trainer() -> None:
@@ -90,23 +102,30 @@ def _children_die_with_trainer() -> None:
     _hooked = True
 
     def before() -> None:
-        global _forking_from_main_thread
-        _forking_from_main_thread = threading.current_thread() is threading.main_thread()
+        global _forking_parent
+        main = threading.current_thread() is threading.main_thread()
+        _forking_parent = os.getpid() if main else 0
 
     def in_child() -> None:
-        if _forking_from_main_thread and "LOCAL_RANK" in os.environ:
-            _die_with_parent()
+        if _forking_parent and "LOCAL_RANK" in os.environ:
+            die_with_parent(_forking_parent)
 
     os.register_at_fork(before=before, after_in_child=in_child)
 
 
-def _die_with_parent() -> None:
+def die_with_parent(expected: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent (thread) exits.
+
+    ``expected``: the pid the parent must have; if the parent is another one already (it died
+    before the request took effect, and this process was handed to a subreaper or init), exit
+    now. Without it, only a parent that dies after this call is noticed.
+    """
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    parent = expected if expected is not None else os.getppid()
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
         return
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent:
         os._exit(1)

@@ -1,0 +1,184 @@
+"""Promise: whenever ``crashproof run`` dies, by any signal and in any phase, every process it
+started (the warm forkserver, the trainers, their children, multiprocessing's helpers) is gone
+within a second.
+
+Found porting a real DDP script: SIGKILL of the agent left both warm-started trainers training
+on their own (they held the forkserver's "alive" pipe and died only with the forkserver), and
+checkpoints went from 6 to 15 after the agent was dead. Each test kills the agent in one phase
+and looks for every process carrying the run's environment marker, whoever its parent is by then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.supervisor._runs import Run, gone_within, output, start_run, stop_run
+
+WITHIN_S = 1.0
+
+
+@pytest.fixture
+def runs() -> Iterator[list[Run]]:
+    started: list[Run] = []
+    yield started
+    for run in started:
+        stop_run(run)
+
+
+def _wait_until(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _kill_and_check(run: Run, sig: signal.Signals = signal.SIGKILL) -> None:
+    before = run.processes()
+    assert before, "the phase under test should have processes of the run"
+    os.kill(run.pid, sig)
+    run.wait(timeout=10)
+    left = gone_within(run, WITHIN_S)
+    assert not left, f"still running {WITHIN_S} s after the agent died: {left} (before: {before})"
+
+
+def _of_kind(run: Run, part: str) -> list[int]:
+    return [pid for pid, cmd in run.processes().items() if part in cmd]
+
+
+def _checkpoints(run: Run) -> set[str]:
+    root = run.run_dir / "ckpt"
+    return {p.name for p in root.glob("step_*")} if root.exists() else set()
+
+
+def test_sigkill_while_training_leaves_no_trainer_and_no_worker(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    run = start_run(
+        tmp_path / "run",
+        [],
+        ["--steps", "100000", "--every", "2", "--helpers", "2", "--spawn-helper"],
+    )
+    runs.append(run)
+    run.wait_for("checkpoint", 90)
+    # two trainers, each with two forked and one spawned child, the forkserver, the tracker
+    _wait_until(lambda: len(run.processes()) >= 10, 30, "every helper to start")
+    _kill_and_check(run)
+    after = _checkpoints(run)
+    time.sleep(1.0)
+    assert _checkpoints(run) == after, "checkpoints were still written after the agent died"
+    stopped = run.events("orphans_stopped")
+    assert stopped and stopped[0]["agent_ended"] == "died"
+
+
+def test_sigkill_during_startup_while_the_forkserver_imports(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    run = start_run(tmp_path / "run", [], ["--steps", "100000"])
+    runs.append(run)
+    # The forkserver spends seconds importing torch before any code of crashproof runs in it.
+    _wait_until(lambda: _of_kind(run, "multiprocessing.forkserver"), 60, "the forkserver")
+    assert not run.events("rank_start")
+    _kill_and_check(run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unhandled_signal_during_rendezvous(tmp_path: Path, runs: list[Run]) -> None:
+    # Two nodes wanted, one present: the agent waits in the rendezvous. SIGALRM: a signal the
+    # agent has no handler for ends it as abruptly as SIGKILL.
+    options = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "orphans",
+               "--rdzv-endpoint", f"localhost:{_free_port()}"]  # fmt: skip
+    run = start_run(tmp_path / "run", options, ["--steps", "100000"])
+    runs.append(run)
+    run.wait_for("run_start", 60)
+    _wait_until(lambda: _of_kind(run, "_keeper.py"), 10, "the keeper")
+    time.sleep(0.5)
+    assert not run.events("rank_start")
+    _kill_and_check(run, signal.SIGALRM)
+
+
+def test_sigkill_during_the_backoff_between_restarts(tmp_path: Path, runs: list[Run]) -> None:
+    run = start_run(
+        tmp_path / "run",
+        ["--max-restarts", "10", "--crash-loop-attempts", "10"],
+        ["--steps", "100000", "--fail-at-start-from", "0"],  # no progress: it backs off 1 s
+    )
+    runs.append(run)
+    [restart] = run.wait_for("restart", 90)
+    assert restart["backoff_s"] >= 1
+    assert time.time() - restart["ts"] < restart["backoff_s"] - 0.3, "missed the backoff"
+    _kill_and_check(run)
+
+
+def test_sigkill_while_waiting_for_uploads(tmp_path: Path, runs: list[Run]) -> None:
+    control = tmp_path / "faults.json"
+    # every upload of the agent's (rank null: not a trainer's) stalls for a minute
+    control.write_text(json.dumps({"faults": [
+        {"id": "slow", "rank": None, "error": "hang", "hang_s": 60, "files": 1000}
+    ]}))  # fmt: skip
+    run = start_run(
+        tmp_path / "run",
+        [],
+        ["--steps", "4", "--every", "2", "--remote", str(tmp_path / "durable")],
+        env={"CRASHPROOF_CHAOS_STORAGE": str(control)},
+    )
+    runs.append(run)
+    run.wait_for("checkpoint", 90, count=2)
+    time.sleep(1.0)  # the trainers are done or waiting in close(); the agent's upload stalls
+    assert run.proc.poll() is None and not run.events("replicated")
+    _kill_and_check(run)
+
+
+def _without_keeper(run: Run) -> None:
+    """Kill the keeper first: what is left is the kernel's parent-death chain (forkserver with
+    the agent, trainers with their parent, forked children with their trainer), which must hold
+    alone (``kill -9`` of the keeper and the agent together, an OOM sweep)."""
+    [keeper] = _of_kind(run, "_keeper.py")
+    os.kill(keeper, signal.SIGKILL)
+
+
+def test_sigkill_during_the_shutdown_grace_with_the_keeper_gone(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    run = start_run(
+        tmp_path / "run",
+        ["--preemption-grace", "60"],
+        ["--steps", "100000", "--every", "2", "--ignore-sigterm", "--helpers", "1"],
+    )
+    runs.append(run)
+    run.wait_for("checkpoint", 90)
+    _wait_until(lambda: len(run.processes()) >= 6, 30, "every helper to start")
+    os.kill(run.pid, signal.SIGTERM)  # the trainers ignore it: the agent waits out the grace
+    time.sleep(1.0)
+    assert run.proc.poll() is None
+    _without_keeper(run)
+    _kill_and_check(run)
+    assert not run.events("orphans_stopped"), output(run)
+
+
+def test_sigkill_of_a_cold_started_run_with_the_keeper_gone(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    run = start_run(
+        tmp_path / "run",
+        ["--cold-start"],
+        ["--steps", "100000", "--every", "2", "--helpers", "2"],
+    )
+    runs.append(run)
+    run.wait_for("checkpoint", 90)
+    _wait_until(lambda: len(run.processes()) >= 6, 30, "every helper to start")
+    _without_keeper(run)
+    _kill_and_check(run)
+    assert not run.events("orphans_stopped"), output(run)
