@@ -5,7 +5,8 @@ costs no wall time of its own; it uses NumPy, which computes on the calling thre
 op on a background thread starts a second OpenMP team, and two teams spinning on two cores slowed
 training markedly in an A/B run.) A sum is the fast test (NaN and inf propagate through it; a
 fraction of a memcpy's time); only a chunk whose sum is not finite, which overflow can also cause, is
-checked element by element. bfloat16 is widened to float32; float8 formats are not checked.
+checked element by element. bfloat16 is widened to float32; float8 formats are checked by their bit
+patterns (NaN and, in e5m2, inf; the ``fnuz`` formats' one NaN is 0x80).
 """
 
 from __future__ import annotations
@@ -30,8 +31,24 @@ _NUMPY = {
 }
 
 
+# float8: (mask, pattern) such that ``byte & mask == pattern`` is NaN or inf.
+_FLOAT8 = {
+    getattr(torch, name): bits
+    for name, bits in (
+        ("float8_e4m3fn", (0x7F, 0x7F)),  # S.1111.111 is NaN; no inf
+        ("float8_e5m2", (0x7C, 0x7C)),  # exponent all ones: inf or NaN
+        ("float8_e4m3fnuz", (0xFF, 0x80)),  # negative zero's pattern is the one NaN
+        ("float8_e5m2fnuz", (0xFF, 0x80)),
+    )
+    if hasattr(torch, name)
+}
+
+
 def _finite(chunk: memoryview, dtype: torch.dtype) -> bool:
     values: np.ndarray[Any, Any]
+    if dtype in _FLOAT8:
+        mask, pattern = _FLOAT8[dtype]
+        return not bool(((np.frombuffer(chunk, dtype=np.uint8) & mask) == pattern).any())
     if dtype == torch.bfloat16:
         values = (np.frombuffer(chunk, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
     elif dtype in _NUMPY:
@@ -72,6 +89,8 @@ class FiniteCheck:
             return
         name, tensor = self._tensors[min(self._failed)]
         flat = tensor.reshape(-1)
+        if tensor.dtype in _FLOAT8:  # torch has no isfinite for most float8 formats
+            flat = flat.float()
         bad = sum(
             int((~flat[i : i + (1 << 22)].isfinite()).sum())
             for i in range(0, flat.numel(), 1 << 22)

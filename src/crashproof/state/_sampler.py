@@ -16,13 +16,14 @@ The skipped windows are part of the saved state, so a resumed run skips them too
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-from crashproof.errors import ConfigError, StateMismatchError
+from crashproof.errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 __all__ = ["ResumableSampler"]
 
@@ -190,12 +191,20 @@ class ResumableSampler(Sampler[int]):
         self.generation += 1
 
     def check_state_dict(self, state: Any) -> None:
-        """Raise :class:`StateMismatchError` when ``state`` cannot be resumed by this sampler."""
+        """Raise :class:`StateMismatchError` when ``state`` is a position in another order (other
+        ``n``, ``shuffle`` or ``seed``), :class:`CorruptCheckpointError` when it is malformed (a
+        field of the wrong type, a position outside the epoch): no sampler saves such a state."""
         if (
             not isinstance(state, dict)
             or not {"n", "shuffle", "seed", "epoch", "consumed"} <= state.keys()
         ):
-            raise StateMismatchError(f"data position: malformed sampler state {state!r}")
+            raise CorruptCheckpointError(f"data position: malformed sampler state {state!r}")
+        for key in ("epoch", "consumed"):  # (n, shuffle and seed must equal this run's)
+            value = state[key]
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise CorruptCheckpointError(
+                    f"data position: the sampler's {key!r} is {value!r}, expected an integer"
+                )
         for key in ("n", "shuffle", "seed"):
             if state[key] != getattr(self, key):
                 raise StateMismatchError(
@@ -203,12 +212,16 @@ class ResumableSampler(Sampler[int]):
                     f"{key}={getattr(self, key)!r}; resuming would replay a different sample order. "
                     f"Create the ResumableSampler with {key}={state[key]!r}, or start a new run directory."
                 )
-        if not 0 <= int(state["consumed"]) <= self.n or int(state["epoch"]) < 0:
-            raise StateMismatchError(f"data position: epoch/consumed out of range in {state!r}")
+        if not 0 <= state["consumed"] <= self.n or state["epoch"] < 0:
+            raise CorruptCheckpointError(
+                f"data position: epoch/consumed out of range (0 <= consumed <= {self.n}, "
+                f"epoch >= 0) in {state!r}"
+            )
         skipped = state.get("skipped", [])
         if not isinstance(skipped, list) or not all(
-            isinstance(w, list) and len(w) == 3 and all(isinstance(v, int) for v in w)
+            isinstance(w, list) and len(w) == 3
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in w)
             and w[0] >= 0 and 0 <= w[1] < w[2] <= self.n
             for w in skipped
         ):  # fmt: skip
-            raise StateMismatchError(f"data position: malformed skipped windows {skipped!r}")
+            raise CorruptCheckpointError(f"data position: malformed skipped windows {skipped!r}")

@@ -13,23 +13,35 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
-from crashproof.errors import ConfigError, StateMismatchError
+from crashproof.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NonFiniteStateError,
+    StateMismatchError,
+)
+from crashproof.state._check import (
+    Scratch,
+    check_classes,
+    check_json_value,
+    check_module,
+    check_optimizer,
+    check_scaler,
+    check_scheduler,
+    class_name,
+    is_json_like,
+    live_tensors_of,
+    trial_load,
+)
 from crashproof.state._data import track_loader
 from crashproof.state._dtensor import is_dtensor
 from crashproof.state._rng import capture_rng, check_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
 
 __all__ = ["Stateful", "TrainState"]
-
-_JSON_SCALARS = (type(None), bool, int, float, str)
-# Optimizer state entries that torch.optim keeps per element of the parameter (same shape).
-_PER_ELEMENT_STATE = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
-     "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
-)  # fmt: skip
 
 
 @runtime_checkable
@@ -99,7 +111,7 @@ class TrainState:
                 )
             self.sampler = track_loader(data)
         for key, value in self.extra.items():
-            if not isinstance(value, Stateful) and not _is_json_like(value):
+            if not isinstance(value, Stateful) and not is_json_like(value):
                 raise ConfigError(
                     f"TrainState(extra={{{key!r}: ...}}): {type(value).__name__} has no state_dict()/"
                     "load_state_dict() and is not a JSON-like value (number, string, list, dict)"
@@ -160,6 +172,15 @@ class TrainState:
             tree["data"] = self.sampler.state_dict()
         elif self.data is not None:
             tree["data"] = self.data.state_dict()
+        # The classes, so a restore into another optimizer, scheduler or scaler class is refused
+        # by name: their state dicts do not say (torch loads AdamW's state into SGD).
+        tree["classes"] = {
+            name: class_name(obj)
+            for name, obj in (
+                ("optimizer", self.optimizer), ("scheduler", self.scheduler), ("scaler", self.scaler)
+            )
+            if obj is not None
+        }  # fmt: skip
         tree["extra"] = {
             key: {"state_dict": value.state_dict()}
             if isinstance(value, Stateful)
@@ -190,19 +211,21 @@ class TrainState:
                 )
         return {k: v for k, v in live.items() if not is_dtensor(v)}
 
-    def must_be_finite(self, tree: Mapping[str, Any]) -> frozenset[str]:
+    def must_be_finite(self, tree: Mapping[str, Any], *, step: int | None = None) -> frozenset[str]:
         """Names (as in a checkpoint) of the tensors of ``tree`` (from :meth:`capture`) that must
-        never be saved holding NaN or inf.
+        never be saved holding NaN or inf; raises :class:`NonFiniteStateError` at once for a
+        Python float that is NaN or inf in the optimizer's state or param groups.
 
-        The model's parameters and the optimizer's state: buffers may hold infinities by design
-        (attention masks), parameters and moments may not.
+        The model's parameters and every tensor and float of the optimizer's state and param
+        groups, at any depth (LBFGS keeps lists of tensors and a float loss; a learning rate
+        may be a tensor). Buffers may hold infinities by design (attention masks).
         """
         names: set[str] = set()
         if self.model is not None:
             params = unwrap_model(self.model).named_parameters(remove_duplicate=False)
             names.update(f"model/{k}" for k, _ in params)
-        for param_id, param_state in tree.get("optimizer", {}).get("state", {}).items():
-            names.update(f"optimizer/state/{param_id}/{k}" for k in param_state)
+        if "optimizer" in tree:
+            names.update(_finite_names(tree["optimizer"], "optimizer", step))
         return frozenset(names)
 
     def replicated_names(self, names: Iterable[str]) -> frozenset[str]:
@@ -299,20 +322,51 @@ class TrainState:
         restore_rng(tree["rng"])
 
     def check(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
-        """Raise :class:`StateMismatchError` unless ``tree`` fits every live component."""
+        """Raise unless ``tree`` fits every live component; changes nothing live.
+
+        :class:`StateMismatchError` when a well-formed section does not fit (another model,
+        optimizer class or hyperparameters, scheduler class, scaler setting, data order, a
+        renamed field of an extra); :class:`CorruptCheckpointError` when a section is malformed
+        (the manager then falls back to the next newest checkpoint). Each message names the
+        component, the key, what was expected and what was found.
+        """
+        if not isinstance(tree, Mapping):
+            raise CorruptCheckpointError(f"{where}: the state is {type(tree).__name__}, not a dict")
         for name in ("model", "optimizer", "scheduler", "scaler", "data"):
             if getattr(self, name) is not None and name not in tree:
                 raise StateMismatchError(
                     f"{where}: holds no {name} state, but this TrainState has a {name}"
                 )
         check_rng(tree.get("rng"), where)
+        live_classes = {
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+        }
+        check_classes(tree.get("classes"), live_classes, where)
+        scratch = self._scratch()
         if self.model is not None:
-            check_module(unwrap_model(self.model), tree["model"], f"{where}: model")
+            check_module(unwrap_model(self.model), tree["model"], f"{where}: model", scratch)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, tree["optimizer"], f"{where}: optimizer")
+        if self.scheduler is not None:
+            check_scheduler(self.scheduler, tree["scheduler"], f"{where}: scheduler", scratch)
+        if self.scaler is not None:
+            check_scaler(self.scaler, tree["scaler"], f"{where}: scaler", scratch)
         if self.sampler is not None:
-            self.sampler.check_state_dict(tree["data"])
-        saved_extra = tree.get("extra", {})
+            try:
+                self.sampler.check_state_dict(tree["data"])
+            except (StateMismatchError, CorruptCheckpointError) as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+        elif self.data is not None:
+            trial_load(self.data, tree["data"], f"{where}: data", scratch)
+        self._check_extra(tree.get("extra", {}), where, scratch)
+
+    def _check_extra(self, saved_extra: Any, where: str, scratch: Scratch) -> None:
+        if not isinstance(saved_extra, dict):
+            raise CorruptCheckpointError(
+                f"{where}: 'extra' is {type(saved_extra).__name__}, not a dict of named entries"
+            )
         missing = sorted(set(self.extra) - set(saved_extra))
         if missing:
             raise StateMismatchError(
@@ -320,83 +374,53 @@ class TrainState:
             )
         for key, value in self.extra.items():
             entry = saved_extra[key]
+            here = f"{where}: extra[{key!r}]"
+            if not isinstance(entry, dict) or len(entry) != 1:
+                raise CorruptCheckpointError(
+                    f"{here}: expected {{'state_dict': ...}} or {{'value': ...}}, found {str(entry)[:200]}"
+                )
             wanted = "state_dict" if isinstance(value, Stateful) else "value"
-            if not isinstance(entry, dict) or wanted not in entry:
+            if wanted not in entry:
                 raise StateMismatchError(
-                    f"{where}: extra[{key!r}] was saved as {sorted(entry) if isinstance(entry, dict) else entry!r}, expected {wanted!r}"
+                    f"{here}: was saved as {sorted(entry)}, expected {wanted!r}: this run's is "
+                    f"{'an object with state_dict()' if wanted == 'state_dict' else 'a JSON value'}"
                 )
             if isinstance(value, nn.Module):
-                check_module(value, entry["state_dict"], f"{where}: extra[{key!r}]")
+                check_module(value, entry["state_dict"], here, scratch)
+            elif isinstance(value, Stateful):
+                trial_load(value, entry["state_dict"], here, scratch)
+            else:
+                check_json_value(value, entry["value"], here)
 
-
-def _is_json_like(value: Any) -> bool:
-    if isinstance(value, _JSON_SCALARS):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_json_like(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json_like(v) for k, v in value.items())
-    return False
-
-
-def check_module(module: nn.Module, saved: Any, where: str) -> None:
-    """Every key of ``module.state_dict()`` is saved with the same shape and dtype, and no others."""
-    if not isinstance(saved, Mapping):
-        raise StateMismatchError(
-            f"{where}: saved state is {type(saved).__name__}, not a state dict"
+    def _scratch(self) -> Scratch:
+        """Makes the scratch copies trial loads go into: every tensor of the model, the optimizer
+        and module extras gets a meta stand-in, and a dataset is shared, not copied."""
+        modules = [v for v in self.extra.values() if isinstance(v, nn.Module)]
+        return Scratch(
+            live_tensors_of(self.model, self.optimizer, *modules),
+            shared=[getattr(self.data, "dataset", None)],
         )
-    live = module.state_dict()
-    missing = [k for k in live if k not in saved]
-    unexpected = [k for k in saved if k not in live]
-    if missing or unexpected:
-        raise StateMismatchError(
-            f"{where}: keys differ from the live model: missing in checkpoint {missing[:10]}, "
-            f"unexpected in checkpoint {unexpected[:10]}. Was the model's architecture changed?"
-        )
-    for key, tensor in live.items():
-        value = saved[key]
-        if not isinstance(value, torch.Tensor):
-            raise StateMismatchError(
-                f"{where}: {key!r} is saved as {type(value).__name__}, expected a tensor"
-            )
-        if value.shape != tensor.shape or value.dtype != tensor.dtype:
-            raise StateMismatchError(
-                f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
-                f"checkpoint has {value.dtype}{list(value.shape)}"
-            )
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) -> None:
-    """The saved optimizer state has the live optimizer's parameter layout."""
-    if not isinstance(saved, Mapping) or "param_groups" not in saved or "state" not in saved:
-        raise StateMismatchError(f"{where}: not an optimizer state dict")
-    live_groups = optimizer.param_groups
-    saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(live_groups):
-        raise StateMismatchError(
-            f"{where}: {len(saved_groups)} param groups saved, the optimizer has {len(live_groups)}"
+def _finite_names(value: Any, path: str, step: int | None, depth: int = 0) -> Iterator[str]:
+    """The names of the tensors under ``value`` (named as the checkpoint names them); raises
+    :class:`NonFiniteStateError` for a NaN or infinite Python or NumPy float among them."""
+    if depth > 64:
+        return
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        yield path
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _finite_names(v, f"{path}/{k}", step, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _finite_names(v, f"{path}/{i}", step, depth + 1)
+    elif isinstance(value, (float, complex, np.floating, np.complexfloating)) and not np.isfinite(
+        value
+    ):
+        at = "" if step is None else f" at step {step}"
+        raise NonFiniteStateError(
+            f"{path!r} is {value!r}{at}: a checkpoint of diverged optimizer state is refused. "
+            "Resume from an earlier checkpoint; crashproof.NumericsGuard catches such steps "
+            "before they are applied"
         )
-    params: dict[int, torch.Tensor] = {}
-    for i, (s, g) in enumerate(zip(saved_groups, live_groups, strict=True)):
-        if len(s["params"]) != len(g["params"]):
-            raise StateMismatchError(
-                f"{where}: param group {i} has {len(s['params'])} parameters saved, the optimizer has {len(g['params'])}"
-            )
-        params.update(zip(s["params"], g["params"], strict=True))
-    for param_id, param_state in saved["state"].items():
-        if param_id not in params:
-            raise StateMismatchError(
-                f"{where}: state for parameter id {param_id!r} that no param group lists"
-            )
-        param = params[param_id]
-        for name, value in param_state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            # Per-element state has the parameter's shape. Known names must match exactly; for
-            # others (factored states such as Adafactor's row_var) only a same-sized tensor must.
-            per_element = name in _PER_ELEMENT_STATE or (value.numel() == param.numel() > 1)
-            if per_element and value.shape != param.shape:
-                raise StateMismatchError(
-                    f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
-                    f"the parameter has {list(param.shape)}; was the model or the parameter order changed?"
-                )

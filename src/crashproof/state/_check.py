@@ -1,0 +1,452 @@
+"""Check a saved state tree against the live training state before a restore changes anything.
+
+A restore is all-or-nothing: :meth:`TrainState.check` runs every check here first, on a tree
+whose tensors may be shape-only (``meta``) stand-ins, and only then does anything live change.
+Two kinds of failure:
+
+- :class:`CorruptCheckpointError`: a section is malformed (a type crashproof never writes there:
+  ``param_groups`` not a list, an RNG state that no generator accepts). The manager skips such a
+  checkpoint for the next newest, as for a flipped bit.
+- :class:`StateMismatchError`: the section is well formed but does not fit the live component
+  (another architecture, optimizer class, scheduler class, scaler setting, renamed field).
+
+What cannot be checked by looking (a user's ``Stateful.load_state_dict``, a module's
+``set_extra_state``, a scheduler's nested schedulers) is loaded into a scratch copy of the object:
+a deep copy in which the model's, the optimizer's and the object's own tensors are ``meta``
+stand-ins, so it costs no tensor memory. An object that cannot be deep-copied (it holds a lock or a
+process group) is loaded unchecked. This module does not restore anything itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from crashproof.errors import CorruptCheckpointError, StateMismatchError
+from crashproof.state._dtensor import is_dtensor
+
+__all__ = [
+    "Scratch",
+    "check_classes",
+    "check_json_value",
+    "check_module",
+    "check_optimizer",
+    "check_scaler",
+    "check_scheduler",
+    "class_name",
+    "is_json_like",
+    "live_tensors_of",
+    "trial_load",
+]
+
+log = logging.getLogger(__name__)
+
+_JSON_SCALARS = (type(None), bool, int, float, str)
+# Optimizer state entries that torch.optim keeps per element of the parameter (same shape).
+_PER_ELEMENT_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+     "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
+)  # fmt: skip
+# Param-group keys that are not the optimizer's own: torch's LR schedulers add "initial_lr", and
+# "param_names" is optional; neither says anything about the optimizer's class.
+_FOREIGN_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"})
+_EXTRA_STATE = "_extra_state"
+# A meta tensor this small is given zeros for a trial load (a load may call .item() on a step
+# count); larger ones stay meta, which copy_() into a meta stand-in accepts.
+_TRIAL_MATERIALIZE = 1 << 12
+
+
+def class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def check_classes(saved: Any, live: Mapping[str, Any], where: str) -> None:
+    """The classes recorded at save time (``tree["classes"]``) are the live ones, by class name;
+    checkpoints from before they were recorded have none and pass."""
+    if saved is None:
+        return
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+        raise CorruptCheckpointError(f"{where}: 'classes' is malformed: {str(saved)[:200]}")
+    for name, obj in live.items():
+        recorded = saved.get(name)
+        if obj is None or recorded is None:
+            continue
+        now = class_name(obj)
+        if recorded.rsplit(".", 1)[-1] != now.rsplit(".", 1)[-1]:
+            raise StateMismatchError(
+                f"{where}: {name}: the checkpoint was saved from a {recorded}, this run's {name} is "
+                f"a {now}. Create the {name} the saving run used, or start a new run directory."
+            )
+
+
+# -- model ----------------------------------------------------------------------------------
+
+
+def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | None = None) -> None:
+    """Every key of ``module.state_dict()`` is saved with the same shape and dtype, and no
+    others; a submodule's extra state (``get_extra_state``) loads into a scratch copy of it."""
+    if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
+        raise CorruptCheckpointError(
+            f"{where}: saved state is {type(saved).__name__}, not a state dict of named tensors"
+        )
+    live = module.state_dict()
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if missing or unexpected:
+        raise StateMismatchError(
+            f"{where}: keys differ from the live model: missing in checkpoint {missing[:10]}, "
+            f"unexpected in checkpoint {unexpected[:10]}. Was the model's architecture changed?"
+        )
+    for key, tensor in live.items():
+        value = saved[key]
+        if key.rsplit(".", 1)[-1] == _EXTRA_STATE:
+            # Any value get_extra_state returned; whether it loads is set_extra_state's to say.
+            owner = module.get_submodule(key.rpartition(".")[0])
+            _trial(owner, "set_extra_state", value, f"{where}: {key!r}", scratch)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{where}: {key!r} is saved as {type(value).__name__}, expected a tensor"
+            )
+        if value.shape != tensor.shape or value.dtype != tensor.dtype:
+            raise StateMismatchError(
+                f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
+                f"checkpoint has {value.dtype}{list(value.shape)}"
+            )
+
+
+# -- optimizer ------------------------------------------------------------------------------
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) -> None:
+    """The saved optimizer state is well formed, has the live optimizer's parameter layout, and
+    its param groups hold exactly the live optimizer's hyperparameters (AdamW's state restored
+    into SGD would fail at the next step for want of ``momentum``)."""
+    if not isinstance(saved, Mapping) or "param_groups" not in saved or "state" not in saved:
+        raise CorruptCheckpointError(f"{where}: not an optimizer state dict (param_groups, state)")
+    saved_groups, saved_state = saved["param_groups"], saved["state"]
+    if not isinstance(saved_groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: 'param_groups' must be a list of dicts each with a 'params' list, found "
+            f"{str(saved_groups)[:200]}"
+        )
+    if not isinstance(saved_state, Mapping) or not all(
+        isinstance(s, Mapping) for s in saved_state.values()
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: 'state' must map parameter ids to dicts, found {str(saved_state)[:200]}"
+        )
+    live_groups = optimizer.param_groups
+    if len(saved_groups) != len(live_groups):
+        raise StateMismatchError(
+            f"{where}: {len(saved_groups)} param groups saved, the optimizer has {len(live_groups)}"
+        )
+    params: dict[Any, torch.Tensor] = {}
+    for i, (s, g) in enumerate(zip(saved_groups, live_groups, strict=True)):
+        if len(s["params"]) != len(g["params"]):
+            raise StateMismatchError(
+                f"{where}: param group {i} has {len(s['params'])} parameters saved, the optimizer has {len(g['params'])}"
+            )
+        for param_id, param in zip(s["params"], g["params"], strict=True):
+            if not isinstance(param_id, (int, str)) or isinstance(param_id, bool):
+                raise CorruptCheckpointError(
+                    f"{where}: param group {i} lists {param_id!r}, not a parameter id"
+                )
+            if param_id in params:
+                raise CorruptCheckpointError(
+                    f"{where}: parameter id {param_id!r} is listed by two param groups"
+                )
+            params[param_id] = param
+    _check_group_keys(optimizer, saved_groups, where)
+    for param_id, param_state in saved_state.items():
+        if param_id not in params:
+            raise CorruptCheckpointError(
+                f"{where}: state for parameter id {param_id!r} that no param group lists"
+            )
+        param = params[param_id]
+        for name, value in param_state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            # Per-element state has the parameter's shape. Known names must match exactly; for
+            # others (factored states such as Adafactor's row_var) only a same-sized tensor must.
+            per_element = name in _PER_ELEMENT_STATE or (value.numel() == param.numel() > 1)
+            if per_element and value.shape != param.shape:
+                raise StateMismatchError(
+                    f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
+                    f"the parameter has {list(param.shape)}; was the model or the parameter order changed?"
+                )
+
+
+def _check_group_keys(
+    optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], where: str
+) -> None:
+    """Each saved group, once loaded, has exactly the live group's keys. A key the optimizer's
+    ``__setstate__`` fills in (checkpoints from an older torch lack ``fused``) counts as there."""
+    loaded = _groups_as_loaded(optimizer, saved_groups)
+    for i, (group, live) in enumerate(zip(loaded, optimizer.param_groups, strict=True)):
+        missing = sorted(set(live) - set(group) - _FOREIGN_GROUP_KEYS)
+        unexpected = sorted(set(group) - set(live) - _FOREIGN_GROUP_KEYS)
+        if missing or unexpected:
+            raise StateMismatchError(
+                f"{where}: param group {i}: hyperparameters differ from this run's "
+                f"{type(optimizer).__name__}: missing in checkpoint {missing}, unexpected in "
+                f"checkpoint {unexpected}. Was it saved by another optimizer class? Create the "
+                "optimizer the saving run used, or start a new run directory."
+            )
+
+
+def _groups_as_loaded(
+    optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The param groups ``optimizer.load_state_dict`` would leave, computed on a shallow scratch
+    copy (its own dicts, no state): the live optimizer is not touched."""
+    groups = [
+        {**s, "params": live["params"]}
+        for s, live in zip(saved_groups, optimizer.param_groups, strict=True)
+    ]
+    scratch = copy.copy(optimizer)
+    scratch.__dict__["defaults"] = dict(optimizer.defaults)
+    try:
+        scratch.__setstate__({"state": defaultdict(dict), "param_groups": groups})
+    except Exception:  # an optimizer whose __setstate__ needs more: compare the saved keys
+        return [dict(s) for s in saved_groups]
+    return scratch.param_groups
+
+
+# -- scheduler, scaler, extras --------------------------------------------------------------
+
+
+def check_scheduler(scheduler: Any, saved: Any, where: str, scratch: Scratch) -> None:
+    """A scheduler's state holds its attributes: the saved public ones must be the live ones
+    (another class, a renamed field), nested containers alike; then it must load."""
+    live = scheduler.state_dict()
+    if isinstance(live, dict) and not isinstance(saved, dict):
+        raise CorruptCheckpointError(
+            f"{where}: saved state is {type(saved).__name__}, expected a dict"
+        )
+    if isinstance(live, dict):
+        _same_shape(live, saved, where, public_only=True)
+    trial_load(scheduler, saved, where, scratch)
+
+
+def check_scaler(scaler: Any, saved: Any, where: str, scratch: Scratch) -> None:
+    """An AMP GradScaler: enabled in both runs or in neither, every field a number. Any other
+    scaler is loaded into a scratch copy."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        trial_load(scaler, saved, where, scratch)
+        return
+    if not isinstance(saved, dict):
+        raise CorruptCheckpointError(
+            f"{where}: saved state is {type(saved).__name__}, expected a dict"
+        )
+    live = scaler.state_dict()
+    if bool(live) != bool(saved):
+        saved_as, live_as = ("enabled", "disabled") if saved else ("disabled", "enabled")
+        raise StateMismatchError(
+            f"{where}: the checkpoint's GradScaler was {saved_as}, this run's is {live_as}: "
+            f"expected keys {sorted(live)}, found {sorted(saved)}. Create it with "
+            f"enabled={bool(saved)}, or leave the scaler out of the TrainState to drop its state."
+        )
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise StateMismatchError(
+            f"{where}: GradScaler keys differ: missing in checkpoint {missing}, unexpected "
+            f"{unexpected}"
+        )
+    for key, value in saved.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise CorruptCheckpointError(
+                f"{where}: {key!r} is {value!r}, expected a number like {live[key]!r}"
+            )
+        if key in ("growth_interval", "_growth_tracker") and not isinstance(value, int):
+            raise CorruptCheckpointError(f"{where}: {key!r} is {value!r}, expected an integer")
+
+
+def check_json_value(live: Any, saved: Any, where: str) -> None:
+    """A JSON-like extra is replaced whole: the saved value must be JSON-like, and of the kind
+    (number, string, list, dict) the live one is, unless either is None."""
+    if not is_json_like(saved):
+        raise CorruptCheckpointError(f"{where}: saved value is not JSON-like: {str(saved)[:200]}")
+    kinds = (_kind(live), _kind(saved))
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise StateMismatchError(
+            f"{where}: this run holds a {kinds[0]} ({str(live)[:50]}), the checkpoint a "
+            f"{kinds[1]} ({str(saved)[:50]}); is it the same quantity?"
+        )
+
+
+def is_json_like(value: Any, depth: int = 0) -> bool:
+    if depth > 64:
+        return False
+    if isinstance(value, _JSON_SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_json_like(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json_like(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _kind(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return "dict"
+
+
+def _same_shape(live: Any, saved: Any, where: str, *, public_only: bool = False) -> None:
+    """Dicts have the same keys (at the top, ``_private`` ones aside: torch adds and renames
+    those between versions), lists the same length, recursively; scalars may differ freely."""
+    if isinstance(saved, dict) and not isinstance(live, dict):
+        raise StateMismatchError(
+            f"{where}: this run holds {str(live)[:80]}, the checkpoint a dict {str(saved)[:80]}"
+        )
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise StateMismatchError(
+                f"{where}: expected a dict, found {type(saved).__name__} {str(saved)[:80]}"
+            )
+        keys = {k for k in live if not (public_only and str(k).startswith("_"))}
+        found = {k for k in saved if not (public_only and str(k).startswith("_"))}
+        if keys != found:
+            raise StateMismatchError(
+                f"{where}: fields differ from this run's: missing in checkpoint "
+                f"{sorted(map(str, keys - found))}, unexpected in checkpoint "
+                f"{sorted(map(str, found - keys))}. Was another class or version saved?"
+            )
+        for key in live.keys() & saved.keys():
+            _same_shape(live[key], saved[key], f"{where}: {key!r}")
+    elif isinstance(live, (list, tuple)) and live and saved is not None:
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            raise StateMismatchError(
+                f"{where}: expected {len(live)} items like {str(live)[:80]}, found {str(saved)[:80]}"
+            )
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+            _same_shape(a, b, f"{where}[{i}]")
+
+
+# -- scratch copies -------------------------------------------------------------------------
+
+
+class Scratch:
+    """Makes scratch copies of live objects: deep copies in which the given tensors (the model's,
+    the optimizer's) are ``meta`` stand-ins, and the given objects (a dataset) are shared."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], shared: Iterable[Any] = ()) -> None:
+        self._tensors = list(tensors)
+        self._shared = [s for s in shared if s is not None]
+
+    def copy(self, obj: Any) -> Any:
+        """A scratch copy of ``obj``, or None when it cannot be deep-copied."""
+        memo: dict[int, Any] = {id(s): s for s in self._shared}
+        for t in [*self._tensors, *_tensors_in(_state_dict_or_none(obj))]:
+            if id(t) not in memo:
+                memo[id(t)] = _meta_like(t)
+        try:
+            return copy.deepcopy(obj, memo)
+        except Exception as exc:
+            log.debug("cannot copy %s to check a restore on it first: %s", class_name(obj), exc)
+            return None
+
+
+def trial_load(obj: Any, saved: Any, where: str, scratch: Scratch | None) -> None:
+    """``obj.load_state_dict(saved)`` on a scratch copy: :class:`StateMismatchError` if it raises."""
+    _trial(obj, "load_state_dict", saved, where, scratch)
+
+
+def _trial(obj: Any, method: str, saved: Any, where: str, scratch: Scratch | None) -> None:
+    copied = (scratch or Scratch(())).copy(obj)
+    if copied is None:
+        return
+    try:
+        getattr(copied, method)(_trial_value(saved))
+    except Exception as exc:
+        live = _state_dict_or_none(obj) if method == "load_state_dict" else None
+        keys = ""
+        if isinstance(live, dict) and isinstance(saved, dict):
+            keys = (
+                f" (this run's {type(obj).__name__} has fields {sorted(map(str, live))[:20]}, the "
+                f"checkpoint {sorted(map(str, saved))[:20]})"
+            )
+        raise StateMismatchError(
+            f"{where}: the saved state does not load into this run's {type(obj).__name__}: "
+            f"{method} raised {type(exc).__name__}: {exc}{keys}. Was its class or a field "
+            "renamed? Nothing was changed."
+        ) from exc
+
+
+def _state_dict_or_none(obj: Any) -> Any:
+    if isinstance(obj, nn.Module) or not hasattr(obj, "state_dict"):
+        return None
+    try:
+        return obj.state_dict()
+    except Exception:
+        return None
+
+
+def _meta_like(t: torch.Tensor) -> Any:
+    if is_dtensor(t):
+        return t  # shared: a DTensor has no meta stand-in as cheap
+    stand_in = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(stand_in, requires_grad=t.requires_grad)
+    return stand_in
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if depth > 64:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v, depth + 1)
+
+
+def _trial_value(value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` for a trial load (which may change it, as LambdaLR's pops a key):
+    small ``meta`` tensors become zeros, so a load may read them."""
+    if depth > 64:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.is_meta and value.numel() <= _TRIAL_MATERIALIZE:
+            return torch.zeros(value.shape, dtype=value.dtype)
+        return value
+    if isinstance(value, dict):
+        return {k: _trial_value(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_trial_value(v, depth + 1) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_trial_value(v, depth + 1) for v in value)
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value
+
+
+def live_tensors_of(*objects: Any) -> Iterator[torch.Tensor]:
+    """The tensors of modules (parameters, buffers) and optimizers (params, state) in ``objects``."""
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            yield from obj.parameters()
+            yield from obj.buffers()
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                yield from _tensors_in(group)
+            yield from _tensors_in(dict(obj.state))

@@ -1,0 +1,535 @@
+"""Promise: a restore is all-or-nothing for every part of the state, not only for tensors.
+
+A valid checkpoint that does not fit the live run (another scheduler or optimizer class, a scaler
+switched on or off, a renamed field of an extra) raises :class:`StateMismatchError` naming the
+component; a hand-edited, malformed section is a :class:`CorruptCheckpointError` and the manager
+falls back to the next newest checkpoint. Either way the live state afterwards is bitwise what it
+was: every tensor (``torch.equal``) and every Python state (``==``) of the model, optimizer,
+scheduler, scaler, sampler, extras and the random generators. Written as an attacker: each case
+is one way a checkpoint and a run can disagree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from crashproof import (
+    CheckpointManager,
+    CorruptCheckpointError,
+    ResumableSampler,
+    StateMismatchError,
+    TrainState,
+)
+from crashproof.checkpoint._format import dumps
+from crashproof.checkpoint._hashing import digest
+
+INDEX = "rank_00000.json"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: a second OpenMP thread only spins against the other test processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- a run with every kind of component ------------------------------------------------------
+
+
+class Counter:
+    """A Stateful extra with two fields; ``names`` lets a later version rename them."""
+
+    def __init__(self, names: tuple[str, str] = ("seen", "tokens")) -> None:
+        self.names = names
+        self.values = [0, 0]
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(zip(self.names, self.values, strict=True))
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # Field by field, as most hand-written ones do: a missing second field fails half-way.
+        for i, name in enumerate(self.names):
+            self.values[i] = state[name]
+
+
+class Tagged(nn.Module):
+    """A module with extra state (``get_extra_state``) that is a dict, not a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+        self.note = "fresh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = torch.relu(self.linear(x))
+        return out
+
+    def get_extra_state(self) -> Any:
+        return {"calls": self.calls, "note": self.note}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls = state["calls"]  # half-way: a renamed "note" fails after this
+        self.note = state["note"]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tagged = Tagged()
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.tagged(x)))
+
+
+def _sched_step(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def _sched_lambda(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+
+
+def _sched_sequential(optimizer: torch.optim.Optimizer) -> Any:
+    first = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
+    then = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, then], milestones=[2])
+
+
+def _sched_sequential_other(optimizer: torch.optim.Optimizer) -> Any:
+    first = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
+    then = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, then], milestones=[2])
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.1, weight_decay=0.01)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.1)
+
+
+def _run(
+    seed: int,
+    *,
+    optimizer: Callable[[Any], torch.optim.Optimizer] = _adamw,
+    scheduler: Callable[[torch.optim.Optimizer], Any] = _sched_step,
+    scaler_enabled: bool = True,
+    counter_names: tuple[str, str] = ("seen", "tokens"),
+    extra_value: Any = 7,
+    steps: int = 3,
+) -> TrainState:
+    """A run of ``steps`` real steps with every component; ``seed`` makes all its values differ."""
+    torch.manual_seed(seed)
+    model = Net()
+    opt = optimizer(model.parameters())
+    sampler = ResumableSampler(40, shuffle=True, seed=3, rank=0, world_size=1)
+    loader: DataLoader[torch.Tensor] = DataLoader(
+        torch.randn(40, 4),  # type: ignore[arg-type]
+        batch_size=4,
+        sampler=sampler,
+    )
+    ema = nn.Linear(4, 2)
+    state = TrainState(
+        model=model,
+        optimizer=opt,
+        scheduler=scheduler(opt),
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8 + seed, enabled=scaler_enabled),
+        data=loader,
+        extra={"counter": Counter(counter_names), "ema": ema, "tokens": extra_value},
+    )
+    scaler: Any = state.scaler
+    sched: Any = state.scheduler
+    for _, batch in zip(range(steps), loader, strict=False):
+        opt.zero_grad()
+        scaler.scale(model(batch).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    with torch.no_grad():
+        ema.weight.add_(seed)
+    state.extra["counter"].values = [seed * 10, seed * 100]
+    model.tagged.note = f"run {seed}"
+    random.random(), np.random.rand(), torch.rand(1)  # move every generator
+    return state
+
+
+# -- what "unchanged" means ------------------------------------------------------------------
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _snapshot(state: TrainState) -> dict[str, Any]:
+    """Every part of the live state a failed restore must leave as it was, cloned."""
+    assert state.model is not None and state.optimizer is not None and state.sampler is not None
+    assert state.scheduler is not None and state.scaler is not None
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
+    tagged = state.model.tagged
+    return _clone(
+        {
+            "model": state.model.state_dict(),
+            "tagged": (tagged.calls, tagged.note),
+            "optimizer": state.optimizer.state_dict(),
+            "optimizer_class": type(state.optimizer),
+            "scheduler": state.scheduler.state_dict(),
+            "scheduler_class": type(state.scheduler),
+            "scaler": state.scaler.state_dict(),
+            "scaler_scale": getattr(state.scaler, "_scale", None),
+            "sampler": state.sampler.state_dict(),
+            "counter": list(state.extra["counter"].values),
+            "ema": state.extra["ema"].state_dict(),
+            "tokens": state.extra["tokens"],
+            "python_rng": random.getstate(),
+            "numpy_rng": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            "torch_rng": torch.get_rng_state(),
+        }
+    )
+
+
+def _assert_equal(actual: Any, expected: Any, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
+        for key in expected:
+            _assert_equal(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_equal(a, e, f"{where}/{i}")
+    else:
+        assert actual == expected, where
+
+
+def _assert_unchanged(state: TrainState, before: dict[str, Any]) -> None:
+    after = _snapshot(state)
+    for key in before:
+        _assert_equal(after[key], before[key], key)
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def _save(root: Path, state: TrainState, *steps: int) -> None:
+    with CheckpointManager(root, async_save=False, handle_signals=False) as manager:
+        for step in steps:
+            manager.save(step, state)
+
+
+def _restore(root: Path, state: TrainState) -> int:
+    with CheckpointManager(root, handle_signals=False) as manager:
+        return manager.restore(state)
+
+
+def _edit_state(root: Path, step: int, mutate: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite the state tree in a checkpoint's rank index and fix its size and checksum in the
+    manifest: a hand-edited checkpoint every checksum vouches for."""
+    ckpt = root / f"step_{step:010d}"
+    index = json.loads((ckpt / INDEX).read_bytes())
+    mutate(index["state"])
+    data = dumps(index)
+    (ckpt / INDEX).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_bytes())
+    manifest["files"][INDEX] = {"size": len(data), "checksum": digest(data)}
+    (ckpt / "manifest.json").write_bytes(dumps(manifest))
+
+
+# -- a valid checkpoint that does not fit: StateMismatchError, nothing changes ---------------
+
+
+def _case(case_id: str, component: str, *, source: Any = None, **target: Any) -> Any:
+    return pytest.param(source or {}, target, component, id=case_id)
+
+
+MISMATCHES = [
+    _case("scheduler-steplr-to-lambdalr", "scheduler", scheduler=_sched_lambda),
+    _case("scheduler-lambdalr-to-steplr", "scheduler",
+          source={"scheduler": _sched_lambda}, scheduler=_sched_step),
+    _case("sequentiallr-child-changed", "scheduler",
+          source={"scheduler": _sched_sequential}, scheduler=_sched_sequential_other),
+    _case("scaler-enabled-to-disabled", "scaler", scaler_enabled=False),
+    _case("scaler-disabled-to-enabled", "scaler", source={"scaler_enabled": False}),
+    _case("extra-second-field-renamed", "counter", counter_names=("seen", "token_count")),
+    _case("extra-first-field-renamed", "counter", counter_names=("n_seen", "tokens")),
+    _case("optimizer-adamw-to-sgd-momentum", "optimizer", optimizer=_sgd),
+    _case("optimizer-sgd-to-adamw", "optimizer", source={"optimizer": _sgd}),
+    _case("json-extra-int-to-dict", "tokens", extra_value={"total": 1}),
+    _case("json-extra-int-to-str", "tokens", extra_value="seven"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recorded_classes", [True, False], ids=["classes", "no-classes"])
+@pytest.mark.parametrize(("source_kwargs", "target_kwargs", "component"), MISMATCHES)
+def test_a_checkpoint_of_another_configuration_raises_and_changes_nothing(
+    tmp_path: Path,
+    source_kwargs: dict[str, Any],
+    target_kwargs: dict[str, Any],
+    component: str,
+    recorded_classes: bool,
+) -> None:
+    """Each case twice: with the classes recorded at save, and without (a checkpoint from before
+    they were recorded), where the state itself must give the mismatch away."""
+    _save(tmp_path, _run(seed=1, **source_kwargs), 5)
+    if not recorded_classes:
+        _edit_state(tmp_path, 5, lambda tree: tree.pop("classes", None))
+    target = _run(seed=2, **target_kwargs)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=component) as caught:
+        _restore(tmp_path, target)
+
+    assert "step_0000000005" in str(caught.value)  # names the file
+    _assert_unchanged(target, before)
+
+
+def test_adamw_into_adam_is_refused_by_class(tmp_path: Path) -> None:
+    """Same hyperparameter names, another class: only the recorded class tells them apart."""
+    _save(tmp_path, _run(seed=1), 5)
+    target = _run(seed=2, optimizer=_adam)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=r"optimizer: .*AdamW.*Adam"):
+        _restore(tmp_path, target)
+
+    _assert_unchanged(target, before)
+
+
+def test_a_disabled_scaler_checkpoint_into_an_enabled_scaler_raises_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    _save(tmp_path, _run(seed=1, scaler_enabled=False), 5)
+    target = _run(seed=2)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match="GradScaler was disabled, this run's is enabled"):
+        _restore(tmp_path, target)
+
+    _assert_unchanged(target, before)
+
+
+def test_lambdalr_checkpoint_into_steplr_names_the_fields(tmp_path: Path) -> None:
+    _save(tmp_path, _run(seed=1, scheduler=_sched_lambda), 5)
+    target = _run(seed=2)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=r"scheduler.*LambdaLR.*StepLR"):
+        _restore(tmp_path, target)
+
+    _assert_unchanged(target, before)
+
+
+def test_a_stateful_extra_failing_half_way_leaves_every_component_unchanged() -> None:
+    """Directly through TrainState.restore with real tensors, no manager."""
+    tree = _clone(_run(seed=1).capture())
+    target = _run(seed=2, counter_names=("seen", "n_tokens"))
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=r"extra\['counter'\].*KeyError.*n_tokens"):
+        target.restore(tree)
+
+    _assert_unchanged(target, before)
+
+
+def test_a_module_whose_set_extra_state_fails_half_way_changes_nothing() -> None:
+    tree = _clone(_run(seed=1).capture())
+    tree["model"]["tagged._extra_state"] = {"calls": 99, "renamed_note": "x"}
+    target = _run(seed=2)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=r"model.*tagged\._extra_state.*renamed_note|note"):
+        target.restore(tree)
+
+    _assert_unchanged(target, before)
+
+
+# -- a malformed section: CorruptCheckpointError, the restore falls back ---------------------
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(tree: dict[str, Any]) -> None:
+        *parents, last = path.split("/")
+        node: Any = tree
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return mutate
+
+
+def _drop_params(tree: dict[str, Any]) -> None:
+    del tree["optimizer"]["param_groups"][0]["params"]
+
+
+CORRUPTIONS = [
+    pytest.param(_set("rng/python", "not a state"), id="rng-python-a-string"),
+    pytest.param(_set("rng/python", {"$tuple": [3, [1, 2, 3], None]}), id="rng-python-short"),
+    pytest.param(_set("rng/python", [3, {"$tuple": [2**40] * 625}, None]), id="rng-python-huge"),
+    pytest.param(_set("rng/numpy/keys", [1, 2, 3]), id="rng-numpy-short-keys"),
+    pytest.param(_set("rng/numpy/keys", "abc"), id="rng-numpy-keys-a-string"),
+    pytest.param(_set("rng/numpy", None), id="rng-numpy-none"),
+    pytest.param(_set("rng/torch", [1, 2]), id="rng-torch-a-list"),
+    pytest.param(_set("optimizer/param_groups", {"a": 1}), id="param-groups-not-a-list"),
+    pytest.param(_set("optimizer/param_groups", "ab"), id="param-groups-a-string"),
+    pytest.param(_set("optimizer/state", [1, 2]), id="optimizer-state-a-list"),
+    pytest.param(_drop_params, id="param-group-without-params"),
+    pytest.param(_set("optimizer/param_groups/0/params", 5), id="params-not-a-list"),
+    pytest.param(_set("optimizer", [1]), id="optimizer-a-list"),
+    pytest.param(_set("model", [1]), id="model-a-list"),
+    pytest.param(_set("model/head.weight", {"a": 1}), id="model-tensor-a-dict"),
+    pytest.param(_set("scaler/scale", "big"), id="scaler-scale-a-string"),
+    pytest.param(_set("scaler/growth_interval", 2.5), id="scaler-interval-a-float"),
+    pytest.param(_set("data/consumed", "4"), id="sampler-consumed-a-string"),
+    pytest.param(_set("data/epoch", -3), id="sampler-epoch-negative"),
+    pytest.param(_set("data/skipped", [[0, 9, 2]]), id="sampler-window-backwards"),
+    pytest.param(_set("extra", [1]), id="extra-a-list"),
+    pytest.param(_set("extra/counter", 5), id="extra-entry-not-a-dict"),
+    pytest.param(_set("extra/tokens/value", {"$bytes": "AAAA"}), id="json-extra-bytes"),
+    pytest.param(_set("classes", "AdamW"), id="classes-a-string"),
+]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
+def test_a_malformed_section_is_corrupt_and_the_restore_falls_back(
+    tmp_path: Path, corrupt: Callable[[dict[str, Any]], None]
+) -> None:
+    source = _run(seed=1)
+    _save(tmp_path, source, 4)
+    expected = _snapshot(source)  # what step 4 holds (the RNG as captured)
+    _save(tmp_path, _run(seed=3), 8)
+    _edit_state(tmp_path, 8, corrupt)
+    target = _run(seed=2)
+
+    assert _restore(tmp_path, target) == 4  # step 8 skipped like any corrupt checkpoint
+
+    after = _snapshot(target)
+    for key in (
+        "model",
+        "tagged",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "sampler",
+        "counter",
+        "ema",
+        "tokens",
+    ):
+        _assert_equal(after[key], expected[key], key)
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
+def test_a_malformed_tree_raises_corrupt_and_changes_nothing(
+    corrupt: Callable[[dict[str, Any]], None],
+) -> None:
+    """The same edits, straight into TrainState.restore: never a bare TypeError or KeyError."""
+    tree = _clone(_run(seed=1).capture())
+    encoded = json.loads(json.dumps(_plain(tree)))
+    corrupt(encoded)
+    target = _run(seed=2)
+    before = _snapshot(target)
+
+    with pytest.raises(CorruptCheckpointError):
+        target.restore(_decode(encoded, tree))
+
+    _assert_unchanged(target, before)
+
+
+def _plain(value: Any) -> Any:
+    """The tree as the JSON the index holds, tensors as markers (so edits use index paths)."""
+    from crashproof.checkpoint._tree import encode_tree
+
+    return encode_tree(value, [])
+
+
+def _decode(encoded: Any, original: dict[str, Any]) -> Any:
+    from crashproof.checkpoint._tree import decode_tree, encode_tree
+
+    tensors: list[tuple[str, torch.Tensor]] = []
+    encode_tree(original, tensors)
+    return decode_tree(encoded, lambda i: tensors[i][1].clone(), "edited tree")
+
+
+# -- what must still work --------------------------------------------------------------------
+
+
+def test_a_fitting_checkpoint_restores_every_component_including_module_extra_state(
+    tmp_path: Path,
+) -> None:
+    """The control: the same run configuration restores, and a module whose extra state is a
+    dict (get_extra_state/set_extra_state) round-trips through a real checkpoint."""
+    source = _run(seed=1)
+    _save(tmp_path, source, 5)
+    expected = _snapshot(source)
+    target = _run(seed=2)
+
+    assert _restore(tmp_path, target) == 5
+
+    after = _snapshot(target)
+    for key in expected:
+        _assert_equal(after[key], expected[key], key)
+    assert target.model is not None and target.model.tagged.note == "run 1"
+
+
+def test_a_module_with_tensor_extra_state_of_another_size_round_trips(tmp_path: Path) -> None:
+    class Blob(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+            self.blob = torch.arange(n, dtype=torch.uint8)
+
+        def get_extra_state(self) -> torch.Tensor:
+            return self.blob
+
+        def set_extra_state(self, state: torch.Tensor) -> None:
+            self.blob = state.clone()
+
+    _save(tmp_path, TrainState(model=Blob(7)), 1)
+    target = Blob(3)
+    assert _restore(tmp_path, TrainState(model=target)) == 1
+    assert torch.equal(target.blob, torch.arange(7, dtype=torch.uint8))
+
+
+def test_checking_a_tree_leaves_the_tree_and_the_live_state_alone() -> None:
+    """LambdaLR's load_state_dict pops a key from what it is given: a trial load must get a copy."""
+    tree = _clone(_run(seed=1, scheduler=_sched_lambda).capture())
+    kept = _clone(tree)
+    target = _run(seed=2, scheduler=_sched_lambda)
+    before = _snapshot(target)
+
+    target.check(tree)
+
+    _assert_equal(tree, kept, "tree")
+    _assert_unchanged(target, before)
