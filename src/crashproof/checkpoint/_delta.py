@@ -73,13 +73,21 @@ class DeltaBase:
     step: int
     tensors: Mapping[str, torch.Tensor]
     checksums: Mapping[str, str]
+    manifest: str | None = None
+    """The checksum of the checkpoint's ``manifest.json``, recorded in every delta taken against
+    it (``base_manifest``): a later checkpoint of the same step (saved again after a restore fell
+    back past this one) is another base. Known where the manifest was written: on the
+    coordinator, the one rank that writes a delta's manifest too."""
 
 
 def keep_as_base(
     snapshot: Any, checksums: Mapping[str, str], previous: DeltaBase | None
 ) -> DeltaBase:
     """A host copy of a committed full snapshot's tensors, reusing ``previous``'s buffers where
-    names, shapes and dtypes match (a full save every few saves must not churn memory)."""
+    names, shapes and dtypes match (a full save every few saves must not churn memory).
+
+    ``snapshot`` is the :class:`~._writer.Snapshot` that was committed: its
+    ``committed_manifest`` binds the deltas to be taken against it to this very checkpoint."""
     old = previous.tensors if previous is not None else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in snapshot.tensors:
@@ -88,7 +96,9 @@ def keep_as_base(
             buffer = torch.empty_like(tensor, device="cpu")
         np.copyto(_bytes(buffer), _bytes(tensor))
         tensors[name] = buffer
-    return DeltaBase(snapshot.step, tensors, dict(checksums))
+    return DeltaBase(
+        snapshot.step, tensors, dict(checksums), getattr(snapshot, "committed_manifest", None)
+    )
 
 
 # The encoding runs on the background writer, beside the training loop, so it uses NumPy, which
@@ -232,7 +242,10 @@ def encode_delta(
 
 
 def apply_delta(entry: DeltaEntry, blob: torch.Tensor, target: torch.Tensor, where: str) -> None:
-    """Turn ``target``, holding the base's tensor, into the saved one; verify its checksum."""
+    """Turn ``target``, holding the base's tensor, into the saved one; verify its checksum.
+
+    ``target`` is changed before the checksum can be checked: a restore first rebuilds every
+    tensor into scratch memory (``RankRead.verify``) and only then into the live tensors."""
     if entry.encoding == "xor-zstd":
         planes = _unpack_planes(_bytes(blob), target.numel(), target.element_size(), where)
         xor = _unplanes(planes, target.element_size())

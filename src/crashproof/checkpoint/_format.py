@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "DeltaEntry",
     "FileEntry",
     "Manifest",
+    "Piece",
     "RankIndex",
     "TensorEntry",
     "checkpoint_dir_name",
@@ -47,6 +48,7 @@ __all__ = [
     "parse_rank_index",
     "parse_step_dir",
     "shard_name",
+    "sharded_pieces",
 ]
 
 FORMAT_NAME = "crashproof-checkpoint"
@@ -70,9 +72,16 @@ def checkpoint_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a committed checkpoint directory's name, or None for any other name."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
+    """The step of a checkpoint directory's name, or None for any other name.
+
+    Only the canonical spelling counts: exactly ``checkpoint_dir_name(step)``, ``step_`` and ten
+    or more ASCII digits, zero-padded (no Unicode digits, no sign, no whitespace, no other padding
+    of the same number), so that one step has one directory."""
+    digits = name[5:]
+    if not (name.startswith("step_") and digits.isascii() and digits.isdigit()):
+        return None
+    step = int(digits)
+    return step if step < 1 << 63 and checkpoint_dir_name(step) == name else None
 
 
 def shard_name(rank: int) -> str:
@@ -113,9 +122,15 @@ class Manifest:
     """Settings that decide whether a resume can be bit-exact (deterministic algorithms, CUDA)."""
     base_step: int | None = None
     """``kind == "delta"``: the step of the full checkpoint the delta was taken against."""
+    base_manifest: str | None = None
+    """``kind == "delta"``: the checksum of that checkpoint's ``manifest.json`` bytes, which binds
+    the delta to it: a checkpoint saved again under the same step has another manifest. None in
+    deltas written before it was recorded (see docs/format.md)."""
 
     def to_json(self) -> dict[str, Any]:
-        extra = {"base_step": self.base_step} if self.base_step is not None else {}
+        extra: dict[str, Any] = {"base_step": self.base_step} if self.base_step is not None else {}
+        if self.base_manifest is not None:
+            extra["base_manifest"] = self.base_manifest
         return extra | {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -278,22 +293,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             scheme=scheme,
         )
     world_size = _count(obj, "world_size", where, upper=MAX_WORLD_SIZE)
-    ranks_listed = {name for name in files if name.startswith("rank_") and name.endswith(".json")}
-    if world_size < 1 or ranks_listed != {index_name(r) for r in range(world_size)}:
-        raise CorruptCheckpointError(
-            f"{where}: world size {world_size} does not match the {len(ranks_listed)} rank indexes listed"
-        )
+    _check_file_set(files, world_size, where)
     metadata = obj.get("metadata", {})
     environment = obj.get("environment", {})
     if not isinstance(metadata, dict) or not isinstance(environment, dict):
         raise CorruptCheckpointError(f"{where}: field 'metadata' or 'environment' is not an object")
-    base_step = None
+    base_step = base_manifest = None
     if kind == "delta":
         base_step = _count(obj, "base_step", where)
         if base_step >= _count(obj, "step", where):
             raise CorruptCheckpointError(f"{where}: delta on base step {base_step}, not earlier")
+        if "base_manifest" in obj:
+            base_manifest = _require(obj, "base_manifest", str, where)
     return Manifest(
         base_step=base_step,
+        base_manifest=base_manifest,
         step=_count(obj, "step", where),
         world_size=world_size,
         kind=kind,
@@ -305,6 +319,28 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         metadata=metadata,
         environment=environment,
     )
+
+
+def _check_file_set(files: Mapping[str, FileEntry], world_size: int, where: str) -> None:
+    """A checkpoint is one index and one shard per rank, nothing else: a file that no rank's
+    reader would check cannot be listed (restore and verify check the same files)."""
+    ranks_listed = sum(1 for name in files if name.startswith("rank_") and name.endswith(".json"))
+    foreign = sorted(n for n in files if not _is_rank_file(n, world_size))
+    if world_size >= 1 and not foreign and len(files) == 2 * world_size:
+        return  # 2W names, each one of the 2W a world of W has: exactly those
+    raise CorruptCheckpointError(
+        f"{where}: world size {world_size} does not match the {ranks_listed} rank indexes and "
+        f"{len(files) - ranks_listed} other files listed"
+        + (f" ({', '.join(foreign[:3])}: no rank's index or shard)" if foreign else "")
+        + f"; a checkpoint lists exactly {index_name(0)} and {shard_name(0)} for each rank"
+    )
+
+
+def _is_rank_file(name: str, world_size: int) -> bool:
+    digits = name.removeprefix("rank_").removesuffix(".json").removesuffix(".safetensors")
+    if not digits.isdigit() or len(digits) > 7 or int(digits) >= world_size:
+        return False
+    return name in (index_name(int(digits)), shard_name(int(digits)))
 
 
 def parse_rank_index(
@@ -335,6 +371,11 @@ def parse_rank_index(
         _parse_tensor(t, f"{where} tensor #{i}", shard_size, file_sizes)
         for i, t in enumerate(tensors_obj)
     ]
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:  # a name is where a tensor goes in the state: one place, one tensor
+            raise CorruptCheckpointError(f"{where}: two tensors are named {t.name[:100]!r}")
+        names.add(t.name)
     deltas_obj = obj.get("deltas", [])
     if not isinstance(deltas_obj, list):
         raise CorruptCheckpointError(f"{where}: field 'deltas' is not a list")
@@ -437,3 +478,82 @@ def _global_placement(
             f"{where} ({name}): the piece {list(shape)} at {list(offsets)} does not fit in {list(whole)}"
         )
     return whole, offsets
+
+
+Piece = tuple[int, TensorEntry]
+"""A saved piece of a tensor: the rank whose index lists it, and its entry there."""
+
+
+def sharded_pieces(indexes: Sequence[RankIndex], where: str) -> dict[str, list[Piece]]:
+    """Every sharded tensor's saved pieces by name, one per place in the whole tensor, checked
+    across the ranks; with rank 0's whole tensors, each as the one piece of itself.
+
+    The ranks must agree on each tensor's whole shape and dtype; a piece saved by several ranks
+    (replicated over a mesh dimension) must be the same everywhere; and the pieces must tile the
+    whole tensor: none overlaps another, and together they cover it, or part of a restored tensor
+    would be left uninitialised. Metadata only: nothing is allocated beyond the indexes.
+    """
+    pieces: dict[str, dict[tuple[int, ...], Piece]] = {}
+    wholes: dict[str, tuple[tuple[int, ...], str, int]] = {}
+    for rank, index in enumerate(indexes):
+        for entry in index.tensors:
+            whole, offset = entry.global_shape, entry.global_offset
+            if whole is None or offset is None:
+                if rank != 0:
+                    continue  # whole tensors: rank 0's (per-rank ones are no piece of anything)
+                whole, offset = entry.shape, (0,) * len(entry.shape)
+            first_whole = wholes.setdefault(entry.name, (whole, entry.dtype, rank))
+            if first_whole[:2] != (whole, entry.dtype):
+                raise CorruptCheckpointError(
+                    f"{where}: the ranks disagree on the whole tensor {entry.name!r} "
+                    f"({first_whole[1]}{list(first_whole[0])} by rank {first_whole[2]}, "
+                    f"{entry.dtype}{list(whole)} by rank {rank})"
+                )
+            at = pieces.setdefault(entry.name, {})
+            if offset in at:
+                first_rank, first = at[offset]
+                if (first.shape, first.checksum) != (entry.shape, entry.checksum):
+                    raise CorruptCheckpointError(
+                        f"{where}: ranks {first_rank} and {rank} saved different pieces "
+                        f"of {entry.name!r} at {list(offset)} ({list(first.shape)} with "
+                        f"checksum {first.checksum}, {list(entry.shape)} with {entry.checksum})"
+                    )
+                continue
+            at[offset] = (rank, entry)
+    for name, at in pieces.items():
+        _check_tiling(name, wholes[name][0], at, where)
+    return {name: list(at.values()) for name, at in pieces.items()}
+
+
+def _check_tiling(
+    name: str, whole: tuple[int, ...], at: Mapping[tuple[int, ...], Piece], where: str
+) -> None:
+    """The pieces (each inside ``whole``, checked as its index was parsed) overlap nowhere and
+    cover every element: then their sizes add up to the whole's."""
+    boxes = [(offset, entry.shape) for offset, (_, entry) in at.items() if math.prod(entry.shape)]
+    if boxes:
+        # Sweep along the dimension with the most distinct starts: for a grid of pieces only
+        # one row of them is open at a time, so this stays near-linear in the number of pieces.
+        dim = max(range(len(whole)), key=lambda d: len({o[d] for o, _ in boxes}), default=0)
+        boxes.sort(key=lambda box: box[0][dim] if whole else 0)
+        open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for offset, shape in boxes:
+            if whole:
+                open_ = [b for b in open_ if b[0][dim] + b[1][dim] > offset[dim]]
+            for other, other_shape in open_:
+                if all(
+                    o < p + m and p < o + n
+                    for o, n, p, m in zip(offset, shape, other, other_shape, strict=True)
+                ):
+                    raise CorruptCheckpointError(
+                        f"{where}: the saved pieces of {name!r} overlap ({list(shape)} at "
+                        f"{list(offset)} and {list(other_shape)} at {list(other)}); each element "
+                        "of a sharded tensor is saved in one place"
+                    )
+            open_.append((offset, shape))
+    covered = sum(math.prod(shape) for _, shape in boxes)
+    if covered != math.prod(whole):
+        raise CorruptCheckpointError(
+            f"{where}: the saved pieces of {name!r} hold {covered} of its {math.prod(whole)} "
+            f"elements ({list(whole)}): a rank's piece is missing"
+        )

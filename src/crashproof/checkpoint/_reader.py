@@ -27,9 +27,11 @@ from crashproof.checkpoint._format import (
     index_name,
     parse_manifest,
     parse_rank_index,
+    shard_name,
+    sharded_pieces,
 )
 from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
-from crashproof.checkpoint._shard import ShardRead, hash_range
+from crashproof.checkpoint._shard import ShardRead
 from crashproof.checkpoint._tree import decode_tree
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage, read_all
@@ -102,7 +104,26 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
         raise CorruptCheckpointError(
             f"{where}: holds rank {index.rank} step {index.step}, expected rank {rank} step {manifest.step}"
         )
+    if index.shard_file != shard_name(rank):
+        raise CorruptCheckpointError(
+            f"{where}: names shard {index.shard_file!r}, expected {shard_name(rank)!r} (each "
+            "rank's tensors are in its own shard)"
+        )
+    for tensor in index.tensors:
+        if tensor.file is not None and _shard_rank(tensor.file) is None:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {tensor.name!r} is in {tensor.file!r}, which is no rank's shard "
+                "(a tensor is in its rank's shard, or in the shard of the rank that wrote it for all)"
+            )
     return index
+
+
+def _shard_rank(name: str) -> int | None:
+    """The rank whose shard file ``name`` is, or None (the manifest lists only ranks' files)."""
+    digits = name.removeprefix("rank_").removesuffix(".safetensors")
+    if not digits.isdigit() or shard_name(int(digits)) != name:
+        return None
+    return int(digits)
 
 
 class RankRead:
@@ -114,9 +135,13 @@ class RankRead:
     3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
        state tree returned.
 
-    A delta checkpoint's rank also reads its base's rank (verified in step 2 as well): the base's
-    tensors go into the live destinations first and the deltas are applied to them in place, each
-    rebuilt tensor then checked against the checksum of the tensor that was saved.
+    A delta checkpoint's rank also reads its base's rank, which must be the very checkpoint the
+    delta was taken against (checked on construction, from the manifests and indexes). Step 2
+    verifies the base too and rebuilds every encoded tensor into scratch memory, checking it
+    against the checksum of the tensor that was saved; step 3 then reads the base's tensors into
+    the live destinations and applies the deltas to them in place (checked once more).
+
+    Restore and :func:`verify_checkpoint` run these same steps: there is one validation path.
     """
 
     def __init__(
@@ -132,12 +157,16 @@ class RankRead:
     ) -> None:
         self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
         self._index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
-        self._base: RankRead | None = None
-        if manifest.kind == "delta":
-            self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, on_bytes)
-            keep = True  # the encoded bytes are needed to rebuild the tensors
         self.shard_file = self._index.shard_file
         self._where = storage.describe(storage.join(ckpt_dir, self.shard_file))
+        self._base: RankRead | None = None
+        self._keep = keep
+        if manifest.kind == "delta":
+            self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, keep, on_bytes)
+            keep = True  # the encoded bytes are needed to rebuild the tensors
+            # An encoded tensor is a blob of bytes, never read into the live tensor of its name.
+            encoded = {self._index.tensors[d.index].name for d in self._index.deltas}
+            into = {k: v for k, v in (into or {}).items() if k not in encoded}
         # This rank's shard, and the tensors it finds in other ranks' shards (replicated state
         # written once, spread over the ranks), each file read by one ShardRead.
         by_file: dict[str, list[int]] = {self.shard_file: []}
@@ -168,15 +197,20 @@ class RankRead:
         manifest: Manifest,
         rank: int,
         into: Mapping[str, Any] | None,
+        keep: bool,
         on_bytes: Callable[[int], None] | None,
     ) -> RankRead:
-        """The base's rank, its live destinations limited to the tensors the deltas rebuild."""
+        """The base's rank, its live destinations limited to the tensors the deltas rebuild.
+
+        The base must be the very checkpoint the delta was taken against (its manifest's
+        checksum, where the delta records it), and must hold every tensor a delta rebuilds with
+        the delta's shape and dtype: checked from metadata, before a tensor byte is read."""
         assert manifest.base_step is not None
         base_dir = storage.join(
             posixpath.dirname(ckpt_dir.rstrip("/")), checkpoint_dir_name(manifest.base_step)
         )
         try:
-            base = read_manifest(storage, base_dir)
+            base_bytes, base = read_manifest_bytes(storage, base_dir)
             if (
                 base.kind != "full"
                 or base.step != manifest.base_step
@@ -185,14 +219,55 @@ class RankRead:
                 raise CorruptCheckpointError(
                     f"it is a {base.kind} checkpoint of step {base.step} by {base.world_size} ranks"
                 )
+            found = digest(base_bytes)
+            if manifest.base_manifest is not None and found != manifest.base_manifest:
+                raise CorruptCheckpointError(
+                    f"its manifest has checksum {found}, the delta records {manifest.base_manifest}: "
+                    "it is not the checkpoint the delta was taken against (step "
+                    f"{manifest.base_step} was saved again since, e.g. after a restore fell back "
+                    "past it)"
+                )
             rebuilt = {self._index.tensors[d.index].name for d in self._index.deltas}
             base_into = {k: v for k, v in (into or {}).items() if k in rebuilt}
-            return RankRead(storage, base_dir, base, rank, into=base_into, on_bytes=on_bytes)
+            reader = RankRead(
+                storage, base_dir, base, rank, into=base_into, keep=keep, on_bytes=on_bytes
+            )
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{storage.describe(ckpt_dir)}: a delta against step {manifest.base_step}, whose "
                 f"checkpoint cannot be used ({exc}); every delta on that base is unusable"
             ) from None
+        try:
+            self._check_deltas_fit(reader._index)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _check_deltas_fit(self, base: RankIndex) -> None:
+        """Every delta names a base tensor of its shape and dtype; a ``same`` one, its checksum."""
+        by_name = {e.name: e for e in base.tensors}
+        for delta in self._index.deltas:
+            name = self._index.tensors[delta.index].name
+            entry = by_name.get(name)
+            if entry is None or entry.shape != delta.shape or entry.dtype != delta.dtype:
+                found = "none" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+                raise CorruptCheckpointError(
+                    f"{self._index_where}: tensor {name!r} is a delta of a "
+                    f"{delta.dtype}{list(delta.shape)} tensor, the base holds {found}; the base "
+                    "is not the checkpoint the delta was taken against"
+                )
+            if delta.encoding == "same" and entry.checksum != delta.checksum:
+                raise CorruptCheckpointError(
+                    f"{self._index_where}: tensor {name!r} is recorded unchanged since the base, "
+                    f"with checksum {delta.checksum}; the base's has checksum {entry.checksum}: "
+                    "the base is not the checkpoint the delta was taken against"
+                )
+
+    @property
+    def index(self) -> RankIndex:
+        """This rank's parsed, verified index."""
+        return self._index
 
     sharded_values: Mapping[str, torch.Tensor] | None = None
     """The sharded tensors restored for this rank (by :mod:`._sharded`), for :meth:`finish`."""
@@ -231,10 +306,38 @@ class RankRead:
                     f"{self._where}: the base of this delta is corrupt ({exc}); every delta on "
                     "that base is unusable"
                 ) from None
+            self._verify_rebuilt()
+
+    def _verify_rebuilt(self) -> None:
+        """Rebuild every encoded tensor into scratch memory, one at a time, and check it against
+        its recorded checksum: :meth:`finish` writes into the live tensors only what rebuilt
+        right here. (``same`` ones were checked from metadata.)"""
+        assert self._base is not None
+        blobs: dict[int, torch.Tensor] = {}
+        for positions, part, _ in self._parts:
+            blobs.update(zip(positions, part.kept(), strict=True))
+        try:
+            for delta in self._index.deltas:
+                if delta.encoding == "same":
+                    continue
+                name = self._index.tensors[delta.index].name
+                scratch = self._base._read_verified(name)
+                apply_delta(delta, blobs[delta.index], scratch, f"{self._where}: tensor {name!r}")
+        except (OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+
+    def _read_verified(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of this rank, read into new memory and checked against its checksum."""
+        for positions, part, _ in self._parts:
+            for at, i in enumerate(positions):
+                if self._index.tensors[i].name == name:
+                    return part.read(at)
+        raise CorruptCheckpointError(f"{self._index_where}: lists no tensor {name!r}")
 
     def finish(self, sharded: Mapping[str, torch.Tensor] | None = None) -> Any:
         """The state tree with its tensors; sharded ones from ``sharded`` (by name) when given,
         else this rank's pieces."""
+        assert self._keep, "finish() of a RankRead that keeps no tensors (keep=False: verify only)"
         tensors = self._tensors()
         names = [e.name for e in self._index.tensors]
         return self._decode(
@@ -315,53 +418,29 @@ def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
 def verify_checkpoint(
     storage: Storage, ckpt_dir: str, *, on_bytes: Callable[[int], None] | None = None
 ) -> Manifest:
-    """Check everything a restore checks, without keeping the tensors; returns the manifest.
+    """Check everything a restore checks, for every rank, without keeping the tensors; returns
+    the manifest.
 
-    Every file's size and checksum, every tensor's checksum and byte range, and every reference
-    in the state trees. ``on_bytes(n)`` is called as bytes are hashed (for progress bars).
+    The very checks a restore makes on its rank's part (:class:`RankRead`'s, then, where there
+    are sharded tensors, :func:`~._format.sharded_pieces` across the ranks, as ``load_sharded``
+    does), made for every rank: since the manifest lists each rank's index and shard and nothing
+    else, that checks every file. ``on_bytes(n)`` is called as bytes are hashed (progress bars).
     """
     manifest = read_manifest(storage, ckpt_dir)
-    checked: set[str] = set()
+    indexes: list[RankIndex] = []
     for rank in range(manifest.world_size):
         reader = RankRead(storage, ckpt_dir, manifest, rank, keep=False, on_bytes=on_bytes)
         try:
             reader.verify()
-            reader.finish()  # decodes the state tree: every tensor reference must resolve
+            reader.meta_tree()  # decodes the state tree: every tensor reference must resolve
         finally:
             reader.close()
-        checked |= {index_name(rank), reader.shard_file}
-    for name, entry in sorted(manifest.files.items()):
-        if name not in checked:
-            _verify_file(storage, storage.join(ckpt_dir, name), entry, on_bytes)
+        indexes.append(reader.index)
+    if manifest.kind == "full" and any(
+        e.global_shape is not None for index in indexes for e in index.tensors
+    ):
+        sharded_pieces(indexes, storage.describe(ckpt_dir))
     return manifest
-
-
-def _verify_file(
-    storage: Storage, path: str, entry: FileEntry, on_bytes: Callable[[int], None] | None
-) -> None:
-    where = storage.describe(path)
-    try:
-        stream = storage.open(path)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing") from None
-    try:
-        if entry.scheme != "bytes":
-            raise CorruptCheckpointError(
-                f"{where}: checksum scheme {entry.scheme!r} belongs to a rank's shard file"
-            )
-        if stream.size() != entry.size:
-            raise CorruptCheckpointError(
-                f"{where}: {stream.size()} bytes, the manifest lists {entry.size}"
-            )
-        found = hash_range(stream, 0, entry.size, on_bytes)
-        if found != entry.checksum:
-            raise CorruptCheckpointError(
-                f"{where}: checksum {found}, the manifest lists {entry.checksum}"
-            )
-    except (OSError, EOFError) as exc:
-        raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
-    finally:
-        stream.close()
 
 
 def checkpoint_not_found(root: str, step: int | None) -> CheckpointNotFoundError:

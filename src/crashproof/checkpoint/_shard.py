@@ -181,12 +181,25 @@ class ShardRead:
             )
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
         if self._partial:
-            for e in entries:
+            # No byte read twice: what is kept is bounded by the file, however many entries.
+            end, previous = 0, None
+            for i in sorted(order, key=lambda i: (entries[i].offset, entries[i].nbytes)):
+                e = entries[i]
                 if e.offset + e.nbytes > actual_size:
                     raise CorruptCheckpointError(
                         f"{where}: tensor {e.name!r} (bytes {e.offset}..{e.offset + e.nbytes}) "
                         f"lies outside the file's {actual_size} bytes"
                     )
+                if e.offset < end and e.nbytes:
+                    assert previous is not None
+                    raise CorruptCheckpointError(
+                        f"{where}: tensors {previous.name!r} (bytes {previous.offset}.."
+                        f"{previous.offset + previous.nbytes}) and {e.name!r} (bytes {e.offset}.."
+                        f"{e.offset + e.nbytes}) overlap; a tensor of another rank's shard is "
+                        "listed once, at its own bytes"
+                    )
+                if e.offset + e.nbytes >= end:
+                    end, previous = e.offset + e.nbytes, e
             with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
                 list(pool.map(self._verify_one, order))
             self._verified = True
@@ -221,17 +234,21 @@ class ShardRead:
 
     def _verify_one(self, i: int) -> None:
         entry = self._entries[i]
-        if i in self._targets:
+        if i in self._targets or not self._keep:
             self._check(entry, hash_range(self._stream, entry.offset, entry.nbytes))
         else:
-            tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=self._where))
-            view = tensor_bytes(tensor)
-            self._stream.readinto(entry.offset, view)
-            self._check(entry, digest(view))
-            if self._keep:
-                self._tensors[i] = tensor
+            self._tensors[i] = self.read(i)
         if self._on_bytes:
             self._on_bytes(entry.nbytes)
+
+    def read(self, i: int) -> torch.Tensor:
+        """Entry ``i``'s tensor, read into new memory and checked against its checksum."""
+        entry = self._entries[i]
+        tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype, where=self._where))
+        view = tensor_bytes(tensor)
+        self._stream.readinto(entry.offset, view)
+        self._check(entry, digest(view))
+        return tensor
 
     def _check(self, entry: TensorEntry, found: str, when: str = "") -> None:
         if found != entry.checksum:
@@ -239,6 +256,12 @@ class ShardRead:
                 f"{self._where}: tensor {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) "
                 f"has checksum {found}, expected {entry.checksum}{when}"
             )
+
+    def kept(self) -> list[torch.Tensor]:
+        """After :meth:`verify`: the tensors read into new memory (``keep``), in entry order; an
+        empty tensor for those with a live destination (not written yet) or not kept."""
+        assert self._verified, "kept() before verify()"
+        return self._tensors
 
     def fill(self) -> list[torch.Tensor]:
         """Read the verified bytes into the live tensors; returns every tensor, in entry order."""

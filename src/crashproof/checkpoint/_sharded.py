@@ -18,7 +18,6 @@ where ``state_dict`` is keyed like the checkpoint (``model/<fqn>``,
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from crashproof.checkpoint._dtypes import dtype_from_name
-from crashproof.checkpoint._format import Manifest, TensorEntry, shard_name
+from crashproof.checkpoint._format import Manifest, Piece, TensorEntry, shard_name, sharded_pieces
 from crashproof.checkpoint._reader import read_manifest, read_rank_index
 from crashproof.checkpoint._shard import ShardRead
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
@@ -47,9 +46,6 @@ from crashproof.state._dtensor import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for
 
 __all__ = ["CrashproofReader", "load_sharded", "restore_targets"]
-
-_Piece = tuple[int, TensorEntry]
-"""A saved piece: the rank whose index lists it, and its entry there."""
 
 
 class CrashproofReader(StorageReader):
@@ -78,58 +74,30 @@ class CrashproofReader(StorageReader):
                 f"{self._where}: a {self._manifest.kind} checkpoint; sharded state is only ever "
                 "saved in full checkpoints"
             )
-        self._pieces: dict[MetadataIndex, _Piece] = {}
+        self._pieces: dict[MetadataIndex, Piece] = {}
         self._metadata = self._describe()
 
     def _describe(self) -> Metadata:
+        indexes = [
+            read_rank_index(self._storage, self._dir, self._manifest, rank)
+            for rank in range(self._manifest.world_size)
+        ]
+        # The same checks as verify_checkpoint's: the pieces agree and tile each tensor.
         tensors: dict[str, TensorStorageMetadata] = {}
-        for rank in range(self._manifest.world_size):
-            index = read_rank_index(self._storage, self._dir, self._manifest, rank)
-            for entry in index.tensors:
-                whole, offset = entry.global_shape, entry.global_offset
-                if whole is None or offset is None:
-                    if rank != 0:
-                        continue  # whole tensors: rank 0's (per-rank ones are not DCP's business)
-                    whole, offset = entry.shape, (0,) * len(entry.shape)
-                key = MetadataIndex(entry.name, torch.Size(offset))
-                if key in self._pieces:
-                    # The same piece saved by several ranks (replicated over a mesh dimension):
-                    # any copy will do, so they must be the same.
-                    first_rank, first = self._pieces[key]
-                    if (first.shape, first.checksum) != (entry.shape, entry.checksum):
-                        raise CorruptCheckpointError(
-                            f"{self._where}: ranks {first_rank} and {rank} saved different pieces "
-                            f"of {entry.name!r} at {list(offset)} ({list(first.shape)} with "
-                            f"checksum {first.checksum}, {list(entry.shape)} with {entry.checksum})"
-                        )
-                    continue
-                described = tensors.get(entry.name)
-                dtype = dtype_from_name(entry.dtype, where=self._where)
-                if described is None:
-                    described = tensors[entry.name] = TensorStorageMetadata(
-                        TensorProperties(dtype=dtype), torch.Size(whole), []
-                    )
-                elif tuple(described.size) != whole or described.properties.dtype != dtype:
-                    raise CorruptCheckpointError(
-                        f"{self._where}: the ranks disagree on the whole tensor {entry.name!r} "
-                        f"({described.properties.dtype}{list(described.size)} and "
-                        f"{dtype}{list(whole)} by rank {rank})"
-                    )
-                described.chunks.append(
+        for name, pieces in sharded_pieces(indexes, self._where).items():
+            first = pieces[0][1]
+            whole = first.global_shape if first.global_shape is not None else first.shape
+            tensors[name] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype_from_name(first.dtype, where=self._where)),
+                torch.Size(whole),
+                [],
+            )
+            for rank, entry in pieces:
+                offset = entry.global_offset or (0,) * len(entry.shape)
+                tensors[name].chunks.append(
                     ChunkStorageMetadata(torch.Size(offset), torch.Size(entry.shape))
                 )
-                self._pieces[key] = (rank, entry)
-        for name, described in tensors.items():
-            # Pieces lie inside their whole tensor (checked as each index is read), so pieces
-            # that do not overlap cover it exactly when their sizes add up; a gap would leave
-            # part of a restored tensor uninitialised.
-            covered = sum(math.prod(chunk.sizes) for chunk in described.chunks)
-            if covered != math.prod(described.size):
-                raise CorruptCheckpointError(
-                    f"{self._where}: the saved pieces of {name!r} hold {covered} of its "
-                    f"{math.prod(described.size)} elements ({list(described.size)}): a rank's "
-                    "piece is missing or the pieces overlap"
-                )
+                self._pieces[MetadataIndex(name, torch.Size(offset))] = (rank, entry)
         return Metadata(state_dict_metadata=dict(tensors))
 
     # -- the StorageReader interface ------------------------------------------------------------

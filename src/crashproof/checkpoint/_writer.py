@@ -89,6 +89,10 @@ class Snapshot:
     sharded: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """Pieces of sharded tensors (DTensors), by name: the whole tensor's shape and the piece's
     offset in it. Their entry in ``tensors`` is this rank's piece."""
+    committed_manifest: str | None = None
+    """Set by :func:`persist` on the coordinator once committed: the checksum of the
+    ``manifest.json`` it wrote (deltas taken against this checkpoint record it, see
+    :class:`~._delta.DeltaBase`). None on the other ranks and before the commit."""
 
     @property
     def nbytes(self) -> int:
@@ -418,10 +422,13 @@ def _commit(
             metadata=snapshot.metadata,
             environment=snapshot.environment,
             base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
+            base_manifest=snapshot.delta[1].manifest if snapshot.delta is not None else None,
         )
-        write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), dumps(manifest.to_json()))
+        manifest_bytes = dumps(manifest.to_json())
+        write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
         storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
         published = True
+        snapshot.committed_manifest = digest(manifest_bytes)
         return None
     except Exception as exc:
         return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
