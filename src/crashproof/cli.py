@@ -8,7 +8,8 @@ For the rest (README "Command line" has the table):
 - 1 a checkpoint is invalid (``verify``, ``inspect``, ``export``), a campaign failed (``chaos``);
 - 2 a usage error, or nothing to act on (no such root or step, a root that is a file or a run
   directory, an output path an export must not write);
-- 74 the storage could not be read or written (no credentials, no such bucket, an I/O error);
+- 74 the storage could not be read or written (no credentials, no such bucket, an I/O error,
+  or ``prune`` on a root whose writer holds its lock);
 - 70 an internal error (a bug: ``-v`` shows the traceback); 130 interrupted (Ctrl-C).
 
 Every failure is one line on stderr, ``crashproof: <what>: <why>; <what to do>``, naming the
@@ -43,6 +44,7 @@ from crashproof.checkpoint._catalog import prune_plan
 from crashproof.checkpoint._export import check_target, export_dcp, export_safetensors
 from crashproof.checkpoint._format import parse_step_dir
 from crashproof.checkpoint._listing import list_checkpoints
+from crashproof.checkpoint._lock import lock_root
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import ConfigError, CrashproofError
 from crashproof.goodput._planner import add_plan_parser
@@ -57,7 +59,7 @@ from crashproof.policy import (
     KeepWithin,
     RetentionPolicy,
 )
-from crashproof.storage import Storage, storage_for
+from crashproof.storage import LocalStorage, Storage, storage_for
 
 __all__ = ["main"]
 
@@ -402,13 +404,24 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = policies[0]
     for more in policies[1:]:
         policy = policy | more
-    doomed = prune_plan(storage, path, policy)  # never includes the newest valid checkpoint
-    for step, ckpt in doomed:
-        print(
-            f"{'would remove' if args.dry_run else 'removing'} step {step} ({storage.describe(ckpt)})"
-        )
-        if not args.dry_run:
-            storage.remove(ckpt)
+    lock = None  # prune removes checkpoints: it is a writer and must hold the root's lock
+    if not args.dry_run and isinstance(getattr(storage, "inner", storage), LocalStorage):
+        try:
+            lock = lock_root(path)
+        except CrashproofError as exc:  # a run is writing this root: its retention is in charge
+            return _fail(str(exc), EXIT_STORAGE)
+    try:
+        doomed = prune_plan(storage, path, policy)  # never includes the newest valid checkpoint
+        for step, ckpt in doomed:
+            print(
+                f"{'would remove' if args.dry_run else 'removing'} step {step} "
+                f"({storage.describe(ckpt)})"
+            )
+            if not args.dry_run:
+                storage.remove(ckpt)
+    finally:
+        if lock is not None:
+            lock.release()
     print(
         f"{len(doomed)} checkpoint(s) {'would be ' if args.dry_run else ''}removed, {len(found) - len(doomed)} kept"
     )

@@ -10,6 +10,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── StateMismatchError(CrashproofError, ValueError)   (checkpoint does not fit the live model)
     ├── UnsupportedStateError(CrashproofError, TypeError)  (a value crashproof cannot save)
     ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
+    │   └── RootLockedError            (another writer holds the checkpoint root's lock)
     ├── InsufficientMemoryError(CrashproofError, MemoryError) (no room for staging buffers)
     ├── NumericsError(CrashproofError, ArithmeticError)   (training diverged; NumericsGuard stops)
     │   └── NonFiniteStateError        (a save found NaN or inf in parameters or optimizer state)
@@ -29,6 +30,7 @@ __all__ = [
     "InsufficientMemoryError",
     "NonFiniteStateError",
     "NumericsError",
+    "RootLockedError",
     "StateMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
@@ -61,6 +63,10 @@ class UnsupportedStateError(CrashproofError, TypeError):
 
 class CheckpointWriteError(CrashproofError, OSError):
     """Writing a checkpoint failed; the checkpoints committed before it are untouched."""
+
+
+class RootLockedError(CheckpointWriteError):
+    """Another process holds the checkpoint root's writer lock: one writer per root."""
 
 
 class InsufficientMemoryError(CrashproofError, MemoryError):

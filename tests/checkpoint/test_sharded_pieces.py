@@ -82,7 +82,9 @@ def test_pieces_that_leave_a_gap_in_their_tensor_are_refused(checkpoint: Path) -
 def test_saved_pieces_that_do_not_fit_the_live_tensors_are_a_mismatch(checkpoint: Path) -> None:
     storage = LocalStorage()
     manifest = read_manifest(storage, str(checkpoint))
-    with pytest.raises(cp.StateMismatchError, match=r"does not fit the tensors it is restored into"):
+    with pytest.raises(
+        cp.StateMismatchError, match=r"does not fit the tensors it is restored into"
+    ):
         load_sharded(storage, str(checkpoint), manifest, {"model/0.weight": torch.empty(8, 5)})
     # A corrupt piece is still corruption: the restore skips it for an older checkpoint.
     index = json.loads((checkpoint / INDEX).read_bytes())

@@ -451,3 +451,79 @@ def test_local_publish_leaves_no_trash_of_the_replaced_directory(tmp_path: Path)
     storage.publish(str(tmp), str(final))
     assert sorted(os.listdir(tmp_path)) == ["step_1"]
     assert (final / "f").read_bytes() == b"new"
+
+
+def test_publish_replacing_a_directory_leaves_no_trace_of_the_temporary_name(
+    backend: tuple[Storage, str],
+) -> None:
+    storage, root = backend
+    final, tmp = storage.join(root, "step_1"), storage.join(root, ".tmp-step_1-x")
+    storage.make_dirs(final)
+    storage.make_dirs(tmp)
+    write_all(storage, storage.join(final, "a"), b"old")
+    write_all(storage, storage.join(tmp, "a"), b"new")
+    storage.publish(tmp, final, commit_marker="a")
+    assert storage.list(root) == ["step_1"]
+    assert _read(storage, storage.join(final, "a")) == b"new"
+
+
+def test_local_list_leaves_symlinks_out(tmp_path: Path) -> None:
+    storage = LocalStorage()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "file").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link-dir")
+    os.symlink(tmp_path / "file", tmp_path / "link-file")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    assert storage.list(str(tmp_path)) == ["file", "real"]
+
+
+def test_local_open_refuses_a_file_in_a_symlinked_directory(tmp_path: Path) -> None:
+    storage = LocalStorage()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(FileNotFoundError, match="symbolic link"):
+        storage.open(str(tmp_path / "link" / "f"))
+
+
+def test_local_open_of_a_fifo_neither_blocks_nor_reads(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")  # no writer: a blocking open would wait forever
+    with pytest.raises(FileNotFoundError, match="regular file"):
+        LocalStorage().open(str(tmp_path / "pipe"))
+
+
+def test_local_put_file_refuses_a_fifo_or_a_link_as_its_source(tmp_path: Path) -> None:
+    storage = LocalStorage()
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "real").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    for source in ("pipe", "link"):
+        with pytest.raises(FileNotFoundError):
+            storage.put_file(str(tmp_path / source), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_local_publish_swaps_or_sets_the_old_copy_aside_and_rolls_back_a_failed_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crashproof.storage import _local
+
+    storage = LocalStorage()
+    final, tmp = tmp_path / "step_1", tmp_path / "tmp"
+    final.mkdir()
+    (final / "a").write_bytes(b"old")
+    tmp.mkdir()
+    (tmp / "a").write_bytes(b"new")
+    monkeypatch.setattr(_local, "_exchange", lambda a, b: False)  # no renameat2 here
+    real_rename = os.rename
+
+    def failing(src: str, dst: str) -> None:
+        if src == str(tmp):
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError):
+        storage.publish(str(tmp), str(final))
+    assert (final / "a").read_bytes() == b"old", "a failed publish must put the old copy back"
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "tmp"]

@@ -1,15 +1,28 @@
-"""What is in a checkpoint root: committed checkpoints, their summary, leftovers of failed saves."""
+"""What is in a checkpoint root: committed checkpoints, their summary, leftovers of failed saves,
+and the recovery of a publish that a crash cut short.
+
+Only the canonical name ``checkpoint_dir_name(step)`` is a checkpoint directory; the names
+crashproof itself puts in a root are known; anything else (another spelling of a step, a stray
+file) is ignored with one warning per name. Reading never removes or renames anything: only
+:func:`recover_interrupted` and the removals a writer makes do, and only the writer holding the
+root's lock calls them (:mod:`crashproof.checkpoint._lock`).
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
-from crashproof.checkpoint._format import parse_step_dir
+from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
+from crashproof.checkpoint._lock import LOCK_NAME
 from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
+from crashproof.checkpoint._rollbacks import ROLLBACKS_FILE
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
 from crashproof.storage import Storage
+from crashproof.storage._local import REPLACED_PREFIX, TRASH_PREFIX
 
 __all__ = [
     "CheckpointInfo",
@@ -19,8 +32,17 @@ __all__ = [
     "describe_checkpoint",
     "leftover_dirs",
     "prune_plan",
+    "recover_interrupted",
     "retention_plan",
 ]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+_OWN_PREFIXES = (TMP_PREFIX, TRASH_PREFIX, REPLACED_PREFIX, f"{ROLLBACKS_FILE}.put-")
+_OWN_NAMES = (LOCK_NAME, ROLLBACKS_FILE)
+_LEFTOVER = (TMP_PREFIX, TRASH_PREFIX, REPLACED_PREFIX)
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,21 +80,89 @@ class CheckpointInfo:
 def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
     """``(step, directory)`` of every directory named like a checkpoint, newest first.
 
-    Being listed here does not make it valid: only a verified manifest does.
+    Being listed here does not make it valid: only a verified manifest does. A name that is not
+    a checkpoint's nor one crashproof writes (``step_2`` beside ``step_0000000002``, ``step_٣``)
+    is ignored with one warning.
     """
-    found = [
-        (step, storage.join(root, name))
-        for name in storage.list(root)
-        if (step := parse_step_dir(name)) is not None
-    ]
+    found = []
+    for name in storage.list(root):
+        step = parse_step_dir(name)
+        if step is not None:
+            found.append((step, storage.join(root, name)))
+        elif not (name in _OWN_NAMES or name.startswith(_OWN_PREFIXES)):
+            _warn_ignored(storage, root, name)
     return sorted(found, reverse=True)
 
 
+def _warn_ignored(storage: Storage, root: str, name: str) -> None:
+    where = storage.describe(root)
+    with _warned_lock:
+        if (where, name) in _warned:
+            return
+        _warned.add((where, name))
+    hint = ""
+    if name.lower().startswith("step"):
+        digits = name[5:]
+        hint = (
+            f"; step {int(digits)}'s directory is named {checkpoint_dir_name(int(digits))}"
+            if digits.isascii() and digits.isdigit()
+            else "; a checkpoint directory is named step_ followed by ten or more ASCII digits"
+        )
+    log.warning("ignoring %r in %s: not a checkpoint directory%s", name, where, hint)
+
+
 def leftover_dirs(storage: Storage, root: str) -> list[str]:
-    """Temporary directories of saves that never committed, and trash of replaced ones."""
-    return [
-        storage.join(root, n) for n in storage.list(root) if n.startswith((TMP_PREFIX, ".trash-"))
-    ]
+    """Temporary directories of saves that never committed, and trash of replaced ones.
+
+    Only the writer holding the root's lock may remove them: a live writer's save in progress
+    looks exactly like this. Call :func:`recover_interrupted` first."""
+    return [storage.join(root, n) for n in storage.list(root) if n.startswith(_LEFTOVER)]
+
+
+def _interrupted_step(name: str) -> int | None:
+    """The step of a temporary or set-aside copy's name (``.tmp-step_<N>-...``), else None."""
+    for prefix in (TMP_PREFIX, REPLACED_PREFIX):
+        if name.startswith(prefix):
+            return parse_step_dir(name[len(prefix) :].partition("-")[0])
+    return None
+
+
+def recover_interrupted(storage: Storage, root: str) -> list[int]:
+    """Put back a complete copy of every step whose publish a crash cut short; returns the steps.
+
+    A step whose directory is missing or incomplete but which has a complete copy (manifest
+    valid, every file present with its size) under a temporary name (the save was publishing it:
+    its manifest is written only once every rank's files are) or set aside as ``.replaced-*``
+    (the previous copy, where the two could not swap names in one step) gets that copy back
+    under its name, the newer first. For the writer holding the root's lock, before it removes
+    leftovers; readers never call it."""
+    names = storage.list(root)
+    present = {step for n in names if (step := parse_step_dir(n)) is not None}
+    spares: dict[int, list[str]] = {}
+    for name in names:
+        step = _interrupted_step(name)
+        if step is not None:
+            spares.setdefault(step, []).append(name)
+    recovered = []
+    for step, candidates in sorted(spares.items()):
+        final = storage.join(root, checkpoint_dir_name(step))
+        if step in present and describe_checkpoint(storage, step, final).valid:
+            continue
+        for name in sorted(candidates, key=lambda n: (not n.startswith(TMP_PREFIX), n)):
+            spare = storage.join(root, name)
+            if not describe_checkpoint(storage, step, spare).valid:
+                continue
+            log.warning(
+                "checkpoint step %d: a crash interrupted its publishing; put back the complete "
+                "copy %s as %s",
+                step,
+                storage.describe(spare),
+                storage.describe(final),
+            )
+            storage.publish(spare, final, commit_marker=MANIFEST_NAME)
+            recovered.append(step)
+            break
+    return recovered
 
 
 def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInfo:
@@ -157,10 +247,15 @@ def retention_plan(
     keep: RetentionPolicy,
     *,
     keep_always: set[int],
+    facts: list[CheckpointFacts] | None = None,
 ) -> list[tuple[int, str]]:
     """Of ``found``, the checkpoints to remove: what ``keep`` does not keep, sparing
-    ``keep_always`` and every full checkpoint a kept delta needs."""
-    kept = retained(keep, checkpoint_facts(storage, found)) | keep_always
+    ``keep_always`` and every full checkpoint a kept delta needs.
+
+    ``facts``: what ``keep`` judges by (default: read from each manifest of ``found``); may name
+    a checkpoint not yet in ``found`` (a save not yet committed, judged as if it were)."""
+    kept = retained(keep, checkpoint_facts(storage, found) if facts is None else facts)
+    kept |= keep_always
     kept |= bases_of(storage, dict(found), kept)
     return [(step, path) for step, path in found if step not in kept]
 

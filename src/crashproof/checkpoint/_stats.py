@@ -23,6 +23,12 @@ class SaveStats:
     """Saves that failed (reported through :class:`CheckpointWriteError` or, for a full disk, logged)."""
     disk_full: int = 0
     """Of the failures, those caused by a full disk."""
+    disk_full_retries: int = 0
+    """Saves that failed for a full disk, removed early what retention would remove after them
+    and were tried once more (a retry that fails counts in ``failures`` too)."""
+    removed_for_space: int = 0
+    """Checkpoints removed early, before the save that made them superfluous committed, to make
+    room on a full disk."""
     bytes_written: int = 0
     """Bytes of committed checkpoints written by this rank."""
     last_blocking_s: float = 0.0

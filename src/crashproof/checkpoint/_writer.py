@@ -402,7 +402,7 @@ def _commit(
 ) -> Failure | None:
     """On the coordinator: write the manifest and publish; returns the failure, None on success."""
     failures = [failure for _, failure in reports if failure is not None]
-    published = False
+    published = publishing = False
     try:
         if failures:
             text = "; ".join(text for text, _, _ in failures)
@@ -426,6 +426,7 @@ def _commit(
         )
         manifest_bytes = dumps(manifest.to_json())
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
+        publishing = True
         storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
         published = True
         snapshot.committed_manifest = digest(manifest_bytes)
@@ -433,5 +434,6 @@ def _commit(
     except Exception as exc:
         return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
     finally:
-        if not published:
+        # A publish cut short may hold the only complete copy: start-up recovery finishes it.
+        if not published and not publishing:
             storage.remove(tmp_dir)

@@ -26,16 +26,21 @@ from typing import Any, Literal, NoReturn, TypeVar, cast
 
 from crashproof.checkpoint._catalog import (
     CheckpointInfo,
+    checkpoint_facts,
     committed_steps,
     describe_checkpoint,
     leftover_dirs,
+    newest_verified,
     prune_plan,
+    recover_interrupted,
     retention_plan,
 )
 from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
 from crashproof.checkpoint._format import checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._lock import RootLock, lock_root
+from crashproof.checkpoint._metadata import checked_metadata
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
 from crashproof.checkpoint._replication import (
     LocalCheckpoints,
@@ -69,9 +74,16 @@ from crashproof.errors import (
     StateMismatchError,
 )
 from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListener
-from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SaveContext, SavePolicy
+from crashproof.policy import (
+    CheckpointFacts,
+    EverySteps,
+    KeepAll,
+    RetentionPolicy,
+    SaveContext,
+    SavePolicy,
+)
 from crashproof.state import TrainState
-from crashproof.storage import Storage, storage_for
+from crashproof.storage import LocalStorage, Storage, storage_for
 from crashproof.supervisor._replication_host import agent_tiers
 from crashproof.supervisor._reporter import trainer_reporter
 from crashproof.telemetry._events import emit
@@ -140,6 +152,16 @@ class CheckpointManager:
             request to stop: at the next :meth:`maybe_save` all ranks agree, save that step and
             raise :class:`PreemptedExit` (exit code 75, "resumable"). Handlers installed before
             are still called. Needs the main thread; restored by :meth:`close`.
+        read_only: only restore and look (an evaluation job, a tool): the manager takes no lock,
+            never saves, prunes or rolls back, never removes or renames anything in the root
+            (not even a save in progress of the run that writes it), never writes to a tier,
+            and restores a tier's checkpoint straight from the tier.
+
+    One writer per root: a writing manager (rank 0 of the job) holds a lock on a local root for
+    its whole life (``ROOT/.crashproof.lock`` names the holder); a second writer fails here with
+    :class:`CheckpointWriteError` naming it. A lock left by a process that died on this host is
+    taken over with a warning. On an object store one writer per root is the user's duty; a
+    second writer's checkpoints appearing under the root fail the next save (docs/storage.md).
     """
 
     def __init__(
@@ -161,6 +183,7 @@ class CheckpointManager:
         remote: str | Tier | Sequence[str | Tier] | None = None,
         remote_timeout_s: float = 600.0,
         replicate: bool = True,
+        read_only: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={timeout_s}): must be positive")
@@ -213,22 +236,65 @@ class CheckpointManager:
         self._reporter = trainer_reporter(self._group.rank)
         self._preemption = PreemptionListener()
         self._handle_signals = handle_signals
-        if self._group.rank == 0:
-            self.storage.make_dirs(self.root)
-            for leftover in leftover_dirs(self.storage, self.root):
-                log.info(
-                    "removing %s, left by a save that never committed",
-                    self.storage.describe(leftover),
-                )
-                self.storage.remove(leftover)
-        self._tiers = open_tiers(remote)
-        self.remote_timeout_s = remote_timeout_s
-        self._by_agent = False
-        self._replicators = self._start_replication() if self._group.rank == 0 and replicate else []
+        self.read_only = read_only
+        self._lock: RootLock | None = None
+        # Where no lock can be held (object stores): the commit time of every checkpoint this
+        # manager knows of, to tell a second writer's checkpoints (docs/storage.md).
+        self._known: dict[int, float | None] = {}
+        self._second_writer: str | None = None
+        self._retention_off = False
+        if not read_only:
+            self._open_for_writing()
+        try:
+            self._tiers = open_tiers(remote)
+            self.remote_timeout_s = remote_timeout_s
+            self._by_agent = False
+            self._replicators = (
+                self._start_replication()
+                if self._group.rank == 0 and replicate and not read_only
+                else []
+            )
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
         # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and
         # SIGINT become a request to stop at the next maybe_save.
         if handle_signals:
             self._preemption.install()
+
+    def _open_for_writing(self) -> None:
+        """Rank 0 takes the root's lock, finishes an interrupted publish and removes what
+        failed saves left; every rank fails if it cannot (no collective left waiting)."""
+        error: Exception | None = None
+        if self._group.rank == 0:
+            try:
+                self.storage.make_dirs(self.root)
+                inner = getattr(self.storage, "inner", self.storage)  # a wrapper (chaos faults)
+                if isinstance(inner, LocalStorage):
+                    self._lock = lock_root(self.root)
+                recover_interrupted(self.storage, self.root)
+                for leftover in leftover_dirs(self.storage, self.root):
+                    log.info(
+                        "removing %s, left by a save that never committed",
+                        self.storage.describe(leftover),
+                    )
+                    self.storage.remove(leftover)
+                self._known = {s: None for s, _ in committed_steps(self.storage, self.root)}
+            except Exception as exc:
+                error = exc
+        if self._group.world_size > 1:
+            message = self._group.broadcast(
+                None if error is None else f"{type(error).__name__}: {error}"
+            )
+            if message is not None and error is None:
+                error = CheckpointWriteError(
+                    errno.EBUSY, f"rank 0 cannot write to {self.root}: {message}"
+                )
+        if error is not None:
+            if self._lock is not None:
+                self._lock.release()
+            raise error
 
     @property
     def rank(self) -> int:
@@ -257,7 +323,8 @@ class CheckpointManager:
 
         Also the trainer's heartbeat under ``crashproof run``: call it every step.
         """
-        self._check_open()
+        self._check_writer("maybe_save")
+        metadata = checked_metadata(metadata, step)  # at every call, not only at a save
         self._reporter.step_done(step)
         self._raise_pending()
         ctx = SaveContext(
@@ -375,13 +442,14 @@ class CheckpointManager:
         skip this one (returns False). Synchronous managers return once the checkpoint is
         committed; asynchronous ones once the state is copied.
         """
-        self._check_open()
+        self._check_writer("save")
         if step < 0:
             raise ConfigError(f"save(step={step}): steps are non-negative")
         with self._reporter.phase("save"):
             return self._save(step, state, metadata)
 
     def _save(self, step: int, state: TrainState, metadata: dict[str, Any] | None) -> bool:
+        metadata = checked_metadata(metadata, step)  # refused here, naming the key
         self._raise_pending()
         started = time.perf_counter()
         capacity = max(1, len(self._stagings))
@@ -413,7 +481,9 @@ class CheckpointManager:
             tree,
             staging=staging,
             metadata=metadata,
-            must_be_finite=state.must_be_finite(tree) if self.check_finite else frozenset(),
+            must_be_finite=(
+                state.must_be_finite(tree, step=step) if self.check_finite else frozenset()
+            ),
         )
         # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
         # is always saved whole: a delta's base must be the same rank's piece, which a restore
@@ -494,11 +564,21 @@ class CheckpointManager:
         if may_be_delta and self.delta is not None and self._delta_base is not None:
             snapshot.delta = (self.delta, self._delta_base)
         try:
-            result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
+            try:
+                result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
+            except CheckpointWriteError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                # Every rank has this same outcome (rank 0 broadcast it): all retry, once.
+                self._make_room(snapshot, exc)
+                result = persist(
+                    self.storage, self.root, snapshot, self._persist_group, f"{tmp_name}-retry"
+                )
         except BaseException:
             if snapshot.delta is None:
                 self._delta_base = None  # the full save failed: the next save is a full one
             raise
+        self._known.pop(snapshot.step, None)  # ours: its commit time is learnt at retention
         if self.delta is not None and result.kind == "full" and not snapshot.sharded:
             # (Sharded state is never delta-encoded: a copy kept as a base would only cost memory.)
             self._delta_base = keep_as_base(snapshot, result.checksums, self._delta_base)
@@ -579,8 +659,23 @@ class CheckpointManager:
         """Surface a background failure on the next call into the manager."""
         while self._inflight and self._inflight[0][0].done():
             self._collect(self._inflight.popleft()[0])
+        message, self._second_writer = self._second_writer, None
+        if message is not None:
+            raise CheckpointWriteError(errno.EBUSY, message)
 
     # -- retention ---------------------------------------------------------------------------
+
+    def _kept_anyway(self, keep_always: int) -> set[int]:
+        """What retention never removes now: ``keep_always``, the newest valid checkpoint, the
+        base of the next deltas, and what a tier has not taken yet."""
+        keep = {keep_always}
+        if self._newest_valid is not None:
+            keep.add(self._newest_valid)
+        if self._delta_base is not None:  # the next deltas are taken against it
+            keep.add(self._delta_base.step)
+        for replicator in self._replicators:  # not yet copied to a durable tier
+            keep |= replicator.protected()
+        return keep
 
     def _apply_retention(self, *, keep_always: int) -> None:
         """Remove what the retention policy does not keep (never the newest valid checkpoint).
@@ -589,21 +684,96 @@ class CheckpointManager:
         save's. Abandoned ones are removed when a manager starts.
         """
         try:
-            keep = {keep_always}
-            if self._newest_valid is not None:
-                keep.add(self._newest_valid)
-            if self._delta_base is not None:  # the next deltas are taken against it
-                keep.add(self._delta_base.step)
-            for replicator in self._replicators:  # not yet copied to a durable tier
-                keep |= replicator.protected()
+            if self._retention_off:
+                return
+            keep = self._kept_anyway(keep_always)
             found = committed_steps(self.storage, self.root)
-            for step, path in retention_plan(self.storage, found, self.keep, keep_always=keep):
+            facts = checkpoint_facts(self.storage, found)
+            if self._lock is None and self._second_writer_in(facts, keep_always):
+                return
+            plan = retention_plan(self.storage, found, self.keep, keep_always=keep, facts=facts)
+            for step, path in plan:
                 log.info("retention: removing checkpoint step %d", step)
                 self.storage.remove(path)
         except Exception as exc:  # a failed clean-up must not fail the save that just committed
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", self.root, exc
             )
+
+    def _second_writer_in(self, facts: builtins.list[CheckpointFacts], ours: int) -> bool:
+        """Whether ``facts`` show checkpoints this manager did not commit and did not find when
+        it started (where no lock keeps a second writer out: object stores). Then retention
+        stops for good (it would delete the other writer's checkpoints, or they ours) and the
+        next call into the manager raises."""
+        foreign = []
+        for fact in facts:
+            if fact.step == ours or self._known.get(fact.step, 0.0) is None:
+                self._known[fact.step] = fact.created_unix  # ours, or found at start: first look
+            elif fact.step not in self._known or self._known[fact.step] != fact.created_unix:
+                foreign.append(fact)  # new and not ours, or committed again, not by us
+        if not foreign:
+            return False
+        self._retention_off = True
+        steps = ", ".join(str(f.step) for f in foreign)
+        self._second_writer = (
+            f"checkpoints of steps {steps} in {self.storage.describe(self.root)} were committed "
+            "by another writer while this manager writes the root: two writers on one root "
+            "delete each other's checkpoints and restore mixes their runs. Retention is off for "
+            "this manager. Give each run its own root; a job that only reads uses "
+            "CheckpointManager(..., read_only=True) (docs/storage.md)"
+        )
+        log.error("%s", self._second_writer)
+        return True
+
+    def _make_room(self, snapshot: Snapshot, failure: CheckpointWriteError) -> None:
+        """The disk is full: remove now what retention would remove once ``snapshot`` commits
+        (never the newest valid checkpoint, nor a base a kept delta needs), on rank 0, while the
+        other ranks wait; the caller then retries the save once."""
+        removed: builtins.list[int] = []
+        if self._group.rank == 0:
+            try:
+                removed = self._remove_early(snapshot)
+            except Exception as exc:
+                log.warning("disk full: making room in %s failed: %s", self.root, exc)
+        if self._group.world_size > 1:
+            removed = self._persist_group.broadcast(removed)
+        self.stats.disk_full_retries += 1
+        self.stats.removed_for_space += len(removed)
+        log.warning(
+            "disk full saving checkpoint step %d (%s); removed %s now, as retention would after "
+            "this commit, and retrying the save once",
+            snapshot.step,
+            failure,
+            f"checkpoint steps {sorted(removed)}" if removed else "nothing (retention keeps all)",
+        )
+
+    def _remove_early(self, snapshot: Snapshot) -> builtins.list[int]:
+        """Rank 0: what :meth:`_make_room` removes; returns the steps."""
+        if self._retention_off:
+            return []
+        keep = self._kept_anyway(snapshot.step)
+        if self._newest_valid is None:  # nothing restored nor saved yet: find it, by checksums
+            newest = newest_verified(self.storage, self.root)
+            if newest is not None:
+                keep.add(newest)
+        if snapshot.delta is not None:
+            keep.add(snapshot.delta[1].step)
+        found = committed_steps(self.storage, self.root)
+        facts = [f for f in checkpoint_facts(self.storage, found) if f.step != snapshot.step]
+        facts.append(CheckpointFacts(snapshot.step, time.time(), snapshot.metadata))
+        plan = retention_plan(self.storage, found, self.keep, keep_always=keep, facts=facts)
+        for step, path in plan:
+            log.warning(
+                "disk full: retention removes checkpoint step %d before step %d commits",
+                step,
+                snapshot.step,
+            )
+            self.storage.remove(path)
+        if self._lock is not None:  # the lock holder's own leftovers: trash of removals
+            for leftover in leftover_dirs(self.storage, self.root):
+                if os.path.basename(leftover).startswith(".trash-"):
+                    self.storage.remove(leftover)
+        return [step for step, _ in plan]
 
     def _start_replication(self) -> builtins.list[Replica]:
         """Rank 0's replication to the tiers: by the agent of ``crashproof run`` when there is
@@ -639,6 +809,7 @@ class CheckpointManager:
 
         The newest checkpoint that verifies is never removed.
         """
+        self._check_writer("prune")
         self.wait()
         doomed = prune_plan(self.storage, self.root, keep)
         if not dry_run:
@@ -674,7 +845,7 @@ class CheckpointManager:
         training loop's :meth:`maybe_save` of ``anomaly_step``, which comes after the rollback,
         is ignored (the state is no longer that step's).
         """
-        self._check_open()
+        self._check_writer("rollback")
         started = time.perf_counter()
         with self._reporter.phase("restore"):
             restored = self._restore(state, None, below=before)
@@ -716,12 +887,20 @@ class CheckpointManager:
         skipped: list[str] = []
         for candidate, path, sources in candidates:
             for source in sources:
-                if source is not None:  # a remote copy: bring it here first
+                storage, where = self.storage, path
+                if source is not None and self.read_only:  # read in place: the root stays as is
+                    try:
+                        root, storage = next(t for t in self._tiers if t.uri == source).open()
+                    except Exception as exc:
+                        skipped.append(f"step {candidate} in {source}: {exc}")
+                        continue
+                    where = storage.join(root, checkpoint_dir_name(candidate))
+                elif source is not None:  # a remote copy: bring it here first
                     fetched = self._on_rank0(functools.partial(self._fetch, candidate, source))
                     if fetched:
                         skipped.append(f"step {candidate} in {source}: {fetched}")
                         continue
-                restored = self._try_restore(state, candidate, path, skipped)
+                restored = self._try_restore(state, candidate, where, skipped, storage)
                 if restored is not None:
                     return restored
         if step is not None:
@@ -792,6 +971,7 @@ class CheckpointManager:
         ``uri`` into the local root; returns "" on success, else why not."""
         tier = next(t for t in self._tiers if t.uri == uri)
         started = time.perf_counter()
+        self._known[step] = None  # ours to bring in: not a second writer's
         try:
             root, storage = tier.open()
             manifest = download_checkpoint(
@@ -803,6 +983,7 @@ class CheckpointManager:
             )
             base = manifest.base_step
             if base is not None and checkpoint_dir_name(base) not in self.storage.list(self.root):
+                self._known[base] = None
                 download_checkpoint(
                     storage,
                     storage.join(root, checkpoint_dir_name(base)),
@@ -822,11 +1003,17 @@ class CheckpointManager:
         return ""
 
     def _try_restore(
-        self, state: TrainState, candidate: int, path: str, skipped: list[str]
+        self,
+        state: TrainState,
+        candidate: int,
+        path: str,
+        skipped: list[str],
+        storage: Storage | None = None,
     ) -> tuple[int, str] | None:
         """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if not."""
         started = time.perf_counter()
-        status, reader, reason = self._load_candidate(state, candidate, path)
+        storage = self.storage if storage is None else storage
+        status, reader, reason = self._load_candidate(state, candidate, path, storage)
         try:
             # Every rank verified its part before any rank writes into its live tensors.
             statuses = self._group.all_gather((status, reason))
@@ -843,12 +1030,12 @@ class CheckpointManager:
         finally:
             if reader is not None:
                 reader.close()
-        state.restore(tree, where=f"{self.storage.describe(path)}")
+        state.restore(tree, where=f"{storage.describe(path)}")
         self._warn_if_inexact(candidate)
         self._last_save_step, self._last_save_s = candidate, time.monotonic()
         self._newest_valid = candidate
         log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
-        return int(candidate), self.storage.describe(path)
+        return int(candidate), storage.describe(path)
 
     def _warn_if_inexact(self, step: int) -> None:
         """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
@@ -875,7 +1062,7 @@ class CheckpointManager:
             )
 
     def _load_candidate(
-        self, state: TrainState, step: int, path: str
+        self, state: TrainState, step: int, path: str, storage: Storage
     ) -> tuple[str, RankRead | None, str]:
         """Check and verify one candidate without touching the live state.
 
@@ -884,15 +1071,15 @@ class CheckpointManager:
         """
         reader: RankRead | None = None
         try:
-            manifest = read_manifest(self.storage, path)
+            manifest = read_manifest(storage, path)
             if manifest.step != step:
                 raise CorruptCheckpointError(
-                    f"{self.storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
+                    f"{storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
                     "the directory was renamed or copied"
                 )
             # Another world size: replicated state only, each rank reading a saved rank's part.
             source = source_rank(
-                self.storage, path, manifest, self._group.rank, self._group.world_size,
+                storage, path, manifest, self._group.rank, self._group.world_size,
                 per_rank=state.per_rank_names(),
             )  # fmt: skip
             if source != self._group.rank or manifest.world_size != self._group.world_size:
@@ -913,22 +1100,22 @@ class CheckpointManager:
                         manifest.world_size,
                         self._group.world_size,
                     )
-            reader = RankRead(self.storage, path, manifest, source, into=state.live_tensors())
+            reader = RankRead(storage, path, manifest, source, into=state.live_tensors())
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Neither step writes into the live state: only finish() does, after all ranks agree.
             reader.verify()
             meta = reader.meta_tree()
             if not isinstance(meta, dict):
                 raise CorruptCheckpointError(
-                    f"{self.storage.describe(path)}: the state is not a mapping"
+                    f"{storage.describe(path)}: the state is not a mapping"
                 )
-            state.check(meta, where=self.storage.describe(path))
+            state.check(meta, where=storage.describe(path))
             pieces = reader.sharded_entries()
             if pieces:  # cut this rank's pieces out of the saved ones, before anything changes
                 with state.restore_layout() as layout:
                     _, live = named_tensors(layout)
                     targets = restore_targets(pieces, dict(live))
-                load_sharded(self.storage, path, manifest, targets)
+                load_sharded(storage, path, manifest, targets)
                 reader.sharded_values = targets
             self._restored_environment = manifest.environment
             return "ok", reader, ""
@@ -976,6 +1163,8 @@ class CheckpointManager:
                 self._apply_retention(keep_always=self._newest_valid)
             self._reporter.closed()
             self._preemption.uninstall()
+            if self._lock is not None:
+                self._lock.release()
 
     def _wait_durable(self, limit_s: float) -> None:
         """Rank 0: wait (at most ``limit_s``) until every tier has what it wants; else say what
@@ -1012,6 +1201,14 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+
+    def _check_writer(self, what: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ConfigError(
+                f"CheckpointManager({self.root!r}, read_only=True) cannot {what}: it only restores "
+                "and lists; the run that writes the root saves, prunes and rolls back"
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self

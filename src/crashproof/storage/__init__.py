@@ -30,11 +30,13 @@ def storage_for(root: str, options: Mapping[str, Any] | None = None) -> tuple[st
     """The path and backend for a checkpoint root: the local filesystem for plain paths and
     ``file://``; fsspec for every other URI (``s3://``, ``gs://``, ``az://``, ``memory://``, ...),
     which needs fsspec and the protocol's package (``pip install crashproof[s3]``, ...).
-    ``options`` go to the fsspec filesystem (credentials, endpoint, timeouts)."""
-    if root.startswith("file://"):
-        return root[len("file://") :], _chaos(LocalStorage())
-    if "://" not in root:
-        return root, _chaos(LocalStorage())
+    ``options`` go to the fsspec filesystem (credentials, endpoint, timeouts). A local root is
+    returned resolved (``os.path.realpath``): a link as the root itself is followed, once."""
+    if root.startswith("file://") or "://" not in root:
+        # The root itself may be a link (to a faster disk): resolved once here, so that below it
+        # nothing is ever followed through one (see LocalStorage).
+        path = root[len("file://") :] if root.startswith("file://") else root
+        return os.path.realpath(path), _chaos(LocalStorage())
     protocol = root.split("://", 1)[0]
     # Some SDKs draw from Python's global RNG when imported or configured; that stream is the
     # training's (and in its checkpoints): leave it exactly as it was.

@@ -10,6 +10,10 @@ no atomic rename, so:
   the temporary one. Until the marker is there, readers see no checkpoint (a directory without a
   valid manifest is not one); a crash midway leaves a final directory without a manifest, which
   restore skips and the next manager removes;
+- re-publishing a directory removes the old copy's marker first, then the old copy, then
+  copies the new one (marker last), then deletes the temporary directory: at every instant one
+  complete copy exists, under the final name or the temporary one, and start-up recovery
+  (:func:`crashproof.checkpoint._catalog.recover_interrupted`) finishes an interrupted publish;
 - a file is durable once ``commit`` returns: the object store has acknowledged the upload
   (multipart for large files: fsspec's buffered writer).
 
@@ -21,9 +25,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import inspect
 import os
 import posixpath
+import stat
 import threading
 from typing import Any
 
@@ -171,8 +177,11 @@ class FsspecStorage:
 
     def put_file(self, local_path: str, path: str) -> None:
         key = self._key(path)
-        if not os.path.isfile(local_path):
-            raise FileNotFoundError(local_path)
+        mode = os.lstat(local_path).st_mode
+        if not stat.S_ISREG(mode):  # not a link, a FIFO, a device: the upload would follow or hang
+            raise FileNotFoundError(
+                errno.ENOENT, f"not a regular file ({stat.filemode(mode)})", local_path
+            )
         if self._s3 is not None:
             self._s3.upload(local_path, key)
         else:
@@ -182,7 +191,12 @@ class FsspecStorage:
     def publish(self, tmp_dir: str, final_dir: str, *, commit_marker: str | None = None) -> None:
         """Copy ``tmp_dir`` to ``final_dir`` (replacing it), ``commit_marker`` last; see above."""
         src, dst = self._key(tmp_dir), self._key(final_dir)
-        self.remove(final_dir)  # a replaced checkpoint stops being one before anything changes
+        # A replaced checkpoint stops being one before anything of it changes: its marker goes
+        # first. From here until the new marker is copied the complete copy is ``tmp_dir``, which
+        # is removed last; start-up recovery publishes it again if a crash comes in between.
+        if commit_marker is not None:
+            self.remove(posixpath.join(final_dir, commit_marker))
+        self.remove(final_dir)
         files: builtins.list[str] = []
         dirs: builtins.list[str] = []
         for name in self._walk(src):

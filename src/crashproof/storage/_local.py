@@ -1,27 +1,78 @@
-"""Local (POSIX) filesystem storage: plain ``os`` calls, fsync for durability, rename to commit."""
+"""Local (POSIX) filesystem storage: plain ``os`` calls, fsync for durability, rename to commit.
+
+Nothing below a root is followed through a symbolic link: listings leave links out (with one
+warning each), and a file is opened without following a link, neither its own name nor its
+directory's, and without blocking (a FIFO or a device in place of a file would otherwise hang the
+open or the first read), then checked to be a regular file before a byte is read.
+
+:meth:`LocalStorage.publish` replaces a directory so that a complete copy of it is under its final
+name at every instant: on Linux the new directory and the old one swap names in one
+``renameat2(RENAME_EXCHANGE)``; where the filesystem cannot, the old one is first renamed to
+``.replaced-<name>-<random>``, which start-up recovery (:mod:`crashproof.checkpoint._catalog`)
+puts back if a crash came before the new one took its place.
+
+Chaos seam: ``CRASHPROOF_CHAOS_PUBLISH_KILL=<point>`` makes the process SIGKILL itself at that
+point of the publish sequence (one of :data:`PUBLISH_POINTS`); read in :func:`_chaos_point` only.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import logging
 import os
 import shutil
+import signal
 import stat
+import threading
 import uuid
+from typing import Any
 
-__all__ = ["LocalStorage"]
+__all__ = ["ENV_PUBLISH_KILL", "PUBLISH_POINTS", "REPLACED_PREFIX", "TRASH_PREFIX", "LocalStorage"]
+
+log = logging.getLogger("crashproof.storage")
 
 # Big writes are split so a single os.write never has to pin gigabytes at once.
 _WRITE_CHUNK = 64 * 1024 * 1024
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+TRASH_PREFIX = ".trash-"
+"""A directory being deleted: renamed first, so a crash never leaves half of a checkpoint."""
+REPLACED_PREFIX = ".replaced-"
+"""The previous copy of a directory being replaced, where names cannot be swapped atomically."""
+
+ENV_PUBLISH_KILL = "CRASHPROOF_CHAOS_PUBLISH_KILL"
+"""Chaos seam: the publish point at which this process SIGKILLs itself (tests, docs/chaos.md)."""
+PUBLISH_POINTS = (
+    "publish:start",  # nothing done yet
+    "publish:synced",  # the new directory's entries are durable
+    "publish:exchanged",  # new and old swapped names (the old one is under the temporary name)
+    "publish:set-aside",  # without an exchange: the old one renamed to .replaced-*
+    "publish:renamed",  # without an exchange: the new one under the final name
+    "publish:durable",  # the parent fsynced: the new one is there for good
+    "remove:renamed",  # the old one renamed to .trash-*, not yet deleted
+)
+"""Every point of :meth:`LocalStorage.publish` (and the removal of the old copy it ends with)."""
+
+_warned_links: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _chaos_point(point: str) -> None:
+    """SIGKILL this process here if ``CRASHPROOF_CHAOS_PUBLISH_KILL`` names ``point``."""
+    if os.environ.get(ENV_PUBLISH_KILL) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _LocalWriteStream:
     def __init__(self, path: str) -> None:
         self._path = path
         self._fd: int | None = os.open(
-            path,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-            0o644,
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644
         )
 
     def write(self, data: bytes | memoryview, /) -> None:
@@ -48,19 +99,44 @@ class _LocalWriteStream:
             os.unlink(self._path)
 
 
+def _refuse(path: str, why: str) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, why, path)
+
+
+def _open_regular(path: str, *, parent_too: bool) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without following a link
+    (nor, with ``parent_too``, a link in place of its directory) and without blocking."""
+    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    parent, name = os.path.split(path)
+    try:
+        if parent_too:
+            dir_fd = os.open(parent or ".", os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        else:
+            fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW met a link (or a non-dir)
+            raise _refuse(path, "refusing to follow a symbolic link") from None
+        if exc.errno in (errno.ENXIO, errno.EWOULDBLOCK):  # a socket, a FIFO without writer...
+            raise _refuse(path, "not a regular file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _refuse(path, f"not a regular file ({stat.filemode(mode)})")
+    return fd
+
+
 class _LocalReadStream:
     def __init__(self, path: str) -> None:
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
-                raise FileNotFoundError(
-                    errno.ENOENT, "refusing to follow a symbolic link", path
-                ) from None
-            raise
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            os.close(self._fd)
-            raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
+        self._fd = _open_regular(path, parent_too=True)
         self._path = path
 
     def size(self) -> int:
@@ -87,9 +163,16 @@ class LocalStorage:
 
     def list(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(path))
+            with os.scandir(path) as entries:
+                names: list[str] = []
+                links: list[str] = []
+                for entry in entries:
+                    (links if entry.is_symlink() else names).append(entry.name)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        for name in links:
+            _warn_link(os.path.join(path, name))
+        return sorted(names)
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -104,7 +187,10 @@ class LocalStorage:
         # Copy under a temporary name and rename, so a reader never sees half a file.
         tmp = f"{path}.put-{uuid.uuid4().hex[:8]}"
         try:
-            with open(local_path, "rb") as src, open(tmp, "xb") as dst:
+            with (
+                os.fdopen(_open_regular(local_path, parent_too=False), "rb") as src,
+                open(tmp, "xb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, _WRITE_CHUNK)  # kernel-side copy where it can
                 dst.flush()
                 os.fsync(dst.fileno())
@@ -119,35 +205,54 @@ class LocalStorage:
         # A rename is atomic here: the marker needs no special order.
         # The files were fsynced when written; their directory entries are durable only once the
         # directory itself is, and the rename only once the parent is.
-        _fsync_dir(tmp_dir)
+        _chaos_point("publish:start")
+        _fsync_dir(tmp_dir, follow=False)
+        _chaos_point("publish:synced")
         parent = os.path.dirname(os.path.abspath(final_dir))
-        trash = None
-        if os.path.lexists(final_dir):
-            # rename(2) cannot replace a non-empty directory: move the old one aside first.
-            trash = os.path.join(
-                parent, f".trash-{os.path.basename(final_dir)}-{uuid.uuid4().hex[:8]}"
+        old = None
+        if not os.path.lexists(final_dir):
+            os.rename(tmp_dir, final_dir)
+            _chaos_point("publish:renamed")
+        elif _exchange(tmp_dir, final_dir):
+            # One step: the final name holds the new copy, the temporary name the old one.
+            old = tmp_dir
+            _chaos_point("publish:exchanged")
+        else:
+            # rename(2) cannot replace a non-empty directory: move the old one aside first,
+            # under a name start-up recovery puts back if the next rename never happens.
+            old = os.path.join(
+                parent, f"{REPLACED_PREFIX}{os.path.basename(final_dir)}-{uuid.uuid4().hex[:8]}"
             )
-            os.rename(final_dir, trash)
-        os.rename(tmp_dir, final_dir)
+            os.rename(final_dir, old)
+            _chaos_point("publish:set-aside")
+            try:
+                os.rename(tmp_dir, final_dir)
+            except BaseException:
+                os.rename(old, final_dir)  # failed, not crashed: the old one goes back at once
+                raise
+            _chaos_point("publish:renamed")
         _fsync_dir(parent)
-        if trash is not None:
-            self.remove(trash)
+        _chaos_point("publish:durable")
+        if old is not None:
+            self.remove(old)
 
     def remove(self, path: str) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
             # Rename first so the directory disappears in one step: a crash during the deletion
             # leaves a ".trash-" leftover that readers ignore, never a half-deleted checkpoint.
             name = os.path.basename(path.rstrip("/"))
-            if not name.startswith(".trash-"):
+            if not name.startswith(TRASH_PREFIX):
                 trash = os.path.join(
-                    os.path.dirname(path.rstrip("/")), f".trash-{name}-{uuid.uuid4().hex[:8]}"
+                    os.path.dirname(path.rstrip("/")),
+                    f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}",
                 )
                 try:
                     os.rename(path, trash)
                     path = trash
+                    _chaos_point("remove:renamed")
                 except OSError:
                     pass  # e.g. a read-only parent: fall back to deleting in place
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)  # never follows links: deletes them
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -156,9 +261,50 @@ class LocalStorage:
         return os.path.abspath(path)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def _warn_link(path: str) -> None:
+    with _warned_lock:
+        if path in _warned_links:
+            return
+        _warned_links.add(path)
+    log.warning(
+        "ignoring %s: it is a symbolic link, and crashproof never follows a link inside a "
+        "checkpoint root; move the real directory or file here if it is meant to be read",
+        os.path.abspath(path),
+    )
+
+
+def _fsync_dir(path: str, *, follow: bool = True) -> None:
+    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC | (0 if follow else _NOFOLLOW))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2: Any = False  # False: not looked up yet; None: not available
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the platform or the filesystem cannot (then nothing changed)."""
+    global _renameat2
+    if _renameat2 is False:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+            fn.argtypes += [ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):
+            _renameat2 = None
+    if _renameat2 is None:
+        return False
+    ret = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if ret == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False  # not here (a filesystem without the flag, an old kernel): rename twice
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")

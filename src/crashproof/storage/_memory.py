@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import posixpath
+import stat
 import threading
 
 __all__ = ["MemoryStorage"]
@@ -89,7 +92,11 @@ class MemoryStorage:
                 raise FileNotFoundError(path) from None
 
     def put_file(self, local_path: str, path: str) -> None:
-        with open(local_path, "rb") as f:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(local_path, flags)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FileNotFoundError(errno.ENOENT, "not a regular file", local_path)
             data = f.read()
         with self._lock:
             self._files[path] = data

@@ -1,0 +1,215 @@
+"""A full disk that retention could have freed does not stop checkpointing.
+
+The review's case: ``KeepLast(2)`` on a disk that holds exactly two checkpoints; retention ran
+only after a commit, so the third save never committed, nor any after it. Here the disk is a real
+tmpfs of that size where the test may mount one, and a storage with a byte quota otherwise; then
+the attacker's variants: a policy that keeps everything, a disk too small for even one more, a
+delta whose base retention must keep, a disk that stays full after the retry.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import crashproof as cp
+from crashproof.checkpoint._format import checkpoint_dir_name
+from crashproof.storage import MemoryStorage
+from crashproof.storage._memory import _MemoryWriteStream
+
+
+def _state(seed: int, n: int = 64) -> cp.TrainState:
+    torch.manual_seed(seed)
+    return cp.TrainState(model=torch.nn.Linear(n, n))
+
+
+class _Disk(MemoryStorage):
+    """Memory with a byte quota (a disk of that size), and ``fail`` writes failing with ENOSPC
+    however much room there is (a disk another process fills)."""
+
+    def __init__(self, quota: int | None = None) -> None:
+        super().__init__()
+        self.quota, self.fail = quota, 0
+
+    def used(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._files.values())
+
+    def create(self, path: str) -> _MemoryWriteStream:
+        stream = super().create(path)
+        disk = self
+
+        class Stream(_MemoryWriteStream):
+            def write(self, data: bytes | memoryview, /) -> None:
+                if disk.fail > 0:
+                    disk.fail -= 1
+                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                size = len(memoryview(data).cast("B"))
+                if disk.quota is not None and disk.used() + len(self._buf) + size > disk.quota:
+                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                super().write(data)
+
+        s = Stream(self, path)
+        s._buf = stream._buf
+        return s
+
+
+def _steps(storage: MemoryStorage, root: str = "/ck") -> list[int]:
+    return sorted(int(n[5:]) for n in storage.list(root) if n.startswith("step_"))
+
+
+def _manager(storage: MemoryStorage, **kw: Any) -> cp.CheckpointManager:
+    return cp.CheckpointManager(
+        "/ck", storage=storage, async_save=False, handle_signals=False, **kw
+    )
+
+
+def _checkpoint_bytes() -> int:
+    probe = _Disk()
+    with _manager(probe) as m:
+        m.save(1, _state(1))
+    return probe.used()
+
+
+def test_keep_last_2_on_a_disk_of_two_checkpoints_keeps_saving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    with caplog.at_level(logging.WARNING), _manager(disk, keep=cp.KeepLast(2)) as m:
+        for step in range(1, 9):
+            m.save(step, _state(step))
+            assert _steps(disk)[-1] == step, f"step {step} did not commit"
+        stats = m.stats
+    assert _steps(disk) == [7, 8]
+    assert stats.saves_committed == 8 and stats.failures == 0
+    assert stats.disk_full_retries == 6 and stats.removed_for_space == 6
+    assert sum("disk full" in r.getMessage() for r in caplog.records) >= 6
+
+
+def test_retention_that_keeps_everything_frees_nothing_and_the_save_fails_once_retried() -> None:
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    with _manager(disk) as m:  # KeepAll
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+        m.save(3, _state(3))  # on_disk_full="continue": logged, counted, training goes on
+        stats = m.stats
+    assert _steps(disk) == [1, 2]
+    assert stats.disk_full == 1 and stats.disk_full_retries == 1 and stats.removed_for_space == 0
+
+
+def test_the_newest_valid_checkpoint_is_never_removed_to_make_room() -> None:
+    disk = _Disk(quota=_checkpoint_bytes() + 512)  # room for one: the next save cannot fit
+    with _manager(disk, keep=cp.KeepLast(1)) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+        stats = m.stats
+    assert _steps(disk) == [1], "the only valid checkpoint was removed for a save that failed"
+    assert stats.disk_full_retries == 1 and stats.failures == 1
+
+
+def test_a_fresh_manager_finds_the_newest_valid_checkpoint_before_removing_anything() -> None:
+    """Nothing restored nor saved by this manager yet: it must not trust the newest name."""
+    disk = _Disk()
+    with _manager(disk) as m:
+        for step in (1, 2, 3):
+            m.save(step, _state(step))
+    shard = f"/ck/{checkpoint_dir_name(3)}/rank_00000.safetensors"
+    data = bytearray(disk.get_bytes(shard))
+    data[-1] ^= 1
+    disk.put_bytes(shard, bytes(data))  # step 3 is corrupt: step 2 is the newest valid
+    disk.fail = 1
+    with _manager(disk, keep=cp.KeepLast(1)) as m:
+        m.save(4, _state(4))
+    assert 4 in _steps(disk)
+    disk_steps = _steps(disk)
+    assert 2 in disk_steps or disk_steps == [4], "step 2 was removed before step 4 committed"
+
+
+def test_a_base_that_a_kept_delta_needs_is_not_removed_to_make_room() -> None:
+    disk = _Disk()
+    with _manager(disk, keep=cp.KeepLast(2), delta=cp.Delta(full_every=10)) as m:
+        for step in (1, 2, 3):  # 1 full, 2 and 3 deltas on 1
+            m.save(step, _state(step))
+        disk.fail = 1
+        m.save(4, _state(4))  # a delta on 1: after it, KeepLast(2) keeps 3 and 4, and 1
+        stats = m.stats
+    assert _steps(disk) == [1, 3, 4]
+    assert stats.disk_full_retries == 1 and stats.removed_for_space == 1
+    fresh = _state(0)
+    with cp.CheckpointManager("/ck", storage=disk, read_only=True, handle_signals=False) as r:
+        assert r.restore(fresh) == 4
+
+
+def test_a_disk_still_full_after_the_retry_is_retried_only_once() -> None:
+    disk = _Disk()
+    with _manager(disk, keep=cp.KeepLast(1)) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+        disk.fail = 2  # the first try and the retry
+        m.save(3, _state(3))
+        stats = m.stats
+        disk.fail = 0
+        m.save(4, _state(4))  # and the next save works as usual
+    assert stats.disk_full_retries == 1 and stats.failures == 1
+    assert _steps(disk) == [4]
+
+
+def test_on_disk_full_raise_still_raises_after_the_retry() -> None:
+    disk = _Disk()
+    with _manager(disk, keep=cp.KeepLast(1), on_disk_full="raise") as m:
+        m.save(1, _state(1))
+        disk.fail = 2
+        with pytest.raises(cp.CheckpointWriteError) as info:
+            m.save(2, _state(2))
+        assert info.value.errno == errno.ENOSPC
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A real filesystem that holds two checkpoints and a little (root only: skipped else)."""
+    probe = tmp_path / "probe"
+    with cp.CheckpointManager(str(probe), async_save=False, handle_signals=False) as m:
+        m.save(1, _state(1, 256))
+    size = sum(
+        (os.lstat(os.path.join(d, f)).st_size + 4095) // 4096 * 4096
+        for d, _, fs in os.walk(probe)
+        for f in fs
+    )
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    quota = 2 * size + size // 2
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={quota}", "tmpfs", str(mount)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount, size
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_filesystem_with_keep_last_2_keeps_saving(tmpfs: tuple[Path, int]) -> None:
+    mount, _ = tmpfs
+    root = mount / "ck"
+    with cp.CheckpointManager(
+        str(root), keep=cp.KeepLast(2), async_save=False, handle_signals=False
+    ) as m:
+        for step in range(1, 7):
+            m.save(step, _state(step, 256))
+            assert checkpoint_dir_name(step) in os.listdir(root), f"step {step} did not commit"
+        stats = m.stats
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        checkpoint_dir_name(5),
+        checkpoint_dir_name(6),
+    ]
+    assert stats.failures == 0 and stats.disk_full_retries >= 1

@@ -1,0 +1,220 @@
+"""No link, pipe or name under a root leads anywhere unexpected.
+
+The attacker plants, in a root the run trusts: a symbolic link in place of a step directory, of
+a delta's base, of a file, of a leftover; a FIFO in place of a shard or a manifest (opening one
+blocks until a writer comes: forever); step names that only look like ``step_<digits>`` (Unicode
+digits, a trailing newline) and a second spelling of a step (``step_2`` beside
+``step_0000000002``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import crashproof as cp
+from crashproof.checkpoint import committed_steps, describe_checkpoint, verify_checkpoint
+from crashproof.checkpoint._format import checkpoint_dir_name, parse_step_dir
+from crashproof.storage import LocalStorage, storage_for
+
+
+def _state(seed: int = 0) -> cp.TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return cp.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _weights(state: cp.TrainState) -> torch.Tensor:
+    assert state.model is not None
+    return torch.cat([p.detach().flatten().clone() for p in state.model.parameters()])
+
+
+def _save(root: Path, steps: dict[int, int], **kw: Any) -> None:
+    with cp.CheckpointManager(str(root), async_save=False, handle_signals=False, **kw) as mgr:
+        for step, seed in steps.items():
+            mgr.save(step, _state(seed))
+
+
+def _restore(root: Path, **kw: Any) -> tuple[int, torch.Tensor]:
+    state = _state(99)
+    with cp.CheckpointManager(str(root), read_only=True, handle_signals=False, **kw) as mgr:
+        step = mgr.restore(state)
+    return step, _weights(state)
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    """``fn()``, failing the test (not hanging it) if it blocks."""
+    out: list[Any] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            err.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"blocked for {timeout_s} s"
+    if err:
+        raise err[0]
+    return out[0]
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / checkpoint_dir_name(step)
+
+
+def test_a_symlinked_step_directory_pointing_outside_the_root_is_never_restored(
+    tmp_path: Path,
+) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _save(root, {1: 1})
+    _save(elsewhere, {5: 5})
+    os.symlink(_step_dir(elsewhere, 5), _step_dir(root, 5))
+    step, weights = _restore(root)
+    assert step == 1
+    assert torch.equal(weights, _weights(_state(1)))
+    assert [s for s, _ in committed_steps(LocalStorage(), str(root))] == [1]
+
+
+def test_a_symlinked_step_directory_is_not_listed_by_the_cli_nor_deleted_through(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from crashproof.cli import main
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _save(root, {1: 1, 2: 2})
+    _save(elsewhere, {3: 3})
+    os.symlink(_step_dir(elsewhere, 3), _step_dir(root, 3))
+    main(["ls", str(root)])
+    assert checkpoint_dir_name(3) not in capsys.readouterr().out
+    # A writer with a retention that keeps one: removes step 1 only, never anything through
+    # the link, and never the link's target.
+    _save(root, {4: 4}, keep=cp.KeepLast(1))
+    assert sorted(p.name for p in (elsewhere / checkpoint_dir_name(3)).iterdir())
+    assert _step_dir(root, 3).is_symlink()
+
+
+def test_a_symlinked_delta_base_is_refused(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _save(root, {1: 1, 2: 2}, delta=cp.Delta(full_every=4))
+    elsewhere.mkdir()
+    # The base, byte for byte, moved out and linked back: only the link is wrong.
+    shutil.move(str(_step_dir(root, 1)), str(elsewhere / checkpoint_dir_name(1)))
+    os.symlink(elsewhere / checkpoint_dir_name(1), _step_dir(root, 1))
+    assert _restore(root)[0] == 0
+    with pytest.raises((cp.CorruptCheckpointError, FileNotFoundError)):
+        verify_checkpoint(LocalStorage(), str(_step_dir(root, 2)))
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "rank_00000.safetensors", "rank_00000.json"])
+def test_a_symlinked_file_inside_a_checkpoint_is_refused(tmp_path: Path, name: str) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _save(root, {1: 1, 2: 2})
+    elsewhere.mkdir()
+    shutil.move(str(_step_dir(root, 2) / name), str(elsewhere / name))  # same bytes
+    os.symlink(elsewhere / name, _step_dir(root, 2) / name)
+    assert _restore(root)[0] == 1
+    assert not describe_checkpoint(LocalStorage(), 2, str(_step_dir(root, 2))).valid
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "rank_00000.safetensors", "rank_00000.json"])
+def test_a_fifo_in_place_of_a_file_blocks_nothing(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "root"
+    _save(root, {1: 1, 2: 2})
+    (_step_dir(root, 2) / name).unlink()
+    os.mkfifo(_step_dir(root, 2) / name)
+    assert _bounded(lambda: _restore(root))[0] == 1
+    info = _bounded(lambda: describe_checkpoint(LocalStorage(), 2, str(_step_dir(root, 2))))
+    assert not info.valid
+    with pytest.raises((FileNotFoundError, cp.CorruptCheckpointError)):
+        _bounded(lambda: verify_checkpoint(LocalStorage(), str(_step_dir(root, 2))))
+    for command in ("ls", "verify"):  # a process each: the CLI installs signal handlers
+        done = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", command, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode in (0, 1), done.stderr
+
+
+def test_a_symlinked_leftover_is_unlinked_not_followed(tmp_path: Path) -> None:
+    root, precious = tmp_path / "root", tmp_path / "precious"
+    _save(root, {1: 1})
+    precious.mkdir()
+    (precious / "data").write_bytes(b"keep me")
+    os.symlink(precious, root / ".tmp-step_0000000002-evil")
+    os.symlink(precious, root / ".trash-step_0000000001-evil")
+    _save(root, {2: 2})  # a writer starting up removes leftovers
+    assert (precious / "data").read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "step_\u0663",  # ARABIC-INDIC DIGIT THREE
+        "step_\uff13",  # FULLWIDTH DIGIT THREE
+        "step_000000000\u0663",
+        "step_0000000003\n",
+        "step_0000000003 ",
+        " step_0000000003",
+        "step_+000000003",
+        "step_3",
+        "step_00000000003",
+        "Step_0000000003",
+        "step_0x00000003",
+    ],
+)
+def test_only_the_canonical_ascii_name_is_a_checkpoint(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "root"
+    _save(root, {1: 1, 3: 3})
+    os.rename(_step_dir(root, 3), root / name)
+    assert parse_step_dir(name) is None
+    assert [s for s, _ in committed_steps(LocalStorage(), str(root))] == [1]
+    assert _restore(root)[0] == 1
+
+
+def test_one_step_one_directory_and_one_warning_for_the_other_spelling(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "root"
+    _save(root, {1: 1, 2: 2})
+    shutil.copytree(_step_dir(root, 1), root / "step_2")  # step 1's bytes under step 2's name
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            found = committed_steps(LocalStorage(), str(root))
+    assert [s for s, _ in found] == [2, 1]
+    assert dict(found)[2].endswith(checkpoint_dir_name(2))
+    warnings = [r for r in caplog.records if "'step_2'" in r.getMessage()]
+    assert len(warnings) == 1 and checkpoint_dir_name(2) in warnings[0].getMessage()
+    step, weights = _restore(root)
+    assert step == 2 and torch.equal(weights, _weights(_state(2)))
+
+
+def test_canonical_names_round_trip() -> None:
+    for step in (0, 1, 9_999_999_999, 10_000_000_000, (1 << 63) - 1):
+        assert parse_step_dir(checkpoint_dir_name(step)) == step
+    assert parse_step_dir("step_" + "9" * 19) is None  # beyond a 64-bit step
+
+
+def test_a_symlinked_root_itself_is_followed_once(tmp_path: Path) -> None:
+    real, link = tmp_path / "real", tmp_path / "link"
+    _save(real, {1: 1})
+    os.symlink(real, link)
+    path, _ = storage_for(str(link))
+    assert path == str(real)
+    _save(link, {2: 2})
+    assert _restore(link)[0] == 2

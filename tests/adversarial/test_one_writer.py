@@ -1,0 +1,366 @@
+"""One writer per root: a second writer is refused at once, readers change nothing.
+
+The review found an evaluator (``CheckpointManager(root)`` + ``restore()`` in a loop) deleting the
+trainer's saves in progress, and a second trainer's ``KeepLast(2)`` deleting every checkpoint of
+the first. Here the attacker is that second process, that evaluator, a crashed writer's lock
+left behind, a lock from another host, and a second writer on an object store (no lock there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import crashproof as cp
+from crashproof.checkpoint import _lock
+from crashproof.checkpoint._lock import LOCK_NAME
+from crashproof.errors import CheckpointWriteError, ConfigError
+from crashproof.storage import MemoryStorage
+
+
+def _state(seed: int = 0) -> cp.TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return cp.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``root`` (not following links): inode, size, mtime."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+            )
+    return out
+
+
+def _manager(root: Path, **kw: Any) -> cp.CheckpointManager:
+    return cp.CheckpointManager(str(root), async_save=False, handle_signals=False, **kw)
+
+
+def test_a_second_writer_in_the_same_process_fails_naming_the_holder(tmp_path: Path) -> None:
+    first = _manager(tmp_path)
+    with pytest.raises(CheckpointWriteError) as info:
+        _manager(tmp_path, keep=cp.KeepLast(2))
+    message = str(info.value)
+    assert f"pid {os.getpid()}" in message and socket.gethostname() in message
+    assert "read_only=True" in message and LOCK_NAME in message
+    first.close()
+    assert not (tmp_path / LOCK_NAME).exists(), "close() must let go of the root"
+    _manager(tmp_path).close()  # and the next writer opens it
+
+
+def test_the_lock_file_names_host_pid_and_start_time(tmp_path: Path) -> None:
+    with _manager(tmp_path):
+        data = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert data["host"] == socket.gethostname()
+    assert data["pid"] == os.getpid()
+    assert data["process_start"] == _lock._process_start(os.getpid()) != ""
+    assert abs(data["since_unix"] - time.time()) < 60
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    import crashproof as cp
+    mgr = cp.CheckpointManager(sys.argv[1], keep=cp.KeepLast(1), handle_signals=False)
+    print("LOCKED", flush=True)
+    if sys.argv[2] == "die":
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+    """
+)
+
+
+def _holder(root: Path, mode: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(root), mode], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    if mode == "hold":
+        assert proc.stdout.readline().strip() == "LOCKED"
+    return proc
+
+
+def test_a_second_trainer_process_fails_and_the_first_ones_checkpoints_survive(
+    tmp_path: Path,
+) -> None:
+    with _manager(tmp_path) as first:
+        for step in (1, 2, 3):
+            first.save(step, _state(step))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    holder = _holder(tmp_path, "hold")
+    try:
+        with pytest.raises(CheckpointWriteError, match=f"pid {holder.pid} on host"):
+            _manager(tmp_path, keep=cp.KeepLast(1))
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_evaluator_looping_over_restore_never_touches_the_trainers_save_in_progress(
+    tmp_path: Path,
+) -> None:
+    with _manager(tmp_path) as trainer:
+        trainer.save(1, _state())
+    trainer = _manager(tmp_path)  # the writer, alive
+    # A save in progress, as the trainer's writer thread leaves it between two files.
+    inflight = tmp_path / ".tmp-step_0000000002-abcd1234-1"
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"half a shard")
+    (tmp_path / ".trash-step_0000000000-deadbeef").mkdir()
+    before = _tree(tmp_path)
+    # The review's evaluator, verbatim: now refused at once instead of deleting the save.
+    with pytest.raises(CheckpointWriteError, match="read_only=True"):
+        cp.CheckpointManager(str(tmp_path)).restore(_state(1))
+    for _ in range(20):
+        with cp.CheckpointManager(str(tmp_path), read_only=True) as reader:
+            assert reader.restore(_state(1)) == 1
+            assert [c.step for c in reader.list()] == [1]
+    assert _tree(tmp_path) == before
+    trainer.close()
+
+
+def test_a_reader_changes_nothing_in_a_root_full_of_leftovers(tmp_path: Path) -> None:
+    """No writer alive at all, so nothing protects the leftovers but read_only itself."""
+    with _manager(tmp_path) as writer:
+        writer.save(1, _state())
+        writer.save(2, _state(2))
+    (tmp_path / "step_0000000002" / "manifest.json").unlink()  # an incomplete checkpoint
+    for name in (".tmp-step_0000000003-x", ".trash-step_0000000001-y", ".replaced-step_1-z"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x")
+    (tmp_path / LOCK_NAME).write_text('{"host": "h", "pid": 1, "since_unix": 0}')
+    before = _tree(tmp_path)
+    reader = cp.CheckpointManager(str(tmp_path), read_only=True, handle_signals=False)
+    assert reader.restore(_state(3)) == 1
+    reader.list()
+    for call in (
+        lambda: reader.save(3, _state()),
+        lambda: reader.maybe_save(3, _state()),
+        lambda: reader.prune(cp.KeepLast(1)),
+        lambda: reader.rollback(_state(), before=2, anomaly_step=2),
+    ):
+        with pytest.raises(ConfigError, match="read_only=True"):
+            call()
+    reader.close()
+    for argv in (["ls", str(tmp_path)], ["verify", str(tmp_path)], ["inspect", str(tmp_path)]):
+        _cli(argv)
+    assert _tree(tmp_path) == before
+
+
+def _cli(argv: list[str]) -> None:
+    from crashproof.cli import main
+
+    main(argv)
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    holder = _holder(tmp_path, "die")
+    assert holder.wait(timeout=60) == -signal.SIGKILL
+    left = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert left["pid"] == holder.pid  # the crash left its lock file behind
+    with caplog.at_level(logging.WARNING, logger="crashproof.checkpoint"):
+        mgr = _manager(tmp_path)
+    assert any(
+        "taking over the lock" in r.message and str(holder.pid) in r.message for r in caplog.records
+    )
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    mgr.close()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_writers_lock(tmp_path: Path) -> None:
+    """The lock file names a pid that is alive now, but as another process (start time)."""
+    me = _lock._me()
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"host": me.host, "pid": 1, "process_start": "other-boot:1", "since_unix": 0})
+    )
+    _manager(tmp_path).close()
+
+
+def test_a_live_process_named_in_an_unlocked_lock_file_is_not_taken_over(tmp_path: Path) -> None:
+    """The flock is free (say, a filesystem whose locks do not reach here) but the holder lives."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        start = _lock._process_start(sleeper.pid)
+        (tmp_path / LOCK_NAME).write_text(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": sleeper.pid,
+                    "process_start": start,
+                    "since_unix": 0,
+                }
+            )
+        )
+        with pytest.raises(CheckpointWriteError, match=f"pid {sleeper.pid}"):
+            _manager(tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    _manager(tmp_path).close()  # once it is gone, the lock is stale
+
+
+def test_another_hosts_lock_is_never_taken_over_and_the_message_says_how_to_clear_it(
+    tmp_path: Path,
+) -> None:
+    lock = tmp_path / LOCK_NAME
+    lock.write_text(
+        json.dumps({"host": "gpu-node-17", "pid": 4242, "process_start": "", "since_unix": 0})
+    )
+    with pytest.raises(CheckpointWriteError) as info:
+        _manager(tmp_path)
+    assert "gpu-node-17" in str(info.value) and "delete the lock file" in str(info.value)
+    assert json.loads(lock.read_text())["host"] == "gpu-node-17", "left as it was"
+    lock.unlink()
+    _manager(tmp_path).close()
+
+
+class _Rank:
+    """A group as one rank of a two-rank job sees it; rank 0's broadcast value is given."""
+
+    def __init__(self, rank: int, rank0_says: Any = None) -> None:
+        self.rank, self.world_size, self._says = rank, 2, rank0_says
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj if self.rank == 0 else self._says
+
+
+def test_only_rank_0_locks_and_every_rank_fails_when_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crashproof.checkpoint import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "default_group", lambda timeout_s=0: _Rank(1))
+    rank1 = _manager(tmp_path)
+    assert not (tmp_path / LOCK_NAME).exists(), "a rank that does not commit takes no lock"
+    holder = _holder(tmp_path, "hold")  # a writer holds the root: rank 0 will fail ...
+    try:
+        monkeypatch.setattr(
+            manager_module, "default_group", lambda timeout_s=0: _Rank(1, "locked by pid 1")
+        )
+        with pytest.raises(CheckpointWriteError, match="rank 0 cannot write"):
+            _manager(tmp_path)  # ... and rank 1 hears it, instead of waiting in a collective
+    finally:
+        holder.kill()
+        holder.wait()
+    rank1._closed = True  # never started anything
+
+
+def test_a_second_writer_on_an_object_store_is_detected_and_deletes_nothing() -> None:
+    storage = MemoryStorage()  # no lock there: the duty is the user's, detection is ours
+    first = cp.CheckpointManager(
+        "/run", storage=storage, keep=cp.KeepLast(1), async_save=False, handle_signals=False
+    )
+    first.save(1, _state())
+    second = cp.CheckpointManager(
+        "/run", storage=storage, keep=cp.KeepLast(1), async_save=False, handle_signals=False
+    )
+    second.save(2, _state(2))  # retention of the second: step 1 was there at its start
+    first.save(3, _state(3))  # the first sees step 2, which it did not commit
+    names = set(storage.list("/run"))
+    assert "step_0000000002" in names, "the first writer's retention deleted the other's"
+    with pytest.raises(CheckpointWriteError, match="another writer"):
+        first.save(4, _state(4))
+    first.close()
+    second.close()
+
+
+def test_the_agents_replication_never_removes_anything_from_the_local_root(
+    tmp_path: Path,
+) -> None:
+    from crashproof.checkpoint._replication import Tier, TierReplicator
+
+    local = tmp_path / "local"
+    with _manager(local) as writer:
+        writer.save(1, _state())
+    writer = _manager(local)
+    inflight = local / ".tmp-step_0000000002-feedface-1"
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"partial")
+    before = _tree(local)
+    from crashproof.storage import LocalStorage
+
+    replicator = TierReplicator(
+        LocalStorage(),
+        str(local),
+        Tier(str(tmp_path / "remote")),
+        keep=cp.KeepLast(1),
+        emit=lambda *a, **k: None,
+    )
+    try:
+        assert replicator.wait_durable(30)
+    finally:
+        replicator.stop()
+    assert _tree(local) == before
+    writer.close()
+
+
+_FORKING_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    import crashproof as cp
+    mgr = cp.CheckpointManager(sys.argv[1], handle_signals=False)
+    child = os.fork()  # a data loader worker, forked after the manager took the lock
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_forked_child_of_a_killed_writer_does_not_keep_the_root_locked(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        with pytest.raises(CheckpointWriteError, match=f"pid {proc.pid}"):
+            _manager(tmp_path)  # the writer lives: refused
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # the orphaned worker still runs ...
+        _manager(tmp_path).close()  # ... and the root is free all the same
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_writer_not_yet_reaped_does_not_keep_the_root_locked(tmp_path: Path) -> None:
+    holder = _holder(tmp_path, "hold")
+    holder.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (fields := _lock._proc_stat(holder.pid)) is not None and fields[0] != b"Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        _manager(tmp_path).close()  # a zombie: exited, its parent (this test) not yet waited
+    finally:
+        holder.wait()
