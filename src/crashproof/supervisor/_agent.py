@@ -300,6 +300,10 @@ class CrashproofAgent(LocalElasticAgent):
         running = [w for w in worker_group.workers if codes[w.local_rank] is None]
         if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
             return  # a rank still works (its own allowance applies); the done ones wait for it
+        # Ended already, not yet reaped (a busy host): ended and reported once.
+        running = [w for w in running if w.id not in self._ended_after_done]
+        if not running:
+            return
         verdicts = {w.local_rank: v for w, v in stuck}
         states = {w.global_rank: _process_state(w.id) for w in running}
         stacks = self._dump_stacks(worker_group, running)
