@@ -35,9 +35,9 @@ class _Disk(MemoryStorage):
     """Memory with a byte quota (a disk of that size), and ``fail`` writes failing with ENOSPC
     however much room there is (a disk another process fills)."""
 
-    def __init__(self, quota: int | None = None) -> None:
+    def __init__(self, quota: int | None = None, code: int = errno.ENOSPC) -> None:
         super().__init__()
-        self.quota, self.fail = quota, 0
+        self.quota, self.fail, self.code = quota, 0, code
 
     def used(self) -> int:
         with self._lock:
@@ -51,10 +51,10 @@ class _Disk(MemoryStorage):
             def write(self, data: bytes | memoryview, /) -> None:
                 if disk.fail > 0:
                     disk.fail -= 1
-                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                    raise OSError(disk.code, os.strerror(disk.code), path)
                 size = len(memoryview(data).cast("B"))
                 if disk.quota is not None and disk.used() + len(self._buf) + size > disk.quota:
-                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                    raise OSError(disk.code, os.strerror(disk.code), path)
                 super().write(data)
 
         s = Stream(self, path)
@@ -79,10 +79,12 @@ def _checkpoint_bytes() -> int:
     return probe.used()
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["full-disk", "full-quota"])
 def test_keep_last_2_on_a_disk_of_two_checkpoints_keeps_saving(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, code: int
 ) -> None:
-    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    """A full quota (EDQUOT: the usual "disk full" on a shared cluster file system) too."""
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512, code=code)
     with caplog.at_level(logging.WARNING), _manager(disk, keep=cp.KeepLast(2)) as m:
         for step in range(1, 9):
             m.save(step, _state(step))
@@ -94,8 +96,11 @@ def test_keep_last_2_on_a_disk_of_two_checkpoints_keeps_saving(
     assert sum("disk full" in r.getMessage() for r in caplog.records) >= 6
 
 
-def test_retention_that_keeps_everything_frees_nothing_and_the_save_fails_once_retried() -> None:
-    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["full-disk", "full-quota"])
+def test_retention_that_keeps_everything_frees_nothing_and_the_save_fails_once_retried(
+    code: int,
+) -> None:
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512, code=code)
     with _manager(disk) as m:  # KeepAll
         m.save(1, _state(1))
         m.save(2, _state(2))

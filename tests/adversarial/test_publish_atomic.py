@@ -216,3 +216,27 @@ def test_an_object_store_publish_cut_anywhere_is_recovered(cut_at: int) -> None:
     fs.n = 10**9  # the next process: nothing fails
     recover_interrupted(storage, root)
     assert describe_checkpoint(storage, 2, f"{root}/{STEP2}").valid
+
+
+@pytest.mark.parametrize("step", [-1, 2**62 + 1, 2**63 - 1, 2**63, 10**30])
+def test_a_step_no_reader_could_read_back_is_refused_before_anything_is_written(
+    tmp_path: Path, step: int
+) -> None:
+    """A manifest records steps up to 2**62: a larger one would commit a checkpoint that every
+    reader refuses, after retention removed the good one before it."""
+    model = torch.nn.Linear(4, 4)
+    state = cp.TrainState(model=model)
+    with cp.CheckpointManager(
+        tmp_path, keep=cp.KeepLast(1), async_save=False, handle_signals=False
+    ) as ckpt:
+        ckpt.save(100, state)
+        with pytest.raises(cp.ConfigError, match="step"):
+            ckpt.save(step, state)
+        with pytest.raises(cp.ConfigError, match="step"):
+            ckpt.maybe_save(step, state)
+        ckpt.save(2**62, state)  # the largest that round-trips
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        checkpoint_dir_name(2**62)
+    ]
+    with cp.CheckpointManager(tmp_path, read_only=True, handle_signals=False) as reader:
+        assert reader.restore(cp.TrainState(model=torch.nn.Linear(4, 4))) == 2**62

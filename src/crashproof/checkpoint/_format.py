@@ -35,6 +35,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MAX_INDEX_BYTES",
     "MAX_MANIFEST_BYTES",
+    "MAX_STEP",
     "DeltaEntry",
     "FileEntry",
     "Manifest",
@@ -57,6 +58,8 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_INDEX_BYTES = 512 * 1024 * 1024
 MAX_WORLD_SIZE = 1 << 20
+MAX_STEP = 1 << 62
+"""The largest step a manifest may record (a save of a larger one is refused)."""
 CHECKSUM_SCHEMES = ("bytes", "tensors")
 MAX_NDIM = 64
 MAX_ELEMENTS = 1 << 48  # even with zero-size dims, larger shapes overflow torch's stride maths
@@ -236,7 +239,7 @@ def _require(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> A
     return value
 
 
-def _count(obj: Any, key: str, where: str, *, upper: int = 1 << 62) -> int:
+def _count(obj: Any, key: str, where: str, *, upper: int = MAX_STEP) -> int:
     value: int = _require(obj, key, int, where)
     if not 0 <= value <= upper:
         raise CorruptCheckpointError(

@@ -36,7 +36,7 @@ from crashproof.checkpoint._catalog import (
     retention_plan,
 )
 from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
-from crashproof.checkpoint._format import checkpoint_dir_name
+from crashproof.checkpoint._format import MAX_STEP, checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._lock import RootLock, lock_root
@@ -97,6 +97,8 @@ PREEMPTION_DURABLE_WAIT_S = 10.0
 _KEEPALIVE_S = 5.0
 AGREE_EVERY_S = 0.25
 """How often the ranks agree on stopping (a preemption notice) and on time-based saves."""
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A full disk, or a full quota (the usual "disk full" of a shared cluster file system)."""
 _AGREE_MAX_CALLS = 10_000
 """While rank 0 works alone (a download from a tier), the others hear from it this often."""
 
@@ -106,6 +108,11 @@ def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
         return read_manifest(storage, ckpt_dir).created_unix
     except (CorruptCheckpointError, OSError):
         return None
+
+
+def _check_step(step: int) -> None:
+    if not 0 <= step <= MAX_STEP:  # a manifest of a larger step would be unreadable
+        raise ConfigError(f"step {step}: checkpoint steps are integers from 0 to 2**62")
 
 
 class CheckpointManager:
@@ -324,7 +331,8 @@ class CheckpointManager:
         Also the trainer's heartbeat under ``crashproof run``: call it every step.
         """
         self._check_writer("maybe_save")
-        metadata = checked_metadata(metadata, step)  # at every call, not only at a save
+        _check_step(step)  # at every call, not only at a save
+        metadata = checked_metadata(metadata, step)
         self._reporter.step_done(step)
         self._raise_pending()
         ctx = SaveContext(
@@ -443,12 +451,11 @@ class CheckpointManager:
         committed; asynchronous ones once the state is copied.
         """
         self._check_writer("save")
-        if step < 0:
-            raise ConfigError(f"save(step={step}): steps are non-negative")
         with self._reporter.phase("save"):
             return self._save(step, state, metadata)
 
     def _save(self, step: int, state: TrainState, metadata: dict[str, Any] | None) -> bool:
+        _check_step(step)
         metadata = checked_metadata(metadata, step)  # refused here, naming the key
         self._raise_pending()
         started = time.perf_counter()
@@ -567,7 +574,7 @@ class CheckpointManager:
             try:
                 result = persist(self.storage, self.root, snapshot, self._persist_group, tmp_name)
             except CheckpointWriteError as exc:
-                if exc.errno != errno.ENOSPC:
+                if exc.errno not in _DISK_FULL:
                     raise
                 # Every rank has this same outcome (rank 0 broadcast it): all retry, once.
                 self._make_room(snapshot, exc)
@@ -640,7 +647,7 @@ class CheckpointManager:
             raise
         except CheckpointWriteError as exc:
             self.stats.failures += 1
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in _DISK_FULL:
                 self.stats.disk_full += 1
                 if self.on_disk_full == "continue":
                     log.error(
@@ -1034,6 +1041,9 @@ class CheckpointManager:
         self._warn_if_inexact(candidate)
         self._last_save_step, self._last_save_s = candidate, time.monotonic()
         self._newest_valid = candidate
+        # Deltas are taken against what this manager committed; after a restore (or a rollback)
+        # the next save is full, or it could name a base that is later than it or gone.
+        self._delta_base = None
         log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
         return int(candidate), storage.describe(path)
 
