@@ -49,6 +49,10 @@ def _kill_and_check(run: Run, sig: signal.Signals = signal.SIGKILL) -> None:
     assert not left, f"still running {WITHIN_S} s after the agent died: {left} (before: {before})"
 
 
+KEEPER = " -I -S /dev/fd/"
+"""How the keeper's command line looks: it names neither crashproof nor the run."""
+
+
 def _of_kind(run: Run, part: str) -> list[int]:
     return [pid for pid, cmd in run.processes().items() if part in cmd]
 
@@ -70,6 +74,11 @@ def test_sigkill_while_training_leaves_no_trainer_and_no_worker(
     run.wait_for("checkpoint", 90)
     # two trainers, each with two forked and one spawned child, the forkserver, the tracker
     _wait_until(lambda: len(run.processes()) >= 10, 30, "every helper to start")
+    # A sweep by name meant for the job (`pkill -9 -f crashproof`) must not reach the keeper.
+    [keeper] = _of_kind(run, KEEPER)
+    keeper_cmd = run.processes()[keeper].split(" ", 1)[1]  # past the interpreter's own path
+    assert "crashproof" not in keeper_cmd and "keeper" not in keeper_cmd, keeper_cmd
+    assert str(run.run_dir) not in keeper_cmd, keeper_cmd
     _kill_and_check(run)
     after = _checkpoints(run)
     time.sleep(1.0)
@@ -103,7 +112,7 @@ def test_an_unhandled_signal_during_rendezvous(tmp_path: Path, runs: list[Run]) 
     run = start_run(tmp_path / "run", options, ["--steps", "100000"])
     runs.append(run)
     run.wait_for("run_start", 60)
-    _wait_until(lambda: _of_kind(run, "_keeper.py"), 10, "the keeper")
+    _wait_until(lambda: _of_kind(run, KEEPER), 10, "the keeper")
     time.sleep(0.5)
     assert not run.events("rank_start")
     _kill_and_check(run, signal.SIGALRM)
@@ -145,7 +154,7 @@ def _without_keeper(run: Run) -> None:
     """Kill the keeper first: what is left is the kernel's parent-death chain (forkserver with
     the agent, trainers with their parent, forked children with their trainer), which must hold
     alone (``kill -9`` of the keeper and the agent together, an OOM sweep)."""
-    [keeper] = _of_kind(run, "_keeper.py")
+    [keeper] = _of_kind(run, KEEPER)
     os.kill(keeper, signal.SIGKILL)
 
 

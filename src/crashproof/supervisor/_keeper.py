@@ -6,7 +6,8 @@ trainer may be killed before it asks the kernel (it does so at ``import crashpro
 DataLoader worker or any helper a trainer starts is further down still. Trainers left behind
 train on alone, and a relaunched agent would start a second set writing the same root.
 
-So the agent starts this small process first (a script run with ``python -I -S``: it imports
+So the agent starts this small process first (this script run with ``python -I -S``, handed
+over as an open file so that its command line names neither crashproof nor the run: it imports
 nothing of crashproof or torch and is up in milliseconds), in a session of its own so that a
 signal to the agent's process group does not reach it. Every process the agent starts after it
 inherits a token in its environment (``CRASHPROOF_AGENT_TOKEN``; the kernel keeps a process's
@@ -20,9 +21,11 @@ own pipes' end) before the keeper ends what is left.
 
 The parent-death signals set along the way (the forkserver with the agent, trainers with the
 forkserver, a trainer's forked children with the trainer) stay: they also hold when the keeper
-itself is killed together with the agent (``kill -9 -- -PGID``). What escapes both: a process
-that clears its environment and moves out from under its parent (a daemon started by the user's
-script with ``env -i`` and ``setsid``).
+itself is killed together with the agent (``kill -9 -- -PGID``), but only for processes forked
+from a Python process of the run: a program a trainer starts by exec (``subprocess``, a DataLoader
+with the ``spawn`` start method) gets no parent-death signal, and only the keeper ends it. What
+escapes both: such a program when the keeper is killed too, and a process that clears its
+environment and moves out from under its parent (``env -i`` and ``setsid``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ __all__ = ["ENV_AGENT_TOKEN", "Keeper"]
 ENV_AGENT_TOKEN = "CRASHPROOF_AGENT_TOKEN"
 """Set by ``crashproof run`` for every process it starts: the processes its keeper ends."""
 
+_ENV_EVENTS = "CRASHPROOF_KEEPER_EVENTS"
+"""The keeper's own: where it appends its ``orphans_stopped`` event."""
 _POLITE_WAIT_S = 2.0
 """After a normal end, how long the agent's processes get to exit by themselves."""
 _KILL_ROUNDS_S = 5.0
@@ -57,13 +62,22 @@ class Keeper:
     def __init__(self, events_path: str) -> None:
         self.token = secrets.token_hex(8)
         os.environ[ENV_AGENT_TOKEN] = self.token
-        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-I", "-S", __file__, str(os.getpid()), self.token, events_path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        # The script is handed over as an open file (/dev/fd/N) and the events path in the
+        # environment, so the keeper's command line names neither crashproof nor the run: a
+        # `pkill -f crashproof` meant for the job leaves the keeper to end what it started.
+        script = os.open(__file__, os.O_RDONLY)
+        try:
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-I", "-S", f"/dev/fd/{script}", str(os.getpid()), self.token],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(script,),
+                env={**os.environ, _ENV_EVENTS: events_path},
+            )
+        finally:
+            os.close(script)
 
     def release(self) -> None:
         """The run is ending normally: let the agent's processes exit before ending them."""
@@ -172,7 +186,7 @@ def _report(events_path: str, agent: int, polite: bool, killed: list[dict[str, o
 
 
 def _main(argv: list[str]) -> int:
-    agent, token, events_path = int(argv[1]), argv[2].encode(), argv[3]
+    agent, token, events_path = int(argv[1]), argv[2].encode(), os.environ[_ENV_EVENTS]
     # Signals meant for the run (a terminal's Ctrl-C, a scheduler's SIGTERM to the session) are
     # the agent's to handle; the keeper's work starts when the agent is gone.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
