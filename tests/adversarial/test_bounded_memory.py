@@ -367,3 +367,42 @@ def test_sharded_pieces_that_tile_the_tensor_are_accepted(small: Path) -> None:
     load_sharded(LocalStorage(), str(small), manifest, {"model/weight": target})
     weight = _model((8, 4)).weight.detach()
     assert torch.equal(target, torch.cat([weight, weight]))
+
+
+# -- a piece claiming a huge whole: nothing is sized before the pieces are checked -------------
+
+
+def _claims_a_huge_whole(tagged: bool) -> Callable[[int, dict[str, Any]], None]:
+    def edit(rank: int, index: dict[str, Any]) -> None:
+        _weight(index)["global"] = {"shape": [1 << 20, 1 << 20], "offset": [0, 0]}  # 4 TiB
+        if tagged:
+            index["state"]["model"]["weight"] = {
+                "$dtensor": index["state"]["model"]["weight"]["$tensor"]
+            }
+
+    return edit
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["dtensor", "plain-tensor-in-the-tree"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_piece_of_a_huge_whole_is_refused_before_the_whole_is_allocated(
+    small: Path, tagged: bool, ranks: int
+) -> None:
+    """The reported case: a 4-byte entry marked as a piece of a 2**20 x 2**20 tensor made the
+    restore allocate 4 TiB before the pieces were checked, and a bare RuntimeError escaped. Now
+    the pieces are checked first (restore and verify alike) and the checkpoint is corrupt."""
+    if ranks == 2:
+        _two_ranks(small)
+    _edit_indexes(small, _claims_a_huge_whole(tagged))
+    _refused_alike(small, "hold 32 of its 1099511627776 elements")
+
+
+def test_restore_falls_back_past_a_piece_of_a_huge_whole(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    with cp.CheckpointManager(root, handle_signals=False) as ckpt:
+        ckpt.save(1, cp.TrainState(model=_model((8, 4), seed=1)))
+    _edit_indexes(_saved(root, (8, 4)), _claims_a_huge_whole(True))
+    model = _model((8, 4), seed=5)
+    with cp.CheckpointManager(root, handle_signals=False) as manager:
+        assert manager.restore(cp.TrainState(model=model)) == 1
+    assert torch.equal(model.weight, _model((8, 4), seed=1).weight)

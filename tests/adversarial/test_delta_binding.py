@@ -324,3 +324,165 @@ def test_a_delta_whose_base_is_gone_or_is_a_delta_is_skipped(tmp_path: Path) -> 
     (_dir(tmp_path, 4) / MANIFEST_NAME).write_bytes(dumps(manifest))
     got, values = _restore(tmp_path)
     assert got == 2 and _equal(values, saved[2])
+
+
+# -- tensors that share memory: each live byte is written, and each delta applied, once -------
+
+
+class _TiedLM(nn.Module):
+    """A language model whose output head is its embedding (weight tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.mid(self.emb(x))))
+        return out
+
+
+def _tied(seed: int) -> tuple[_TiedLM, torch.optim.Optimizer, nn.Linear, cp.TrainState]:
+    """The tied model, and an extra module sharing a parameter with it (an EMA of ``mid`` that
+    starts as the very same tensor)."""
+    torch.manual_seed(seed)
+    model = _TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shadow = nn.Linear(16, 16)
+    shadow.weight = model.mid.weight
+    state = cp.TrainState(model=model, optimizer=optimizer, extra={"shadow": shadow})
+    return model, optimizer, shadow, state
+
+
+def _tied_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    values = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, s in optimizer.state_dict()["state"].items():
+        values.update({f"opt/{i}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return values
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("full_every", [2, 4], ids=["full-every-2", "full-every-4"])
+def test_tied_weights_are_restored_bit_for_bit_from_every_full_and_delta_checkpoint(
+    tmp_path: Path, async_save: bool, full_every: int
+) -> None:
+    model, optimizer, _, state = _tied(0)
+    saved = {}
+    with cp.CheckpointManager(
+        tmp_path, handle_signals=False, async_save=async_save,
+        delta=cp.Delta(full_every=full_every), keep=cp.KeepAll(),
+    ) as ckpt:  # fmt: skip
+        for step in range(1, 6):
+            gen = torch.Generator().manual_seed(step)
+            model(torch.randint(0, 64, (8,), generator=gen)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.save(step, state)
+            saved[step] = _tied_values(model, optimizer)
+        kinds = {c.step: c.kind for c in ckpt.list()}
+    assert "delta" in kinds.values() and "full" in kinds.values()
+    for step in range(1, 6):
+        fresh, fresh_opt, shadow, fresh_state = _tied(1)
+        with cp.CheckpointManager(tmp_path, handle_signals=False, read_only=True) as ckpt:
+            assert ckpt.restore(fresh_state, step) == step
+        assert _equal(_tied_values(fresh, fresh_opt), saved[step]), f"step {step} ({kinds[step]})"
+        # the ties survive: still one tensor each, holding the saved values
+        assert fresh.head.weight is fresh.emb.weight and shadow.weight is fresh.mid.weight
+        assert torch.equal(shadow.weight, saved[step]["model/mid.weight"])
+
+
+def test_a_tied_delta_asked_for_on_a_corrupt_base_leaves_the_tied_weights_alone(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, _, state = _tied(0)
+    with cp.CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, delta=cp.Delta(full_every=4)
+    ) as ckpt:
+        for step in range(1, 4):
+            model(torch.arange(8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.save(step, state)
+    _flip_a_tensor_byte(_dir(tmp_path, 1))
+    fresh, fresh_opt, _, fresh_state = _tied(1)
+    before = _tied_values(fresh, fresh_opt)
+    with (
+        cp.CheckpointManager(tmp_path, handle_signals=False) as ckpt,
+        pytest.raises(cp.CorruptCheckpointError, match="base"),
+    ):
+        ckpt.restore(fresh_state, 3)
+    assert _equal(_tied_values(fresh, fresh_opt), before)
+
+
+# -- a restore or a rollback inside a manager: the next save is full --------------------------
+
+
+def _linear_run() -> tuple[nn.Linear, torch.optim.Optimizer, cp.TrainState]:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, cp.TrainState(model=model, optimizer=optimizer)
+
+
+def _linear_step(model: nn.Linear, optimizer: torch.optim.Optimizer, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 64, generator=gen)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _all_restore_exactly(root: Path, saved: dict[int, dict[str, torch.Tensor]]) -> None:
+    for step, values in saved.items():
+        model, optimizer, state = _linear_run()
+        with cp.CheckpointManager(root, handle_signals=False, read_only=True) as ckpt:
+            assert ckpt.restore(state, step) == step
+        assert _equal(_tied_values(model, optimizer), values), f"step {step}"
+
+
+def test_the_save_after_a_rollback_is_full_and_every_checkpoint_restores(tmp_path: Path) -> None:
+    model, optimizer, state = _linear_run()
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with cp.CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, delta=cp.Delta(full_every=3)
+    ) as ckpt:
+        for step in (10, 11, 12, 20, 21):  # full 10, deltas 11 and 12, full 20, delta 21
+            _linear_step(model, optimizer, step)
+            ckpt.save(step, state)
+            saved[step] = _tied_values(model, optimizer)
+        assert ckpt.rollback(state, before=20, anomaly_step=21) == 12
+        del saved[20], saved[21]
+        for step in (13, 14):
+            _linear_step(model, optimizer, step)
+            ckpt.save(step, state)
+            saved[step] = _tied_values(model, optimizer)
+        kinds = {c.step: (c.kind, c.base_step) for c in ckpt.list()}
+    assert kinds[13] == ("full", None)
+    assert all(base is None or (base in kinds and base < step) for step, (_, base) in kinds.items())
+    _all_restore_exactly(tmp_path, saved)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_the_save_after_restoring_an_older_step_is_full_and_every_checkpoint_restores(
+    tmp_path: Path, async_save: bool
+) -> None:
+    model, optimizer, state = _linear_run()
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with cp.CheckpointManager(
+        tmp_path, handle_signals=False, async_save=async_save,
+        delta=cp.Delta(full_every=4), keep=cp.KeepAll(),
+    ) as ckpt:  # fmt: skip
+        for step in (1, 2, 3, 5, 6):  # full 1, deltas 2 3 on it, full 5, delta 6
+            _linear_step(model, optimizer, step)
+            ckpt.save(step, state)
+            saved[step] = _tied_values(model, optimizer)
+        assert ckpt.restore(state, step=2) == 2
+        for step in (7, 8):
+            _linear_step(model, optimizer, step)
+            ckpt.save(step, state)
+            saved[step] = _tied_values(model, optimizer)
+        ckpt.wait()
+        kinds = {c.step: (c.kind, c.base_step) for c in ckpt.list()}
+    assert kinds[7] == ("full", None) and kinds[8] == ("delta", 7)
+    _all_restore_exactly(tmp_path, saved)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from crashproof import (
 )
 from crashproof.checkpoint._format import dumps
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._shard import shard_checksum
 
 INDEX = "rank_00000.json"
 
@@ -533,3 +535,194 @@ def test_checking_a_tree_leaves_the_tree_and_the_live_state_alone() -> None:
 
     _assert_equal(tree, kept, "tree")
     _assert_unchanged(target, before)
+
+
+# -- checks that need values run on the real, verified values before anything live changes ---
+
+
+def _patch_tensor(root: Path, step: int, name: str, patch: Callable[[bytearray], None]) -> None:
+    """Rewrite tensor ``name``'s bytes in place (same size) and recompute every checksum over
+    them: a well-formed checkpoint holding other bytes."""
+    ckpt = root / f"step_{step:010d}"
+    shard_path = ckpt / "rank_00000.safetensors"
+    index = json.loads((ckpt / INDEX).read_bytes())
+    shard = bytearray(shard_path.read_bytes())
+    entry = next(t for t in index["tensors"] if t["name"] == name)
+    start, end = entry["offset"], entry["offset"] + entry["nbytes"]
+    changed = bytearray(shard[start:end])
+    patch(changed)
+    shard[start:end] = changed
+    entry["checksum"] = digest(bytes(changed))
+    shard_path.write_bytes(bytes(shard))
+    order = sorted(index["tensors"], key=lambda t: t["offset"])
+    data = dumps(index)
+    (ckpt / INDEX).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_bytes())
+    manifest["files"][INDEX] = {"size": len(data), "checksum": digest(data)}
+    manifest["files"]["rank_00000.safetensors"]["checksum"] = shard_checksum(
+        bytes(shard[: order[0]["offset"]]), [t["checksum"] for t in order]
+    )
+    (ckpt / "manifest.json").write_bytes(dumps(manifest))
+
+
+def _param_state(tree: dict[str, Any]) -> dict[str, Any]:
+    """The first parameter's optimizer state, as encoded in a rank index."""
+    state: dict[str, Any] = tree["optimizer"]["state"]["$dict"][0][1]
+    return state
+
+
+def _on_state(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    return lambda root: _edit_state(root, 8, lambda tree: edit(_param_state(tree)))
+
+
+def _bad_mt19937(state: bytearray) -> None:
+    state[8:12] = b"\xff\xff\xff\x7f"  # the generator's "left" count, out of range
+
+
+def _all_ones(data: bytearray) -> None:
+    data[:] = b"\xff" * len(data)
+
+
+VALUE_CORRUPTIONS = [
+    pytest.param(lambda root: _patch_tensor(root, 8, "rng/torch", _bad_mt19937),
+                 id="rng-torch-bytes-invalid"),
+    pytest.param(lambda root: _patch_tensor(root, 8, "rng/torch", _all_ones),
+                 id="rng-torch-bytes-all-ones"),
+    pytest.param(_on_state(lambda s: s.__setitem__("step", "abc")), id="adamw-step-a-string"),
+    pytest.param(_on_state(lambda s: s.pop("step")), id="adamw-step-missing"),
+    pytest.param(_on_state(lambda s: s.__setitem__("step", s["exp_avg"])),
+                 id="adamw-step-a-matrix"),
+    pytest.param(_on_state(lambda s: s.__setitem__("exp_avg", "abc")), id="adamw-exp-avg-a-string"),
+    pytest.param(_on_state(lambda s: s.__setitem__("step", {"a": 1})), id="adamw-step-a-dict"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("corrupt", VALUE_CORRUPTIONS)
+def test_a_malformed_value_without_a_live_destination_is_refused_before_anything_changes(
+    tmp_path: Path, corrupt: Callable[[Path], None]
+) -> None:
+    """Same-size bytes of an RNG state, an optimizer's scalar state: the shape-only checks pass,
+    the values do not. They are checked (and trial-loaded) on the verified values before the
+    model is written: asked for, the step is refused with nothing changed; otherwise skipped."""
+    _save(tmp_path, _run(seed=1), 4)
+    _save(tmp_path, _run(seed=3), 8)
+    corrupt(tmp_path)
+    target = _run(seed=2)
+    before = _snapshot(target)
+
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(CorruptCheckpointError),
+    ):
+        manager.restore(target, step=8)
+    _assert_unchanged(target, before)
+
+    assert _restore(tmp_path, target) == 4
+
+
+class _Generator:
+    """A user's own generator in ``extra``, as the RNG module's docstring tells users to do."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["state"])
+
+
+class _Histogram:
+    """Statistics whose load reads the values (``.numpy()``) of a tensor far over 4096 elements."""
+
+    def __init__(self) -> None:
+        self.counts = torch.zeros(50_000, dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"counts": self.counts}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.counts = torch.from_numpy(state["counts"].numpy().copy())
+
+
+class _Table:
+    """An array extra whose load checks the values it is given."""
+
+    def __init__(self, fill: float) -> None:
+        self.table = np.full(20_000, fill)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table": self.table, "total": float(self.table.sum())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if float(state["table"].sum()) != state["total"]:
+            raise ValueError("the table does not add up to its total")
+        self.table = state["table"].copy()
+
+
+def test_extras_whose_load_reads_the_values_restore_an_honest_checkpoint(tmp_path: Path) -> None:
+    source = TrainState(
+        model=nn.Linear(4, 4),
+        extra={"gen": _Generator(0), "hist": _Histogram(), "table": _Table(0.5)},
+    )
+    torch.rand(3, generator=source.extra["gen"].generator)
+    source.extra["hist"].counts[7] = 3
+    _save(tmp_path, source, 1)
+    target = TrainState(
+        model=nn.Linear(4, 4),
+        extra={"gen": _Generator(1), "hist": _Histogram(), "table": _Table(2.0)},
+    )
+
+    assert _restore(tmp_path, target) == 1
+
+    assert torch.equal(
+        target.extra["gen"].generator.get_state(), source.extra["gen"].generator.get_state()
+    )
+    assert torch.equal(target.extra["hist"].counts, source.extra["hist"].counts)
+    assert np.array_equal(target.extra["table"].table, source.extra["table"].table)
+
+
+def test_an_extra_whose_load_rejects_the_values_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    source = _run(seed=1)
+    source.extra["table"] = _Table(0.5)
+    _save(tmp_path, source, 4)
+    _patch_tensor(tmp_path, 4, "extra/table/state_dict/table", _all_ones)  # NaNs: no total
+    target = _run(seed=2)
+    target.extra["table"] = _Table(2.0)
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match="does not add up"):
+        _restore(tmp_path, target)
+
+    _assert_unchanged(target, before)
+    assert np.array_equal(target.extra["table"].table, np.full(20_000, 2.0))
+
+
+class _Locked:
+    """An extra that cannot be deep-copied for a trial load (it holds a lock), whose load fails."""
+
+    def __init__(self, accept: bool) -> None:
+        self.lock = threading.Lock()
+        self.accept = accept
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if not self.accept:
+            raise ValueError("refused")
+
+
+def test_a_load_failing_after_the_live_tensors_are_written_is_no_bare_error(
+    tmp_path: Path,
+) -> None:
+    """The last line of defence: nothing could check it first, so the restore says what
+    happened (a CorruptCheckpointError naming the step and the partial write)."""
+    _save(tmp_path, TrainState(model=nn.Linear(4, 4), extra={"locked": _Locked(True)}), 3)
+    target = TrainState(model=nn.Linear(4, 4), extra={"locked": _Locked(False)})
+
+    with pytest.raises(CorruptCheckpointError, match="step 3 failed after the live tensors"):
+        _restore(tmp_path, target)

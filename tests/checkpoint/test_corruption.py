@@ -37,6 +37,7 @@ from crashproof import (
 from crashproof.checkpoint import committed_steps, verify_checkpoint
 from crashproof.checkpoint._format import dumps
 from crashproof.checkpoint._hashing import digest
+from crashproof.policy import KeepEvery, KeepLast
 from crashproof.storage import LocalStorage
 
 MANIFEST = "manifest.json"
@@ -646,3 +647,70 @@ def test_restore_into_model_of_different_shape_raises_and_changes_nothing(run: R
     with pytest.raises(StateMismatchError, match=r"0\.weight"):
         CheckpointManager(run.root).restore(state, step=1)
     _assert_same_tensors(_tensors(state), before)
+
+
+# -- a reader racing the writer's retention --------------------------------------------------
+
+
+def _racing_reader(
+    monkeypatch: pytest.MonkeyPatch, root: Path, writer: CheckpointManager, steps: list[int]
+) -> CheckpointManager:
+    """A read-only manager whose first candidate read comes after ``writer`` committed ``steps``
+    (and its retention removed what it lets go): the reader's listing is out of date."""
+    reader = CheckpointManager(root, handle_signals=False, read_only=True)
+    load = CheckpointManager._load_candidate
+    raced: list[bool] = []
+
+    def late(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        if self is reader and not raced:
+            raced.append(True)
+            for step in steps:
+                writer.save(step, _fresh_state())
+            writer.wait()
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "_load_candidate", late)
+    return reader
+
+
+@pytest.mark.parametrize("newer", [[2], [2, 3]], ids=["one-newer", "two-newer"])
+def test_a_reader_whose_candidate_vanished_restores_the_newer_checkpoint_not_step_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newer: list[int]
+) -> None:
+    """The reported race: the reader lists step 1; the writer commits 2 and removes 1; the read
+    of 1 finds it missing. The reader lists again instead of starting over from step 0."""
+    with CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, keep=KeepLast(1)
+    ) as writer:
+        writer.save(1, _fresh_state())
+        reader = _racing_reader(monkeypatch, tmp_path, writer, newer)
+        with reader:
+            assert reader.restore(_fresh_state()) == newer[-1]
+    assert [s for s, _ in committed_steps(LocalStorage(), str(tmp_path))] == [newer[-1]]
+
+
+def test_a_reader_does_not_fall_back_past_a_newer_checkpoint_when_its_candidate_vanished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention that keeps an old milestone (1) but removes 2 once 3 is committed: the reader
+    listed [2, 1]; 2 vanished; it restores 3, not 1."""
+    with CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, keep=KeepLast(1) | KeepEvery(1000)
+    ) as writer:
+        writer.save(1000, _fresh_state())
+        writer.save(1001, _fresh_state())
+        reader = _racing_reader(monkeypatch, tmp_path, writer, [1002])
+        with reader:
+            assert reader.restore(_fresh_state()) == 1002
+
+
+def test_a_step_asked_for_that_vanished_is_an_error_not_step_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, keep=KeepLast(1)
+    ) as writer:
+        writer.save(1, _fresh_state())
+        reader = _racing_reader(monkeypatch, tmp_path, writer, [2])
+        with reader, pytest.raises(CorruptCheckpointError, match="missing"):
+            reader.restore(_fresh_state(), step=1)

@@ -131,15 +131,25 @@ class RankRead:
 
     1. :meth:`meta_tree`: the state tree with shape-and-dtype-only tensors, to check it fits the
        live state before a single tensor byte is read;
-    2. :meth:`verify`: every byte checked against its checksum (raises on corruption);
+    2. :meth:`verify`: every byte checked against its checksum (raises on corruption), and every
+       tensor without a live destination read into memory; :meth:`check_tree` then gives the
+       tree with those real values (only tensors with a live destination are stand-ins), for the
+       checks and trial loads that need values;
     3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
        state tree returned.
 
+    Live destinations never share memory (tied weights, an EMA module sharing a parameter with
+    the model): of tensors that overlap, only the first is a destination, the others are read
+    into new memory (the load copies them), so each live byte is written, and each delta
+    applied to it, once.
+
     A delta checkpoint's rank also reads its base's rank, which must be the very checkpoint the
     delta was taken against (checked on construction, from the manifests and indexes). Step 2
-    verifies the base too and rebuilds every encoded tensor into scratch memory, checking it
-    against the checksum of the tensor that was saved; step 3 then reads the base's tensors into
-    the live destinations and applies the deltas to them in place (checked once more).
+    verifies the base too and rebuilds every encoded tensor, checking it against the checksum of
+    the tensor that was saved: one without a live destination in place of the base's copy read
+    into memory (that is its value), one with a live destination into scratch memory; step 3
+    then reads the base's tensors into the live destinations and applies the deltas to them in
+    place (checked once more).
 
     Restore and :func:`verify_checkpoint` run these same steps: there is one validation path.
     """
@@ -161,6 +171,8 @@ class RankRead:
         self._where = storage.describe(storage.join(ckpt_dir, self.shard_file))
         self._base: RankRead | None = None
         self._keep = keep
+        self._rebuilt: dict[int, torch.Tensor] = {}  # delta tensors rebuilt by verify(), by index
+        into = _distinct_memory(into or {})
         if manifest.kind == "delta":
             self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, keep, on_bytes)
             keep = True  # the encoded bytes are needed to rebuild the tensors
@@ -318,13 +330,66 @@ class RankRead:
             blobs.update(zip(positions, part.kept(), strict=True))
         try:
             for delta in self._index.deltas:
+                name = self._index.tensors[delta.index].name
+                value = self._base._kept(name)
+                if value is not None:  # no live destination: rebuilt where it was read, kept
+                    if delta.encoding != "same":
+                        apply_delta(
+                            delta, blobs[delta.index], value, f"{self._where}: tensor {name!r}"
+                        )
+                    self._rebuilt[delta.index] = value
+                    continue
                 if delta.encoding == "same":
                     continue
-                name = self._index.tensors[delta.index].name
                 scratch = self._base._read_verified(name)
                 apply_delta(delta, blobs[delta.index], scratch, f"{self._where}: tensor {name!r}")
         except (OSError, EOFError) as exc:
             raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+
+    def _kept(self, name: str) -> torch.Tensor | None:
+        """After :meth:`verify`: tensor ``name`` as read into memory, or None where it has a
+        live destination (or is not kept)."""
+        if not self._keep:
+            return None
+        for positions, part, _ in self._parts:
+            for at, i in enumerate(positions):
+                if self._index.tensors[i].name == name:
+                    return None if part.has_destination(at) else part.kept()[at]
+        return None
+
+    def check_tree(self) -> Any:
+        """After :meth:`verify`: the state tree with the verified value of every tensor that has
+        no live destination (optimizer state, RNG states, extras' tensors; a delta's rebuilt),
+        and a ``meta`` stand-in for each that has one (verified, not written yet) and for
+        sharded tensors (their whole shape). The restore checks and trial-loads this tree
+        before anything live changes; :meth:`finish` later decodes the same values."""
+        assert self._keep, "check_tree() of a RankRead that keeps no tensors (keep=False)"
+        values: dict[int, torch.Tensor] = {}
+        for positions, part, _ in self._parts:
+            for at, (i, tensor) in enumerate(zip(positions, part.kept(), strict=True)):
+                if not part.has_destination(at):
+                    values[i] = tensor
+        for delta in self._index.deltas:
+            values.pop(delta.index, None)  # the encoded blob is no value of the state
+        values.update(self._rebuilt)
+        shapes = {
+            i: (e.global_shape or e.shape, e.dtype) for i, e in enumerate(self._index.tensors)
+        }
+        shapes.update({d.index: (d.shape, d.dtype) for d in self._index.deltas})
+        for i, entry in enumerate(self._index.tensors):
+            if entry.global_shape is not None:
+                values.pop(i, None)
+
+        def value(i: int) -> torch.Tensor:
+            found = values.get(i)
+            if found is not None:
+                return found
+            shape, dtype = shapes[i]
+            return torch.empty(
+                shape, dtype=dtype_from_name(dtype, where=self._index_where), device="meta"
+            )
+
+        return self._decode(value)
 
     def _read_verified(self, name: str) -> torch.Tensor:
         """Tensor ``name`` of this rank, read into new memory and checked against its checksum."""
@@ -357,6 +422,10 @@ class RankRead:
         if self._base is not None:
             by_name = {e.name: t for e, t in zip(self._base._index.tensors, base, strict=True)}
             for delta in self._index.deltas:
+                rebuilt = self._rebuilt.get(delta.index)
+                if rebuilt is not None:  # rebuilt and checked by verify(), no live destination
+                    tensors[delta.index] = rebuilt
+                    continue
                 name = self._index.tensors[delta.index].name
                 where = f"{self._where}: tensor {name!r}"
                 target = by_name.get(name)
@@ -403,6 +472,29 @@ class RankRead:
         if getattr(self, "_base", None) is not None:
             assert self._base is not None
             self._base.close()
+
+
+def _distinct_memory(into: Mapping[str, Any]) -> dict[str, Any]:
+    """``into`` without the tensors whose memory overlaps one kept before them (tied weights, an
+    EMA module sharing a parameter): every live byte has one destination, so a delta is applied
+    to it once. Only contiguous CPU tensors can be destinations at all (see ``ShardRead``)."""
+    spans: list[tuple[int, int, str]] = []
+    for name, tensor in into.items():
+        if (
+            isinstance(tensor, torch.Tensor)
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and tensor.numel()
+        ):
+            start = tensor.data_ptr()
+            spans.append((start, start + tensor.numel() * tensor.element_size(), name))
+    kept: set[str] = set()
+    end = 0
+    for start, stop, name in sorted(spans, key=lambda s: s[0]):  # stable: first listed first
+        if start >= end:  # past every destination kept so far
+            kept.add(name)
+            end = stop
+    return {name: into[name] for name in into if name in kept}
 
 
 def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> Any:

@@ -257,6 +257,11 @@ class ShardRead:
                 f"has checksum {found}, expected {entry.checksum}{when}"
             )
 
+    def has_destination(self, i: int) -> bool:
+        """Whether entry ``i`` is read into a live tensor by :meth:`fill` (else :meth:`verify`
+        read it into new memory, when ``keep``)."""
+        return i in self._targets
+
     def kept(self) -> list[torch.Tensor]:
         """After :meth:`verify`: the tensors read into new memory (``keep``), in entry order; an
         empty tensor for those with a live destination (not written yet) or not kept."""

@@ -18,6 +18,7 @@ where ``state_dict`` is keyed like the checkpoint (``model/<fqn>``,
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -75,6 +76,7 @@ class CrashproofReader(StorageReader):
                 "saved in full checkpoints"
             )
         self._pieces: dict[MetadataIndex, Piece] = {}
+        self._wholes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._metadata = self._describe()
 
     def _describe(self) -> Metadata:
@@ -87,8 +89,17 @@ class CrashproofReader(StorageReader):
         for name, pieces in sharded_pieces(indexes, self._where).items():
             first = pieces[0][1]
             whole = first.global_shape if first.global_shape is not None else first.shape
+            dtype = dtype_from_name(first.dtype, where=self._where)
+            listed = sum(entry.nbytes for _, entry in pieces)
+            size = math.prod(whole) * dtype.itemsize
+            if size > listed:  # the tiling implies it; what restore_targets allocates rests on it
+                raise CorruptCheckpointError(
+                    f"{self._where}: tensor {name!r} is {first.dtype}{list(whole)} ({size} bytes) "
+                    f"but its saved pieces hold {listed} bytes"
+                )
+            self._wholes[name] = (tuple(whole), first.dtype)
             tensors[name] = TensorStorageMetadata(
-                TensorProperties(dtype=dtype_from_name(first.dtype, where=self._where)),
+                TensorProperties(dtype=dtype),
                 torch.Size(whole),
                 [],
             )
@@ -99,6 +110,15 @@ class CrashproofReader(StorageReader):
                 )
                 self._pieces[MetadataIndex(name, torch.Size(offset))] = (rank, entry)
         return Metadata(state_dict_metadata=dict(tensors))
+
+    @property
+    def where(self) -> str:
+        """The checkpoint directory, as messages name it."""
+        return self._where
+
+    def whole(self, name: str) -> tuple[tuple[int, ...], str] | None:
+        """The whole shape and dtype of sharded tensor ``name``, as its saved pieces tile it."""
+        return self._wholes.get(name)
 
     # -- the StorageReader interface ------------------------------------------------------------
 
@@ -168,26 +188,41 @@ class CrashproofReader(StorageReader):
 
 
 def restore_targets(
-    pieces: Mapping[str, TensorEntry], live: Mapping[str, torch.Tensor]
+    pieces: Mapping[str, TensorEntry],
+    live: Mapping[str, torch.Tensor],
+    saved: CrashproofReader,
 ) -> dict[str, torch.Tensor]:
     """New tensors to restore the saved sharded tensors into, by name: a DTensor laid out like its
     live counterpart (this run's mesh and placements, whatever the saved ones were), or a whole
-    tensor where the live one is whole (a sharded checkpoint restored unsharded)."""
+    tensor where the live one is whole (a sharded checkpoint restored unsharded).
+
+    ``saved`` (the reader :func:`load_sharded` then reads with) checked every rank's pieces when
+    it was made: a whole tensor is allocated only with the shape its pieces tile, so never larger
+    than the bytes they hold; a piece that claims another whole is
+    :class:`CorruptCheckpointError`."""
     targets: dict[str, torch.Tensor] = {}
     for name, entry in pieces.items():
         counterpart = live.get(name)
         if counterpart is not None and is_dtensor(counterpart):
             targets[name] = empty_like_piece(counterpart)
-        else:
-            assert entry.global_shape is not None
-            targets[name] = torch.empty(
-                entry.global_shape, dtype=dtype_from_name(entry.dtype, where=entry.name)
+            continue
+        whole = saved.whole(name)
+        if whole is None or (whole[0], whole[1]) != (entry.global_shape, entry.dtype):
+            raise CorruptCheckpointError(
+                f"{saved.where}: tensor {name!r} is a piece of a {entry.dtype}"
+                f"{list(entry.global_shape or ())} tensor, which the ranks' pieces do not make up"
             )
+        targets[name] = torch.empty(whole[0], dtype=dtype_from_name(whole[1], where=name))
     return targets
 
 
 def load_sharded(
-    storage: Storage, ckpt_dir: str, manifest: Manifest, targets: Mapping[str, torch.Tensor]
+    storage: Storage,
+    ckpt_dir: str,
+    manifest: Manifest,
+    targets: Mapping[str, torch.Tensor],
+    *,
+    reader: CrashproofReader | None = None,
 ) -> None:
     """Fill ``targets`` (DTensors, or whole tensors to consolidate) from the checkpoint's pieces.
 
@@ -195,7 +230,8 @@ def load_sharded(
     agree on); raises :class:`CorruptCheckpointError` when a piece is missing or corrupt, and
     :class:`StateMismatchError` when DCP finds that the saved tensors do not fit ``targets``.
     """
-    reader = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
+    if reader is None:
+        reader = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import posixpath
 import time
 import uuid
 from collections import deque
@@ -52,7 +53,7 @@ from crashproof.checkpoint._replication import (
 )
 from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
-from crashproof.checkpoint._sharded import load_sharded, restore_targets
+from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._transfer import download_checkpoint
@@ -95,6 +96,9 @@ log = logging.getLogger("crashproof.checkpoint")
 _T = TypeVar("_T")
 PREEMPTION_DURABLE_WAIT_S = 10.0
 _KEEPALIVE_S = 5.0
+_RELISTS = 3
+"""How many times a restore lists the checkpoints again after one vanished while it was read
+(a writer's retention removed it after committing a newer one)."""
 AGREE_EVERY_S = 0.25
 """How often the ranks agree on stopping (a preemption notice) and on time-based saves."""
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -113,6 +117,16 @@ def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
 def _check_step(step: int) -> None:
     if not 0 <= step <= MAX_STEP:  # a manifest of a larger step would be unreadable
         raise ConfigError(f"step {step}: checkpoint steps are integers from 0 to 2**62")
+
+
+def _still_there(storage: Storage, ckpt_dir: str) -> bool:
+    """Whether the checkpoint directory ``ckpt_dir`` is still in its root (a directory left
+    without its manifest is there: a corrupt checkpoint, not a removed one)."""
+    parent, name = posixpath.split(ckpt_dir.rstrip("/"))
+    try:
+        return name in storage.list(parent)
+    except Exception:  # cannot tell: list again, a bounded number of times
+        return False
 
 
 class CheckpointManager:
@@ -882,34 +896,43 @@ class CheckpointManager:
         Candidates are the checkpoints of every tier, newest first; of one step, the local copy is
         tried first and each remote copy after it (downloaded into the local root by rank 0,
         verified, then loaded like a local one).
+
+        A candidate that vanished while it was read (another process's retention removed it
+        after committing a newer one) makes the restore list the checkpoints again, up to
+        ``_RELISTS`` times: a reader must not fall back past a newer checkpoint, or to step 0.
         """
         self.wait()
-        candidates = self._on_rank0(self._candidates)
-        if below is not None:
-            candidates = [c for c in candidates if c[0] < below]
-        if step is not None:
-            candidates = [c for c in candidates if c[0] == step]
-            if not candidates:
-                raise checkpoint_not_found(self.storage.describe(self.root), step)
         skipped: list[str] = []
-        for candidate, path, sources in candidates:
-            for source in sources:
-                storage, where = self.storage, path
-                if source is not None and self.read_only:  # read in place: the root stays as is
-                    try:
-                        root, storage = next(t for t in self._tiers if t.uri == source).open()
-                    except Exception as exc:
-                        skipped.append(f"step {candidate} in {source}: {exc}")
+        tried: set[tuple[int, str | None]] = set()
+        for listing in range(_RELISTS + 1):
+            candidates = self._on_rank0(self._candidates)
+            if below is not None:
+                candidates = [c for c in candidates if c[0] < below]
+            if step is not None:
+                candidates = [c for c in candidates if c[0] == step]
+                if not candidates and listing == 0:
+                    raise checkpoint_not_found(self.storage.describe(self.root), step)
+            vanished: list[int] = []
+            for candidate, path, sources in candidates:
+                for source in sources:
+                    if (candidate, source) in tried:
                         continue
-                    where = storage.join(root, checkpoint_dir_name(candidate))
-                elif source is not None:  # a remote copy: bring it here first
-                    fetched = self._on_rank0(functools.partial(self._fetch, candidate, source))
-                    if fetched:
-                        skipped.append(f"step {candidate} in {source}: {fetched}")
-                        continue
-                restored = self._try_restore(state, candidate, where, skipped, storage)
-                if restored is not None:
-                    return restored
+                    tried.add((candidate, source))
+                    restored = self._try_source(state, candidate, path, source, skipped, vanished)
+                    if restored is not None:
+                        return restored
+                    if vanished:  # the listing is out of date: newer ones may be there now
+                        tried.discard((candidate, source))  # (and this one back, re-saved)
+                        break
+                if vanished:
+                    break
+            if not vanished:
+                break
+            log.warning(
+                "checkpoint step %d vanished while it was read; listing %s again",
+                vanished[0],
+                self.root,
+            )
         if step is not None:
             raise CorruptCheckpointError(
                 f"checkpoint step {step} in {self.root} is not valid: {skipped[0]}"
@@ -921,6 +944,31 @@ class CheckpointManager:
                 len(skipped),
             )
         return None
+
+    def _try_source(
+        self,
+        state: TrainState,
+        candidate: int,
+        path: str,
+        source: str | None,
+        skipped: list[str],
+        vanished: list[int],
+    ) -> tuple[int, str] | None:
+        """Restore ``candidate`` from its local copy (``source`` None) or a tier's copy."""
+        storage, where = self.storage, path
+        if source is not None and self.read_only:  # read in place: the root stays as is
+            try:
+                root, storage = next(t for t in self._tiers if t.uri == source).open()
+            except Exception as exc:
+                skipped.append(f"step {candidate} in {source}: {exc}")
+                return None
+            where = storage.join(root, checkpoint_dir_name(candidate))
+        elif source is not None:  # a remote copy: bring it here first
+            fetched = self._on_rank0(functools.partial(self._fetch, candidate, source))
+            if fetched:
+                skipped.append(f"step {candidate} in {source}: {fetched}")
+                return None
+        return self._try_restore(state, candidate, where, skipped, storage, vanished)
 
     def _candidates(self) -> list[tuple[int, str, list[str | None]]]:
         """``(step, local path, sources)`` newest first; a source is None for the local copy or
@@ -1016,13 +1064,19 @@ class CheckpointManager:
         path: str,
         skipped: list[str],
         storage: Storage | None = None,
+        vanished: list[int] | None = None,
     ) -> tuple[int, str] | None:
-        """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if not."""
+        """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if
+        not, and ``candidate`` in ``vanished`` when it is no longer there on some rank.
+
+        Two phases: every rank verifies its part and checks (and trial-loads) everything with
+        real values, the live tensors' values aside, before any rank writes anything live; the
+        loading that follows has nothing left to refuse."""
         started = time.perf_counter()
         storage = self.storage if storage is None else storage
         status, reader, reason = self._load_candidate(state, candidate, path, storage)
+        where = storage.describe(path)
         try:
-            # Every rank verified its part before any rank writes into its live tensors.
             statuses = self._group.all_gather((status, reason))
             mismatch = next((r for s, r in statuses if s == "mismatch"), None)
             if mismatch is not None:
@@ -1031,13 +1085,26 @@ class CheckpointManager:
             if problems:
                 log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
                 skipped.append(f"step {candidate}: {problems[0]}")
+                if vanished is not None and any(s == "gone" for s, _ in statuses):
+                    vanished.append(candidate)
                 return None
             assert reader is not None
             tree = reader.finish(reader.sharded_values)
         finally:
             if reader is not None:
                 reader.close()
-        state.restore(tree, where=f"{storage.describe(path)}")
+        try:
+            state.restore(tree, where=where, checked=True)
+        except Exception as exc:
+            # Checked and trial-loaded before, so only an object that cannot be copied for a trial
+            # (or that loads differently the second time) gets here, with the live state partly
+            # written: never a bare error, and never a silent fallback over a half-loaded state.
+            raise CorruptCheckpointError(
+                f"{where}: loading step {candidate} failed after the live tensors were written "
+                f"({type(exc).__name__}: {exc}); the model, optimizer and other components may "
+                "now hold a mix of this checkpoint and their earlier state. Create them anew and "
+                "restore again, or restore an earlier step"
+            ) from exc
         self._warn_if_inexact(candidate)
         self._last_save_step, self._last_save_s = candidate, time.monotonic()
         self._newest_valid = candidate
@@ -1077,7 +1144,8 @@ class CheckpointManager:
         """Check and verify one candidate without touching the live state.
 
         Returns ``("ok", reader, "")`` (the caller finishes the read into the live tensors),
-        ``("corrupt", None, why)`` or ``("mismatch", None, why)``.
+        ``("corrupt", None, why)``, ``("gone", None, why)`` (it vanished while it was read) or
+        ``("mismatch", None, why)``.
         """
         reader: RankRead | None = None
         try:
@@ -1112,20 +1180,24 @@ class CheckpointManager:
                     )
             reader = RankRead(storage, path, manifest, source, into=state.live_tensors())
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
-            # Neither step writes into the live state: only finish() does, after all ranks agree.
+            # Nothing here writes into the live state: only finish() does, after all ranks agree.
             reader.verify()
-            meta = reader.meta_tree()
-            if not isinstance(meta, dict):
+            # Real values for every check that needs them (RNG states, optimizer state, trial
+            # loads of extras); only tensors read straight into live memory are stand-ins.
+            values = reader.check_tree()
+            if not isinstance(values, dict):
                 raise CorruptCheckpointError(
                     f"{storage.describe(path)}: the state is not a mapping"
                 )
-            state.check(meta, where=storage.describe(path))
             pieces = reader.sharded_entries()
-            if pieces:  # cut this rank's pieces out of the saved ones, before anything changes
+            # Every rank's pieces tile their tensors (metadata only) before anything is sized.
+            saved = CrashproofReader(path, storage=storage, manifest=manifest) if pieces else None
+            state.check(values, where=storage.describe(path))
+            if saved is not None:  # cut this rank's pieces out of the saved ones, into new memory
                 with state.restore_layout() as layout:
                     _, live = named_tensors(layout)
-                    targets = restore_targets(pieces, dict(live))
-                load_sharded(storage, path, manifest, targets)
+                    targets = restore_targets(pieces, dict(live), saved)
+                load_sharded(storage, path, manifest, targets, reader=saved)
                 reader.sharded_values = targets
             self._restored_environment = manifest.environment
             return "ok", reader, ""
@@ -1133,6 +1205,8 @@ class CheckpointManager:
             status, why = "mismatch", str(exc)
         except (CorruptCheckpointError, OSError) as exc:
             status, why = "corrupt", str(exc)
+            if not _still_there(storage, path):
+                status = "gone"  # removed while it was read: the listing is out of date
         if reader is not None:
             reader.close()
         return status, None, why

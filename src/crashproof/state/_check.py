@@ -1,7 +1,9 @@
 """Check a saved state tree against the live training state before a restore changes anything.
 
-A restore is all-or-nothing: :meth:`TrainState.check` runs every check here first, on a tree
-whose tensors may be shape-only (``meta``) stand-ins, and only then does anything live change.
+A restore is all-or-nothing: :meth:`TrainState.check` runs every check here first, and only
+then does anything live change. The manager checks the verified values of every tensor that has
+no live destination (optimizer state, RNG states, extras' tensors); only tensors it reads
+straight into live memory (the model's) are shape-only (``meta``) stand-ins then.
 Two kinds of failure:
 
 - :class:`CorruptCheckpointError`: a section is malformed (a type crashproof never writes there:
@@ -167,6 +169,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
                 )
             params[param_id] = param
     _check_group_keys(optimizer, saved_groups, where)
+    own_state = type(optimizer).__module__.startswith("torch.optim")
     for param_id, param_state in saved_state.items():
         if param_id not in params:
             raise CorruptCheckpointError(
@@ -174,6 +177,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
             )
         param = params[param_id]
         for name, value in param_state.items():
+            if own_state and not _well_formed(name, value):
+                raise CorruptCheckpointError(
+                    f"{where}: state {name!r} of parameter {param_id} is {str(value)[:80]}, not "
+                    f"what {type(optimizer).__name__} keeps there (a number or one-element "
+                    "tensor for 'step', a tensor for per-element state)"
+                )
             if not isinstance(value, torch.Tensor):
                 continue
             # Per-element state has the parameter's shape. Known names must match exactly; for
@@ -184,6 +193,17 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
                     f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
                     f"the parameter has {list(param.shape)}; was the model or the parameter order changed?"
                 )
+
+
+def _well_formed(name: Any, value: Any) -> bool:
+    """Whether a torch optimizer's per-parameter state entry has the type torch keeps there."""
+    if name == "step":
+        if isinstance(value, torch.Tensor):
+            return value.numel() == 1 and not value.dtype.is_complex
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name in _PER_ELEMENT_STATE:
+        return value is None or isinstance(value, torch.Tensor)
+    return True
 
 
 def _check_group_keys(
@@ -363,12 +383,27 @@ class Scratch:
             return None
 
 
-def trial_load(obj: Any, saved: Any, where: str, scratch: Scratch | None) -> None:
-    """``obj.load_state_dict(saved)`` on a scratch copy: :class:`StateMismatchError` if it raises."""
-    _trial(obj, "load_state_dict", saved, where, scratch)
+def trial_load(
+    obj: Any,
+    saved: Any,
+    where: str,
+    scratch: Scratch | None,
+    *,
+    error: type[StateMismatchError | CorruptCheckpointError] = StateMismatchError,
+) -> None:
+    """``obj.load_state_dict(saved)`` on a scratch copy: ``error`` if it raises
+    (:class:`CorruptCheckpointError` where the fit was checked already: malformed values)."""
+    _trial(obj, "load_state_dict", saved, where, scratch, error)
 
 
-def _trial(obj: Any, method: str, saved: Any, where: str, scratch: Scratch | None) -> None:
+def _trial(
+    obj: Any,
+    method: str,
+    saved: Any,
+    where: str,
+    scratch: Scratch | None,
+    error: type[StateMismatchError | CorruptCheckpointError] = StateMismatchError,
+) -> None:
     copied = (scratch or Scratch(())).copy(obj)
     if copied is None:
         return
@@ -382,10 +417,14 @@ def _trial(obj: Any, method: str, saved: Any, where: str, scratch: Scratch | Non
                 f" (this run's {type(obj).__name__} has fields {sorted(map(str, live))[:20]}, the "
                 f"checkpoint {sorted(map(str, saved))[:20]})"
             )
-        raise StateMismatchError(
+        hint = (
+            "Was its class or a field renamed?"
+            if error is StateMismatchError
+            else "The checkpoint's values are malformed."
+        )
+        raise error(
             f"{where}: the saved state does not load into this run's {type(obj).__name__}: "
-            f"{method} raised {type(exc).__name__}: {exc}{keys}. Was its class or a field "
-            "renamed? Nothing was changed."
+            f"{method} raised {type(exc).__name__}: {exc}{keys}. {hint} Nothing was changed."
         ) from exc
 
 

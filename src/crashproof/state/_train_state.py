@@ -199,7 +199,9 @@ class TrainState:
 
         The model's parameters and buffers, and those of ``extra`` modules (an EMA model): the
         restore then needs no second copy of them in memory. Not DTensors: their pieces are cut
-        from the saved ones by :mod:`crashproof.checkpoint._sharded`.
+        from the saved ones by :mod:`crashproof.checkpoint._sharded`. Not a module's extra state
+        (``get_extra_state`` returns a new value, no live memory). Tensors sharing memory (tied
+        weights) are all listed; the reader writes such memory once.
         """
         live: dict[str, torch.Tensor] = {}
         if self.model is not None:
@@ -209,7 +211,13 @@ class TrainState:
                 live.update(
                     {f"extra/{key}/state_dict/{k}": v for k, v in value.state_dict().items()}
                 )
-        return {k: v for k, v in live.items() if not is_dtensor(v)}
+        return {
+            k: v
+            for k, v in live.items()
+            if isinstance(v, torch.Tensor)
+            and not is_dtensor(v)
+            and k.rsplit("/", 1)[-1].rsplit(".", 1)[-1] != "_extra_state"
+        }
 
     def must_be_finite(self, tree: Mapping[str, Any], *, step: int | None = None) -> frozenset[str]:
         """Names (as in a checkpoint) of the tensors of ``tree`` (from :meth:`capture`) that must
@@ -285,9 +293,16 @@ class TrainState:
 
     # -- restore -------------------------------------------------------------------------------
 
-    def restore(self, tree: Mapping[str, Any], *, where: str = "checkpoint") -> None:
-        """Load ``tree`` (as made by :meth:`capture`); all-or-nothing on validation errors."""
-        self.check(tree, where=where)
+    def restore(
+        self, tree: Mapping[str, Any], *, where: str = "checkpoint", checked: bool = False
+    ) -> None:
+        """Load ``tree`` (as made by :meth:`capture`); all-or-nothing on validation errors.
+
+        ``checked``: :meth:`check` already passed on this tree's values (the checkpoint manager
+        checks before it writes the live tensors, with those tensors as stand-ins), so only the
+        loading is left, which then cannot fail on content."""
+        if not checked:
+            self.check(tree, where=where)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 set_model_state_dict,
@@ -349,6 +364,11 @@ class TrainState:
             check_module(unwrap_model(self.model), tree["model"], f"{where}: model", scratch)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, tree["optimizer"], f"{where}: optimizer")
+            if not self.sharded:  # its layout fits: a load that fails now is malformed state
+                trial_load(
+                    self.optimizer, tree["optimizer"], f"{where}: optimizer", scratch,
+                    error=CorruptCheckpointError,
+                )  # fmt: skip
         if self.scheduler is not None:
             check_scheduler(self.scheduler, tree["scheduler"], f"{where}: scheduler", scratch)
         if self.scaler is not None:
