@@ -10,7 +10,9 @@ refused at the call, naming the key, before anything is written.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -253,3 +255,76 @@ def test_plain_json_metadata_is_kept_as_a_copy() -> None:
     assert copied["hist"] == [1, {"a": "b"}]  # a save in flight keeps what was passed
     assert checked_metadata(None) == {}
     assert not math.isnan(copied["val_loss"])
+
+
+# -- metadata the JSON writer or a reader could not handle: refused at the call too -----------
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+UNWRITABLE_METADATA = [
+    pytest.param({"tokens": 10**5000}, "'tokens'.*5001 digits", id="int-over-4300-digits"),
+    pytest.param({"tokens": -(10**4300)}, "'tokens'.*4301 digits", id="negative-int-4301-digits"),
+    pytest.param({"hist": [1, 2**20000]}, r"'hist'\]\[1\]", id="huge-int-in-a-list"),
+    pytest.param({"deep": _nested(40)}, "nested deeper", id="nested-40-deep"),
+    pytest.param({"blob": "x" * (1 << 20)}, "over 1048576 bytes", id="one-string-over-1-mib"),
+    pytest.param({"n": list(range(300_000))}, "over 1048576 bytes", id="many-small-values"),
+    pytest.param({"s": "\u00e9" * 200_000}, "over 1048576 bytes", id="escapes-over-1-mib"),
+    pytest.param({"k" * (1 << 20): 1}, "over 1048576 bytes", id="a-key-over-1-mib"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "match"), UNWRITABLE_METADATA)
+def test_metadata_the_json_writer_cannot_write_is_refused_at_the_call(
+    metadata: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        checked_metadata(metadata, step=3)
+
+
+def test_a_huge_int_in_metadata_fails_the_save_call_not_the_background_write(
+    tmp_path: Path,
+) -> None:
+    """The review's r10: it passed the call and failed later as CheckpointWriteError."""
+    state = TrainState(model=nn.Linear(2, 2))
+    with CheckpointManager(tmp_path, async_save=True, handle_signals=False) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        with pytest.raises(ConfigError, match=r"'tokens'.*refuse more than 4300"):
+            ckpt.save(2, state, metadata={"tokens": 10**5000})
+        assert ckpt.stats.saves_started == 1
+        ckpt.save(3, state, metadata={"tokens": 10**4300 - 1})  # the largest that reads back
+        assert ckpt.wait() is not None
+        assert sorted(info.step for info in ckpt.list()) == [1, 3]
+    manifest = json.loads((tmp_path / "step_0000000003" / "manifest.json").read_bytes())
+    assert manifest["metadata"]["tokens"] == 10**4300 - 1
+
+
+def test_the_int_bound_follows_a_lower_limit_set_in_this_process() -> None:
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(1000)
+    try:
+        with pytest.raises(ConfigError, match="refuse more than 1000"):
+            checked_metadata({"n": 10**1000})
+        checked_metadata({"n": 10**1000 - 1})
+    finally:
+        sys.set_int_max_str_digits(before)
+    sys.set_int_max_str_digits(0)  # no limit here: readers elsewhere still have the default
+    try:
+        with pytest.raises(ConfigError, match="refuse more than 4300"):
+            checked_metadata({"n": 10**4300})
+    finally:
+        sys.set_int_max_str_digits(before)
+
+
+def test_metadata_at_the_bounds_is_kept() -> None:
+    big = {"blob": "x" * ((1 << 20) - 11)}  # {"blob":"..."} is 1 MiB exactly
+    assert len(json.dumps(big, separators=(",", ":"))) == 1 << 20
+    assert checked_metadata(big) == big
+    deep = _nested(32)
+    assert checked_metadata(deep) == deep

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ import torch
 import crashproof as cp
 from crashproof.checkpoint import _lock
 from crashproof.checkpoint._lock import LOCK_NAME
-from crashproof.errors import CheckpointWriteError, ConfigError
+from crashproof.errors import CheckpointWriteError, ConfigError, RootLockedError
 from crashproof.storage import MemoryStorage
 
 
@@ -364,3 +365,352 @@ def test_a_killed_writer_not_yet_reaped_does_not_keep_the_root_locked(tmp_path: 
         _manager(tmp_path).close()  # a zombie: exited, its parent (this test) not yet waited
     finally:
         holder.wait()
+
+
+# -- the lock must not depend on a file anyone can delete, link or replace -------------------
+
+_SAVING_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import crashproof as cp
+    root = sys.argv[1]
+    mgr = cp.CheckpointManager(root, keep=cp.KeepLast(1), async_save=False, handle_signals=False)
+    mgr.save(1, cp.TrainState(model=torch.nn.Linear(4, 3)))
+    # A save in progress, as the writer thread leaves it between two files.
+    os.mkdir(os.path.join(root, ".tmp-step_0000000002-abcd1234-1"))
+    print("SAVING", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _saving_holder(root: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SAVING_HOLDER, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "SAVING"
+    return proc
+
+
+_REPLACEMENTS = {
+    "deleted": None,
+    "emptied-by-rm-and-touch": "",
+    "a-dead-local-pid": json.dumps(
+        {"host": socket.gethostname(), "pid": 2**22 + 1, "process_start": "", "since_unix": 0}
+    ),
+}
+
+
+@pytest.mark.parametrize("replacement", list(_REPLACEMENTS), ids=list(_REPLACEMENTS))
+def test_a_deleted_lock_file_does_not_admit_a_second_writer(
+    tmp_path: Path, replacement: str
+) -> None:
+    """The review's r06: `rm ROOT/.crashproof.lock` while the writer runs; the second writer's
+    start-up then removed the first one's save in progress. Also the file made again, empty or
+    naming a dead process (what a second writer takes over)."""
+    holder = _saving_holder(tmp_path)
+    try:
+        (tmp_path / LOCK_NAME).unlink()
+        if _REPLACEMENTS[replacement] is not None:
+            (tmp_path / LOCK_NAME).write_text(_REPLACEMENTS[replacement] or "")
+        before = _tree(tmp_path)
+        with pytest.raises(RootLockedError, match="second writer would delete"):
+            _manager(tmp_path, keep=cp.KeepLast(1))
+        from crashproof.cli import EXIT_STORAGE, main
+
+        assert main(["prune", str(tmp_path), "--keep-last", "1"]) == EXIT_STORAGE
+        assert _tree(tmp_path) == before, "the save in progress and the checkpoint survive"
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+    _manager(tmp_path).close()  # once the writer is gone, the root is free
+
+
+def test_the_lock_file_taken_away_from_a_second_writer_in_this_process_still_refuses(
+    tmp_path: Path,
+) -> None:
+    first = _manager(tmp_path)
+    (tmp_path / LOCK_NAME).unlink()
+    with pytest.raises(RootLockedError, match="names no one"):
+        _manager(tmp_path)
+    assert not (tmp_path / LOCK_NAME).exists(), "the refused writer made no lock file"
+    first.close()
+
+
+def test_a_writer_re_creates_its_deleted_lock_file_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = _lock.lock_root(str(tmp_path))
+    (tmp_path / LOCK_NAME).unlink()
+    with caplog.at_level(logging.ERROR, logger="crashproof.checkpoint"):
+        lock.check()
+    assert any("was deleted" in r.message for r in caplog.records)
+    data = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert data["pid"] == os.getpid() and data["root"] == str(tmp_path)
+    lock.check()  # quiet now
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_writers_next_save_re_creates_a_deleted_lock_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _manager(tmp_path, keep=cp.KeepLast(1)) as writer:
+        writer.save(1, _state())
+        (tmp_path / LOCK_NAME).unlink()
+        with caplog.at_level(logging.ERROR, logger="crashproof.checkpoint"):
+            writer.save(2, _state(2))
+        assert any(LOCK_NAME in r.message and "deleted" in r.message for r in caplog.records)
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert [c.step for c in writer.list()] == [2]
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        json.dumps({"host": "gpu-node-17", "pid": 4242, "process_start": "", "since_unix": 0}),
+        "not json",
+    ],
+    ids=["another-hosts-writer", "garbage"],
+)
+def test_a_writer_whose_lock_file_was_replaced_fails_its_next_save_and_removes_nothing(
+    tmp_path: Path, replacement: str
+) -> None:
+    """Another writer (another host, where NFS has no directory lock) made its own lock file
+    after ours was deleted: saving on, and retention, would delete its checkpoints."""
+    writer = _manager(tmp_path, keep=cp.KeepLast(1))
+    writer.save(1, _state())
+    (tmp_path / LOCK_NAME).unlink()
+    (tmp_path / LOCK_NAME).write_text(replacement)
+    before = _tree(tmp_path)
+    with pytest.raises(RootLockedError, match="was replaced") as info:
+        writer.save(2, _state(2))
+    assert ("gpu-node-17" in str(info.value)) == ("gpu-node-17" in replacement)
+    with pytest.raises(RootLockedError, match="was replaced"):
+        writer.prune(cp.KeepLast(1))
+    assert _tree(tmp_path) == before
+    writer.close()
+    assert (tmp_path / LOCK_NAME).read_text() == replacement, "close() leaves the other's file"
+
+
+def test_a_writer_whose_root_was_moved_fails_its_next_save_and_keeps_out_of_the_new_one(
+    tmp_path: Path,
+) -> None:
+    root, moved = tmp_path / "run", tmp_path / "run.old"
+    writer = _manager(root, keep=cp.KeepLast(1))
+    writer.save(1, _state())
+    root.rename(moved)
+    root.mkdir()
+    with _manager(root) as newcomer:  # a new run, in the directory now at that path
+        newcomer.save(5, _state(5))
+        before = _tree(root)
+        with pytest.raises(CheckpointWriteError, match="moved, replaced or deleted") as info:
+            writer.save(2, _state(2))
+        assert str(moved) in str(info.value), "names where the locked directory is now"
+        writer.close()  # deletes its own lock file, in the moved directory
+        assert not (moved / LOCK_NAME).exists()
+        assert json.loads((root / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert _tree(root) == before
+        assert [c.step for c in newcomer.list()] == [5]
+    assert [p.name for p in moved.iterdir()] == ["step_0000000001"]
+
+
+def test_a_writer_whose_root_was_deleted_fails_its_next_save_saying_so(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "run"
+    writer = _manager(root)
+    writer.save(1, _state())
+    shutil.rmtree(root)
+    with pytest.raises(CheckpointWriteError, match="is gone"):
+        writer.save(2, _state(2))
+    assert not root.exists(), "no directory made again at the path"
+    writer.close()
+
+
+def test_the_lock_check_costs_no_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() runs before every save: stat calls only, never the file's contents."""
+    lock = _lock.lock_root(str(tmp_path))
+    monkeypatch.setattr(os, "pread", lambda *a: pytest.fail("check() read the lock file"))
+    monkeypatch.setattr(os, "read", lambda *a: pytest.fail("check() read the lock file"))
+    lock.check()
+    monkeypatch.undo()
+    lock.release()
+
+
+def test_a_hard_linked_lock_file_is_replaced_not_written_through(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The review's r17: a hard link to a file outside the root got the lock's JSON."""
+    root = tmp_path / "root"
+    root.mkdir()
+    victim = tmp_path / "outside_the_root.txt"
+    victim.write_text("precious data outside the checkpoint root\n" * 3)
+    os.link(victim, root / LOCK_NAME)
+    before = os.stat(victim)
+    with caplog.at_level(logging.WARNING, logger="crashproof.checkpoint"):
+        mgr = _manager(root)
+    assert any("hard link" in r.message for r in caplog.records)
+    assert victim.read_text() == "precious data outside the checkpoint root\n" * 3
+    after = os.stat(victim)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert after.st_nlink == 1, "only the root's name was dropped"
+    lock = os.stat(root / LOCK_NAME)
+    assert lock.st_ino != after.st_ino and lock.st_nlink == 1
+    assert json.loads((root / LOCK_NAME).read_text())["pid"] == os.getpid()
+    mgr.close()
+    assert victim.exists() and not (root / LOCK_NAME).exists()
+
+
+def test_a_dead_writers_lock_hard_linked_into_a_snapshot_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """`cp -al run snapshot` of a crashed run: the snapshot's lock file is the run's too."""
+    run, snapshot = tmp_path / "run", tmp_path / "snapshot"
+    holder = _holder(run, "die")
+    assert holder.wait(timeout=60) == -signal.SIGKILL
+    snapshot.mkdir()
+    os.link(run / LOCK_NAME, snapshot / LOCK_NAME)
+    left = (run / LOCK_NAME).read_bytes()
+    _manager(snapshot).close()
+    assert (run / LOCK_NAME).read_bytes() == left
+    _manager(run).close()  # and the run's own stale lock is still taken over
+
+
+def test_a_hard_linked_lock_naming_a_live_writer_elsewhere_is_refused_untouched(
+    tmp_path: Path,
+) -> None:
+    other = tmp_path / "other"
+    holder = _holder(other, "hold")
+    try:
+        root = tmp_path / "root"
+        root.mkdir()
+        os.link(other / LOCK_NAME, root / LOCK_NAME)
+        left = (other / LOCK_NAME).read_bytes()
+        with pytest.raises(RootLockedError, match=f"pid {holder.pid}"):
+            _manager(root)
+        assert (other / LOCK_NAME).read_bytes() == left
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _make_special(path: Path, kind: str, tmp_path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.bind(str(path))
+        except OSError as exc:  # a path too long for a socket address
+            pytest.skip(f"cannot bind a socket at {path}: {exc}")
+        sock.close()
+    elif kind == "directory":
+        path.mkdir()
+        (path / "keep").write_text("x")
+    elif kind == "symlink-to-a-file":
+        target = tmp_path / "target.txt"
+        target.write_text("precious")
+        path.symlink_to(target)
+    elif kind == "dangling-symlink":
+        path.symlink_to(tmp_path / "nowhere")
+    elif kind == "character-device":
+        try:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        except PermissionError:
+            pytest.skip("making a device needs privileges")
+
+
+_SPECIAL = ["fifo", "socket", "directory", "symlink-to-a-file", "dangling-symlink"]
+_SPECIAL += ["character-device"]
+_KIND_WORD = {
+    "fifo": "FIFO",
+    "socket": "socket",
+    "directory": "directory",
+    "symlink-to-a-file": "symbolic link",
+    "dangling-symlink": "symbolic link",
+    "character-device": "character device",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", _SPECIAL)
+def test_no_special_file_at_the_lock_name_is_opened_or_waited_on(tmp_path: Path, kind: str) -> None:
+    """The review's r05: a FIFO there hung the writer's constructor and `crashproof prune`.
+    Each is refused at once with a message that names it, and left as it was."""
+    root = tmp_path / "root"
+    with _manager(root, keep=cp.KeepLast(2)) as writer:
+        writer.save(1, _state())
+        writer.save(2, _state(2))
+    lock = root / LOCK_NAME
+    _make_special(lock, kind, tmp_path)
+    checkpoints = _tree(root)
+    before = os.lstat(lock)
+    code = f"""
+import crashproof as cp
+try:
+    cp.CheckpointManager({str(root)!r}, handle_signals=False).close()
+    print("CONSTRUCTED")
+except cp.CrashproofError as exc:
+    print(type(exc).__name__, exc)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert out.startswith("CheckpointWriteError"), out
+    assert f"is a {_KIND_WORD[kind]}" in out and f"rm {lock}" in out
+    cli = Path(sys.executable).parent / "crashproof"
+    for argv, rc in ((["prune", str(root), "--keep-last", "1"], 74), (["ls", str(root)], 0)):
+        done = subprocess.run([str(cli), *argv], capture_output=True, text=True, timeout=30)
+        assert done.returncode == rc, (argv, done.stderr)
+    assert _tree(root) == checkpoints, "prune removed nothing"
+    after = os.lstat(lock)
+    assert (after.st_ino, after.st_mode, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_mode,
+        before.st_mtime_ns,
+    )
+    if kind == "symlink-to-a-file":
+        assert (tmp_path / "target.txt").read_text() == "precious"
+
+
+def test_a_fifo_lock_file_does_not_block_listing_a_root_with_checkpoints(tmp_path: Path) -> None:
+    """The review's r05b: `ls` reads, `prune` must refuse; neither may wait on the FIFO."""
+    with _manager(tmp_path) as writer:
+        writer.save(1, _state())
+        writer.save(2, _state(2))
+    os.mkfifo(tmp_path / LOCK_NAME)
+    cli = Path(sys.executable).parent / "crashproof"
+    ls = subprocess.run([str(cli), "ls", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert ls.returncode == 0 and "2" in ls.stdout
+    prune = subprocess.run(
+        [str(cli), "prune", str(tmp_path), "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert prune.returncode == 74 and "is a FIFO" in prune.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == [
+        "step_0000000001",
+        "step_0000000002",
+    ]
+    assert _lock.read_holder(str(tmp_path)) is None  # and the reader's look does not block
+
+
+def test_a_fifo_swapped_in_for_a_held_lock_file_is_noticed_without_blocking(
+    tmp_path: Path,
+) -> None:
+    lock = _lock.lock_root(str(tmp_path))
+    (tmp_path / LOCK_NAME).unlink()
+    os.mkfifo(tmp_path / LOCK_NAME)
+    with pytest.raises(RootLockedError, match="is a FIFO"):
+        lock.check()
+    lock.release()
+    assert stat.S_ISFIFO(os.lstat(tmp_path / LOCK_NAME).st_mode), "left as it was"

@@ -1,10 +1,21 @@
 """One writer per checkpoint root: the lock a writing :class:`CheckpointManager` holds.
 
-On a local or network filesystem the writer (rank 0 of a job) holds an advisory ``flock`` on
-``ROOT/.crashproof.lock`` for its whole life; the file says who holds it, as JSON (host, pid, the
-process's start time, when it took the lock, the root). A second writer fails at once with a
-message naming the holder; readers (``read_only=True``, the CLI but ``prune``, ``crashproof
+On a local or network filesystem the writer (rank 0 of a job) holds, for its whole life, an
+advisory ``flock`` on the root directory itself and one on ``ROOT/.crashproof.lock``; the file
+says who holds it, as JSON (host, pid, the process's start time, when it took the lock, the root).
+The directory's lock is the one nobody can delete: an open directory cannot be unlinked, so a
+lock file removed by a clean-up script or a user does not let a second writer in. The file's lock
+is for filesystems that cannot lock a directory (NFS: there ``flock`` becomes a POSIX lock, which
+needs a file open for writing) and for older crashproof versions. A second writer fails at once
+with a message naming the holder; readers (``read_only=True``, the CLI but ``prune``, ``crashproof
 run``'s agent) take no lock and change nothing. The file is deleted when the writer closes.
+
+The writer checks its hold (:meth:`RootLock.check`) before each save and each retention pass: a
+lock file deleted meanwhile is re-created (with an error logged); a lock file replaced by another,
+or a root directory moved, replaced or deleted, fails that save. Nothing but a regular file with
+one link is ever read or written at the lock's name: a FIFO, a socket, a device, a directory or a
+symbolic link there is refused without waiting on it, and a hard link is replaced by a new file
+(never written through to the other names of the linked file).
 
 A lock file left by a process that died on this host (its pid is gone, or is another process
 now) is taken over with a warning. One naming another host is never taken over: crashproof cannot
@@ -23,12 +34,13 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from crashproof.errors import RootLockedError
+from crashproof.errors import CheckpointWriteError, RootLockedError
 
 __all__ = ["LOCK_NAME", "Holder", "RootLock", "lock_root"]
 
@@ -132,21 +144,33 @@ def _forget_in_child() -> None:
     """A forked child (a data loader worker) must not keep the parent's lock alive: were the
     parent killed, the lock would outlive it for as long as the child runs."""
     for lock in list(_held):
-        fd, lock._fd = lock._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        fds = (lock._fd, lock._dir_fd)
+        lock._fd = lock._dir_fd = None
+        for fd in fds:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+"""How the lock file is opened: never through a link, and nothing at that name may block us."""
+
 
 class RootLock:
-    """The held lock of one root; :meth:`release` (or the process's end) lets it go."""
+    """The held lock of one root: :meth:`check` before writing; :meth:`release` (or the
+    process's end) lets it go."""
 
-    def __init__(self, path: str, fd: int, holder: Holder) -> None:
-        self.path, self.holder = path, holder
+    def __init__(
+        self, root: str, dir_fd: int, fd: int, holder: Holder, *, dir_locked: bool
+    ) -> None:
+        self.root, self.holder = root, holder
+        self.path = os.path.join(root, LOCK_NAME)
+        self.dir_locked = dir_locked
+        """Whether the root directory itself is locked (not on NFS: there only the file is)."""
+        self._dir_fd: int | None = dir_fd
         self._fd: int | None = fd
         _held.add(self)
 
@@ -154,17 +178,69 @@ class RootLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def check(self) -> None:
+        """Raise :class:`CheckpointWriteError` unless this writer still holds its root as it
+        locked it; re-create the lock file if it was deleted meanwhile (logged as an error).
+
+        Saves and retention write and remove by path: a root moved, replaced or deleted since
+        the lock was taken would send them to a directory this writer does not hold, where
+        another writer may be. A few system calls, no reads of file contents."""
+        fd, dir_fd = self._fd, self._dir_fd
+        if fd is None or dir_fd is None:
+            raise CheckpointWriteError(
+                errno.EBADF, f"{self.root}: this process no longer holds the root's writer lock"
+            )
+        locked = os.fstat(dir_fd)
+        try:
+            now: os.stat_result | None = os.stat(self.root)
+        except OSError:
+            now = None
+        if now is None or _ident(now) != _ident(locked):
+            raise _root_moved(self.root, dir_fd, gone=now is None)
+        found = _lstat_at(dir_fd)
+        if found is not None and _ident(found) == _ident(os.fstat(fd)):
+            return
+        if found is None:
+            log.error(
+                "%s was deleted while this process held it; re-creating it. %s Do not delete it "
+                "while a run writes to this root",
+                self.path,
+                "The root directory's lock kept a second writer out meanwhile."
+                if self.dir_locked
+                else "This filesystem cannot lock the directory: a second writer started "
+                "meanwhile would have made its own lock file, and none is there.",
+            )
+            try:
+                new = _recreate(dir_fd, self.holder, self.root)
+            except FileExistsError:  # made by someone else between our look and our create
+                found = _lstat_at(dir_fd)
+            else:
+                self._fd = new
+                os.close(fd)
+                return
+        raise RootLockedError(
+            errno.EBUSY,
+            f"{self.path} was replaced while this process held the lock of {self.root}: it now "
+            f"{_describe_found(dir_fd, found)}. Another writer may be using this root, and two "
+            "writers delete each other's checkpoints: this one stops saving and removing there. "
+            "Stop the other writer (or remove that file if it is no one's) and restart this run",
+        )
+
     def release(self) -> None:
         """Delete the lock file and let go of the lock; safe to call twice."""
         fd, self._fd = self._fd, None
-        if fd is None:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if fd is None or dir_fd is None:
             return
         if os.getpid() == self.holder.pid:  # not in a forked child, which merely shares it
-            # Delete while still holding it, so no one takes a lock on a file about to vanish.
+            # Delete while still holding it, so no one takes a lock on a file about to vanish;
+            # through the directory locked, which may have been moved since.
             with contextlib.suppress(OSError):
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                    os.unlink(self.path)
-        os.close(fd)  # closing the last descriptor of it lets go of the flock
+                found = _lstat_at(dir_fd)
+                if found is not None and _ident(found) == _ident(os.fstat(fd)):
+                    os.unlink(LOCK_NAME, dir_fd=dir_fd)
+        os.close(fd)  # closing the last descriptor of each lets go of its flock
+        os.close(dir_fd)
 
     def __del__(self) -> None:  # a manager dropped without close(): do not keep the root locked
         with contextlib.suppress(Exception):
@@ -174,58 +250,220 @@ class RootLock:
 def read_holder(root: str) -> Holder | None:
     """Who the lock file of the local ``root`` names, if anyone."""
     try:
-        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        return Holder.parse(os.read(fd, _MAX_LOCK_BYTES))
+        return _read_holder_at(dir_fd)
     finally:
-        os.close(fd)
+        os.close(dir_fd)
 
 
 def lock_root(root: str) -> RootLock:
     """Take the writer's lock of the local ``root`` (which exists), or raise
-    :class:`RootLockedError` naming who holds it."""
+    :class:`RootLockedError` naming who holds it (:class:`CheckpointWriteError` when what is at
+    the lock file's name is not a lock file)."""
     path = os.path.join(root, LOCK_NAME)
     me = _me()
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_locked = _lock_dir(root, path, dir_fd, me)
+        fd = _lock_file(root, path, dir_fd, me)
+    except BaseException:
+        os.close(dir_fd)  # lets go of the directory's lock, if taken
+        raise
+    return RootLock(root, dir_fd, fd, me, dir_locked=dir_locked)
+
+
+def _lock_dir(root: str, path: str, dir_fd: int, me: Holder) -> bool:
+    """Lock the root directory itself; False where its filesystem cannot (NFS)."""
+    if fcntl is None:  # pragma: no cover - not POSIX
+        return False
+    exiting_until = time.monotonic() + _EXITING_WAIT_S
+    while True:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            holder = _read_holder_at(dir_fd)
+            if not _exiting(holder, me, exiting_until):
+                raise _locked(root, path, holder) from None
+            time.sleep(0.05)
+        except OSError as exc:  # NFS: flock becomes a POSIX lock, which needs a writable file
+            log.debug("cannot lock the directory %s (%s): the lock file alone holds it", root, exc)
+            return False
+
+
+def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
+    """Take the lock file's flock and write ``me`` into it; its descriptor."""
     exiting_until = time.monotonic() + _EXITING_WAIT_S
     for _ in range(1000):  # the holder may delete the file between our open and our flock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = _open_lock_file(path, dir_fd)
         try:
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = Holder.parse(os.read(fd, _MAX_LOCK_BYTES))
-                    if (
-                        holder is not None
-                        and holder.host == me.host
-                        and not _alive(holder)
-                        and time.monotonic() < exiting_until
-                    ):
-                        # Killed, and still exiting (its other threads not yet gone): the
-                        # lock goes with its last thread.
+                    holder = Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
+                    if _exiting(holder, me, exiting_until):
                         os.close(fd)
                         time.sleep(0.05)
                         continue
                     raise _locked(root, path, holder) from None
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            mine = os.fstat(fd)
+            found = _lstat_at(dir_fd)
+            if found is None or _ident(found) != _ident(mine):
                 os.close(fd)  # deleted (and perhaps made again) meanwhile: lock the new one
                 continue
-            previous = Holder.parse(os.read(fd, _MAX_LOCK_BYTES))
+            previous = Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
             if previous is not None:
                 _check_stale(root, path, previous, me)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(me.to_json() | {"root": root}).encode(), 0)
-            os.fsync(fd)
-            return RootLock(path, fd, me)
-        except FileNotFoundError:
-            os.close(fd)  # deleted between our open and our stat: try again
-            continue
+            if mine.st_nlink != 1:
+                # A hard link: writing would change the file under its other names too (outside
+                # the root, perhaps). Drop this name only and make a file of our own.
+                log.warning(
+                    "%s is a hard link to a file with %d names: replacing it with a new lock "
+                    "file; the file under its other names is left as it was",
+                    path,
+                    mine.st_nlink,
+                )
+                os.unlink(LOCK_NAME, dir_fd=dir_fd)
+                os.close(fd)
+                continue
+            _write_holder(fd, me, root)
+            return fd
         except BaseException:
             os.close(fd)
             raise
     raise RootLockedError(errno.EBUSY, f"{path}: could not take the lock (it keeps changing)")
+
+
+def _open_lock_file(path: str, dir_fd: int) -> int:
+    """Open (or create) the lock file, refusing anything but a regular file at its name before
+    opening it, so that no FIFO, device or socket is opened, read or waited on."""
+    found = _lstat_at(dir_fd)
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise _not_a_lock_file(path, found.st_mode)
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644, dir_fd=dir_fd)
+    except OSError as exc:  # replaced meanwhile by a link (ELOOP), a directory (EISDIR), ...
+        found = _lstat_at(dir_fd)
+        if found is not None and not stat.S_ISREG(found.st_mode):
+            raise _not_a_lock_file(path, found.st_mode) from exc
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_a_lock_file(path, mode)
+    return fd
+
+
+def _recreate(dir_fd: int, holder: Holder, root: str) -> int:
+    """A new lock file for ``holder``, who holds the root; FileExistsError if one is there."""
+    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644, dir_fd=dir_fd)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _write_holder(fd, holder, root)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_holder(fd: int, holder: Holder, root: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder.to_json() | {"root": root}).encode(), 0)
+    os.fsync(fd)
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _lstat_at(dir_fd: int) -> os.stat_result | None:
+    """What is at the lock file's name in the locked directory (links not followed), if any."""
+    try:
+        return os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _read_holder_at(dir_fd: int) -> Holder | None:
+    """Who the lock file names; None when it is missing, unreadable or not a regular file (which
+    is never opened: a FIFO would block, a device might act on being opened)."""
+    found = _lstat_at(dir_fd)
+    if found is None or not stat.S_ISREG(found.st_mode):
+        return None
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _exiting(holder: Holder | None, me: Holder, until: float) -> bool:
+    """Whether ``holder`` was killed on this host and its lock goes with its last thread, which
+    is still exiting: worth waiting for (until ``until``)."""
+    return (
+        holder is not None
+        and holder.host == me.host
+        and not _alive(holder)
+        and time.monotonic() < until
+    )
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISLNK, "symbolic link"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def _not_a_lock_file(path: str, mode: int) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        errno.EEXIST,
+        f"{path} is a {_kind(mode)}, not a lock file (crashproof writes a regular file there): "
+        "it was not opened, read or changed, and this root cannot be locked for writing. Remove "
+        f"it (rm {path}) if nothing of yours needs it, or give this run another root",
+    )
+
+
+def _describe_found(dir_fd: int, found: os.stat_result | None) -> str:
+    if found is None:
+        return "is missing"
+    if not stat.S_ISREG(found.st_mode):
+        return f"is a {_kind(found.st_mode)}"
+    holder = _read_holder_at(dir_fd)
+    return "names no one" if holder is None else f"names {holder.describe()}"
+
+
+def _root_moved(root: str, dir_fd: int, *, gone: bool) -> CheckpointWriteError:
+    where = ""
+    with contextlib.suppress(OSError):  # Linux: where the locked directory is now
+        where = os.readlink(f"/proc/self/fd/{dir_fd}")
+    now = f"; the directory this writer locked is now {where}" if where and where != root else ""
+    return CheckpointWriteError(
+        errno.ENOENT if gone else errno.ESTALE,
+        f"{root} {'is gone' if gone else 'is another directory now'}: the checkpoint root was "
+        f"moved, replaced or deleted while this process held its writer lock{now}. Saving or "
+        "removing there would act on a directory this writer does not hold (another writer may "
+        "hold it). Put the directory back, or stop this run and restart it on the root you mean",
+    )
 
 
 def _check_stale(root: str, path: str, previous: Holder, me: Holder) -> None:
@@ -251,7 +489,11 @@ def _check_stale(root: str, path: str, previous: Holder, me: Holder) -> None:
 
 
 def _locked(root: str, path: str, holder: Holder | None) -> RootLockedError:
-    who = holder.describe() if holder is not None else "another process (its lock file is empty)"
+    who = (
+        holder.describe()
+        if holder is not None
+        else "another process (its lock file names no one: deleted or emptied while it runs)"
+    )
     return RootLockedError(
         errno.EBUSY,
         f"{root} is locked by {who}: it is the writer of this checkpoint root (lock file "
