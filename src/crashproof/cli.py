@@ -8,12 +8,15 @@ For the rest (README "Command line" has the table):
 - 1 a checkpoint is invalid (``verify``, ``inspect``, ``export``), a campaign failed (``chaos``);
 - 2 a usage error, or nothing to act on (no such root or step, a root that is a file or a run
   directory, an output path an export must not write);
-- 74 the storage could not be read or written (no credentials, no such bucket, an I/O error,
-  or ``prune`` on a root whose writer holds its lock);
+- 74 the storage could not be read or written (no credentials, no such bucket, permission, an
+  I/O error; a checkpoint file the storage refuses is this, never "invalid"), an output
+  (``export -o``, ``report --html``) could not be written, or ``prune`` on a root whose writer
+  holds its lock;
 - 70 an internal error (a bug: ``-v`` shows the traceback); 130 interrupted (Ctrl-C).
 
 Every failure is one line on stderr, ``crashproof: <what>: <why>; <what to do>``, naming the
-argument or path it is about; never a traceback.
+argument or path it is about (control characters in it escaped: :mod:`crashproof._console`);
+never a traceback.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, NoReturn
 from tqdm import tqdm
 
 import crashproof
+from crashproof._console import one_line, output_unwritable, say
 from crashproof.chaos import add_chaos_parser
 from crashproof.checkpoint import (
     committed_steps,
@@ -43,7 +47,7 @@ from crashproof.checkpoint import (
 from crashproof.checkpoint._catalog import prune_plan
 from crashproof.checkpoint._export import check_target, export_dcp, export_safetensors
 from crashproof.checkpoint._format import parse_step_dir
-from crashproof.checkpoint._listing import list_checkpoints
+from crashproof.checkpoint._listing import list_checkpoints, located, unreadable
 from crashproof.checkpoint._lock import lock_root
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import ConfigError, CrashproofError
@@ -242,12 +246,22 @@ def _pick(found: list[tuple[int, str]], step: int | None, root: str) -> list[tup
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"crashproof: {message}", file=sys.stderr)
+    say("crashproof", message)
     return code
 
 
+def _unreadable(storage: Storage, ckpt: str, exc: OSError) -> int:
+    """Exit 74 for a checkpoint file the storage would not read: no verdict on the checkpoint."""
+    err = located(storage, ckpt, exc)
+    return _fail(
+        f"{err.filename}: cannot be read ({err.strerror}); the storage refused it (permissions, "
+        "an I/O error), which says nothing about the checkpoint: fix the access and run this again",
+        EXIT_STORAGE,
+    )
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    _, storage, found = _open_root(args.root)
+    path, storage, found = _open_root(args.root)
     total = 0
     if args.verify:
         total = sum(sum(e.size for e in _manifest_files(storage, p)) for _, p in found)
@@ -259,7 +273,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         disable=not args.verify or args.json or None,
         file=sys.stderr,
     ) as bar:
-        rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
+        try:
+            rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
+        except OSError as exc:  # unreadable (not corrupt), named in full by list_checkpoints
+            if not unreadable(exc):
+                raise
+            return _unreadable(storage, path, exc)
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
         return EXIT_OK
@@ -308,6 +327,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     {"step": step, "path": storage.describe(ckpt), "valid": True, "problem": ""}
                 )
             except (CrashproofError, OSError) as exc:
+                if isinstance(exc, OSError) and unreadable(exc):  # no verdict on the unread
+                    return _unreadable(storage, ckpt, exc)
                 results.append(
                     {
                         "step": step,
@@ -342,6 +363,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ranks = [read_rank_index(storage, ckpt, manifest, r) for r in range(manifest.world_size)]
     except CrashproofError as exc:
         return _fail(str(exc), EXIT_INVALID)
+    except OSError as exc:
+        return _unreadable(storage, ckpt, exc)
     rank_reports: list[dict[str, Any]] = [
         {
             "rank": idx.rank,
@@ -498,8 +521,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         except CrashproofError as exc:
             if args.step is not None:
                 return _fail(str(exc), EXIT_INVALID)
-            print(f"crashproof: skipping step {step}: {exc}", file=sys.stderr)
+            say("crashproof", f"skipping step {step}: {exc}")
             continue
+        except OSError as exc:  # writing the output (named by its filename), or reading
+            if exc.filename == args.output:
+                return _fail(output_unwritable("-o", args.output, exc), EXIT_STORAGE)
+            return _unreadable(storage, ckpt, exc)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         where = args.output if len(files) == 1 else f"{len(files) - 1} files and {files[-1]}"
         print(f"exported {len(tensors)} tensors ({_human(size)}) of step {step} to {where}")
@@ -531,7 +558,9 @@ class _Parser(argparse.ArgumentParser):
     the subcommands' parsers are of this class too (``add_subparsers`` takes the parent's)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(
+            EXIT_USAGE, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -682,9 +711,11 @@ def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
     what = f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " ")
     log.debug("%s failed", args.command, exc_info=exc)  # -v: the traceback
     if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
+        remote = "://" in subject and not subject.startswith("file://")
         return _fail(
-            f"{subject}: cannot read or write the storage ({what}); check that it exists, the "
-            "credentials (for S3: AWS_* variables, ~/.aws) and the permissions",
+            f"{subject}: cannot read or write the storage ({what}); check that it exists, "
+            + ("the credentials (for S3: AWS_* variables, ~/.aws) and " if remote else "")
+            + "the permissions",
             EXIT_STORAGE,
         )
     return _fail(

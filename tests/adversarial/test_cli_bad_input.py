@@ -16,6 +16,7 @@ seam is replaced so that a regression fails the test instead of starting trainin
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import crashproof
+from crashproof._console import one_line
 from crashproof.cli import main
 
 TABLE = {0, 1, 2, 74}
@@ -143,6 +145,7 @@ def names_in(argv: list[str]) -> list[str]:
         if len(token.strip()) >= 2:
             names.append(token)
             names.append(token.split("=")[0])
+            names.append(one_line(token))  # a control character is named escaped
         if token.strip() and "\x00" not in token:
             names.append(os.path.realpath(token))
             names.append(os.path.abspath(token))
@@ -479,3 +482,148 @@ def test_the_console_answers_a_run_directory_and_a_bad_option_in_one_line(
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("\n") == 1, done.stderr
         assert named in done.stderr and "Traceback" not in done.stderr
+
+
+# -- control characters in what a message names ----------------------------------------------------
+
+CONTROL = ["\n", "\r", "\x1b[2J", "\u2028", "\t", "\x85"]
+
+
+@pytest.mark.parametrize("bad", CONTROL)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{p}"],
+        ["verify", "{p}"],
+        ["inspect", "{p}"],
+        ["prune", "{p}", "--keep-last", "1"],
+        ["export", "{root}", "-o", "{file}/{p}"],
+        ["export", "{root}", "--format", "dcp", "-o", "{file}/{p}"],
+        ["report", "{p}"],
+        ["report", "{run-dir}", "--html", "{file}/{p}"],
+        ["prune", "{root}", "--keep-within", "{p}", "--dry-run"],
+        ["ls", "{root}", "--{p}"],
+        ["chaos", "--fault", "at=1s,rank=0,kind=kill", "--dir", "{file}/{p}", "--", "x.py"],
+    ],
+)
+@pytest.mark.usefixtures("no_launch")
+def test_a_control_character_in_a_path_or_value_is_named_escaped_on_one_line(
+    zoo: dict[str, str], argv: list[str], bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported case: ``crashproof ls $'root2\\n'`` printed two lines."""
+    argv = [a.format(p=f"root2{bad}x", **zoo) for a in argv]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2, (argv, err)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert not any(c in err[:-1] for c in CONTROL), err
+    assert f"root2{one_line(bad)}x" in err, err
+
+
+# -- an output that cannot be written: exit 74 naming the option, for export and report alike -------
+
+
+def _run_dir(top: Path) -> Path:
+    run_dir = top / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(
+        '{"event": "run_start", "t": 1.0, "run_id": "r"}\n{"event": "run_end", "t": 2.0, '
+        '"outcome": "succeeded", "exit_code": 0}\n'
+    )
+    return run_dir
+
+
+def _assert_output_unwritable(code: int, err: str, option: str, path: str) -> None:
+    assert code == 74, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{option} {path}: cannot be written" in err, err
+    assert "credentials" not in err and "S3" not in err, err
+
+
+@pytest.mark.parametrize("err_no", [errno.EROFS, errno.ENOSPC, errno.EACCES])
+def test_an_export_whose_output_cannot_be_written_is_74_naming_o(
+    good_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    err_no: int,
+) -> None:
+    from traceback import StackSummary
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failing_shard(_storage: object, path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(err_no, os.strerror(err_no), path)
+
+    def failing_save(*args: object, **kwargs: object) -> None:  # as torch wraps a rank's error
+        raise CheckpointException(
+            "save", {0: (OSError(err_no, os.strerror(err_no)), StackSummary())}
+        )
+
+    monkeypatch.setattr("crashproof.checkpoint._export.write_shard", failing_shard)
+    monkeypatch.setattr("torch.distributed.checkpoint.state_dict_saver.save", failing_save)
+    for fmt, out in (("safetensors", tmp_path / "w.safetensors"), ("dcp", tmp_path / "dcp")):
+        argv = ["export", str(good_root), "--format", fmt, "-o", str(out)]
+        code, _, err = run_cli(argv, capsys)
+        _assert_output_unwritable(code, err, "-o", str(out))
+        assert os.strerror(err_no) in err
+    assert sorted(os.listdir(tmp_path)) == []  # nothing left beside the targets
+
+
+def test_a_report_page_that_cannot_be_written_is_74_naming_html(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = _run_dir(tmp_path)
+
+    def failing(path: str, data: bytes) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path + ".tmp-x")
+
+    monkeypatch.setattr("crashproof.goodput._report.write_atomically", failing)
+    page = str(tmp_path / "page.html")
+    code, _, err = run_cli(["report", str(run_dir), "--html", page], capsys)
+    _assert_output_unwritable(code, err, "--html", page)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only mount (root only; skipped elsewhere)."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_outputs_on_a_read_only_mount_are_74_naming_the_option_as_processes(
+    good_root: Path, tmp_path: Path, read_only_dir: Path
+) -> None:
+    """The reported case: ``export -o ro/new.st`` blamed the checkpoint root and suggested S3
+    credentials; ``report --html`` on the same failure exited 2."""
+    run_dir = _run_dir(tmp_path)
+    cases = [
+        (["export", str(good_root), "-o", str(read_only_dir / "new.st")], "-o"),
+        (["export", str(good_root), "--format", "dcp", "-o", str(read_only_dir / "d")], "-o"),
+        (["export", str(good_root), "-o", str(read_only_dir / "sub" / "new.st")], "-o"),
+        (["report", str(run_dir), "--html", str(read_only_dir / "r.html")], "--html"),
+    ]
+    for args, option in cases:
+        done = _cli(*args)
+        _assert_output_unwritable(done.returncode, done.stderr, option, args[-1])
+        assert "Read-only file system" in done.stderr
+
+
+def test_report_html_naming_a_directory_is_exit_2_naming_html(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = _run_dir(tmp_path)
+    for html in ("/", str(tmp_path), str(run_dir), "."):
+        code, out, err = run_cli(["report", str(run_dir), "--html", html], capsys)
+        assert code == 2 and out == "", err
+        assert_one_line_naming(code, err, ["report", html], [f"--html {html}"])

@@ -11,8 +11,13 @@ rank index) must never come out ``verified: true``, and ``ls --verify`` must agr
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,3 +163,114 @@ def test_the_exit_code_of_ls_is_the_listing_not_the_verdict(
     capsys.readouterr()
     assert main(["verify", str(root)]) == 1
     capsys.readouterr()
+
+
+# -- a file the storage refuses is not a corrupt checkpoint ---------------------------------------
+#
+# An operator who reads INVALID may delete the checkpoint; a permission or an I/O error says
+# nothing about it. `verify`, `ls --verify`, `inspect` and `export` exit 74 naming the file;
+# plain `ls` still describes the checkpoint from its readable manifest.
+
+
+def refuse_reads(monkeypatch: pytest.MonkeyPatch, name: str, errno_: int) -> None:
+    """The local storage refuses to open ``name`` as the kernel would (relative name, errno)."""
+    from crashproof.storage import LocalStorage
+
+    real = LocalStorage.open
+
+    def refusing(self: LocalStorage, path: str) -> Any:
+        if Path(path).name == name and Path(path).parent.name == "step_0000000003":
+            raise OSError(errno_, os.strerror(errno_), name)
+        return real(self, path)
+
+    monkeypatch.setattr(LocalStorage, "open", refusing)
+
+
+@pytest.mark.parametrize("errno_", [errno.EACCES, errno.EIO])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", "{root}", "--latest"],
+        ["verify", "{root}"],
+        ["ls", "{root}", "--verify"],
+        ["export", "{root}", "--step", "3", "-o", "{out}"],
+        ["export", "{root}", "-o", "{out}"],
+    ],
+)
+def test_a_file_the_storage_refuses_is_exit_74_naming_it_never_invalid(
+    root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    errno_: int,
+) -> None:
+    refuse_reads(monkeypatch, SHARD, errno_)
+    argv = [a.format(root=root, out=tmp_path / "w.safetensors") for a in argv]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 74, (argv, out, err)
+    assert "INVALID" not in out + err and "Traceback" not in err
+    assert err.count("\n") == 1, err
+    assert str(ckpt(root, 3) / SHARD) in err, err  # the file, in full
+    assert "credentials" not in err
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_ls_describes_a_checkpoint_with_an_unreadable_file_from_its_manifest(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = ls_json(root, capsys)[3]
+    refuse_reads(monkeypatch, SHARD, errno.EACCES)
+    row = ls_json(root, capsys)[3]
+    for key in ("created", "size_bytes", "kind", "world_size", "base_step"):
+        assert row[key] == before[key], key
+    assert row["valid"] is False and row["verified"] is None
+    assert str(ckpt(root, 3) / SHARD) in row["problem"]
+    assert "cannot be read" in row["problem"] and "not a sign of corruption" in row["problem"]
+    capsys.readouterr()
+    assert main(["verify", str(root), "--step", "2"]) == 0  # the others still verify
+
+
+def _without_dac_override() -> list[str] | None:
+    """A command prefix that runs a program without the power to ignore file permissions (none
+    needed when not root); None when this machine offers none."""
+    if os.geteuid() != 0:
+        return []
+    caps = "cap_dac_override,cap_dac_read_search"
+    if shutil.which("capsh"):
+        return ["capsh", f"--drop={caps}", "--", "-c", 'exec "$0" "$@"']
+    if shutil.which("setpriv"):
+        return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    return None
+
+
+def test_a_real_permission_error_is_exit_74_and_ls_keeps_the_manifests_fields(
+    root: Path, tmp_path: Path
+) -> None:
+    """The reported case, as a real process that cannot read one rank's data file."""
+    prefix = _without_dac_override()
+    if prefix is None:
+        pytest.skip("running as root, and neither capsh nor setpriv can drop CAP_DAC_OVERRIDE")
+    shard = ckpt(root, 3) / SHARD
+    shard.chmod(0)
+    try:
+        probe = subprocess.run([*prefix, "cat", str(shard)], capture_output=True, check=False)
+        if probe.returncode == 0:
+            pytest.skip("this machine lets the unprivileged process read a mode-000 file")
+        cli = [*prefix, sys.executable, "-m", "crashproof.cli"]
+        done = subprocess.run(
+            [*cli, "verify", str(root), "--latest"], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 74, done.stdout + done.stderr
+        assert "INVALID" not in done.stdout + done.stderr
+        assert done.stderr.count("\n") == 1 and str(shard) in done.stderr, done.stderr
+        done = subprocess.run(
+            [*cli, "ls", str(root), "--json"], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        row = {r["step"]: r for r in json.loads(done.stdout)}[3]
+        assert row["kind"] == "full" and row["created"] is not None and row["size_bytes"] > 0
+        assert str(shard) in row["problem"]
+    finally:
+        shard.chmod(0o644)

@@ -321,3 +321,95 @@ def test_report_html_never_overwrites_a_file_it_did_not_write(tmp_path: Path) ->
     assert main(["report", str(run_dir), "--html", str(page)]) == 0
     assert main(["report", str(run_dir), "--html", str(page)]) == 0  # its own page: replaced
     assert "crashproof report" in page.read_text()
+
+
+def test_a_forced_single_file_export_removes_the_earlier_sharded_one_and_only_it(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported case: a single file beside stale shards and an index naming another step."""
+    out = tmp_path / "m.safetensors"
+    assert export(root, out, "--step", "1", "--max-shard-size", "100", fmt="safetensors") == 0
+    shards = sorted(tmp_path.glob("m-*.safetensors"))
+    assert len(shards) > 1
+    bystander = tmp_path / "m-00009-of-00009.safetensors"  # named like a shard, not an export's
+    bystander.write_text("not mine")
+    refused(export(root, out, fmt="safetensors"), capsys.readouterr().err, "index.json")
+    assert all(s.exists() for s in shards) and not out.exists()  # without --force: nothing
+    assert export(root, out, "--step", "2", "--force", fmt="safetensors") == 0
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m"))
+    assert left == sorted([out.name, bystander.name]), left
+    assert bystander.read_text() == "not mine"
+    assert set(load_file(str(out))) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_a_forced_sharded_export_removes_the_earlier_single_file(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "m.safetensors"
+    assert export(root, out, "--step", "1", fmt="safetensors") == 0
+    code = export(root, out, "--max-shard-size", "100", fmt="safetensors")
+    refused(code, capsys.readouterr().err, out)
+    assert export(root, out, "--max-shard-size", "100", "--force", fmt="safetensors") == 0
+    index = json.loads((tmp_path / "m.safetensors.index.json").read_text())
+    assert not out.exists(), "the earlier single file sits beside the new index"
+    assert sorted(p.name for p in tmp_path.glob("m-*.safetensors")) == sorted(
+        set(index["weight_map"].values())
+    )
+
+
+def test_an_unmarked_index_beside_a_single_file_export_is_left_alone(
+    root: Path, tmp_path: Path
+) -> None:
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text('{"weight_map": {"w": "m-00001-of-00001.safetensors"}}')
+    shard = tmp_path / "m-00001-of-00001.safetensors"
+    save_file({"w": torch.zeros(2)}, str(shard))  # a user's file, not an export's
+    before = snapshot(tmp_path)
+    assert export(root, tmp_path / "m.safetensors", fmt="safetensors") == 0
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k != "m.safetensors"} == before
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "rank0.log").write_text("a trainer's log")
+    (run_dir / "events.jsonl").write_text(
+        '{"event": "run_start", "t": 1.0, "run_id": "r"}\n{"event": "run_end", "t": 2.0, '
+        '"outcome": "succeeded", "exit_code": 0}\n'
+    )
+    return run_dir
+
+
+def test_report_html_at_a_directory_is_refused_naming_html_and_it_survives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reported case: ``--html DIR`` was exit 74 blaming the run's storage."""
+    run_dir = _run_dir(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    for html in (str(tmp_path), ".", str(run_dir / "logs"), "/", str(run_dir)):
+        code = main(["report", str(run_dir), "--html", html])
+        err = capsys.readouterr().err
+        assert code == 2, (html, err)
+        assert f"--html {html}" in err and err.count("\n") == 1, err
+        assert "storage" not in err and "credentials" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_report_html_never_writes_through_a_link_at_the_old_temporary_name(
+    tmp_path: Path,
+) -> None:
+    """The page was written to ``<page>.tmp<pid>`` with ``open(..., "w")``: a link there had its
+    target truncated."""
+    run_dir = _run_dir(tmp_path)
+    victim = tmp_path / "thesis.tex"
+    victim.write_text("years of work")
+    page = tmp_path / "page.html"
+    (tmp_path / f"page.html.tmp{os.getpid()}").symlink_to(victim)
+    assert main(["report", str(run_dir), "--html", str(page)]) == 0
+    assert victim.read_text() == "years of work"
+    assert "crashproof report" in page.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run", "thesis.tex", "page.html", f"page.html.tmp{os.getpid()}"]
+    )

@@ -13,10 +13,10 @@ import datetime as dt
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
+from crashproof._console import say
 from crashproof.chaos._schedule import KINDS, Fault, draw_schedule, parse_duration, parse_fault
 
 __all__ = ["RUN_PLACEHOLDER", "add_chaos_parser", "run_chaos"]
@@ -79,7 +79,7 @@ def add_chaos_parser(
 
 
 def _usage(message: str) -> int:
-    print(f"crashproof chaos: {message}", file=sys.stderr)
+    say("crashproof chaos", message)
     return EXIT_USAGE
 
 

@@ -22,13 +22,14 @@ replaced only when it is empty, or when it carries the mark of an earlier export
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO, Literal
 
 import torch
@@ -38,7 +39,7 @@ from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
 from crashproof.checkpoint._reader import RankRead, read_manifest
 from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._shard import write_shard
-from crashproof.checkpoint._sharded import load_sharded, restore_targets
+from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
@@ -46,10 +47,12 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "MARKER",
     "MARK_KEY",
+    "check_parent",
     "check_target",
     "export_dcp",
     "export_safetensors",
     "model_tensors",
+    "write_atomically",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
@@ -76,9 +79,11 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
     try:
         reader.verify()
         pieces = reader.sharded_entries()
-        whole = restore_targets(pieces, {})  # no live counterparts: whole tensors
-        if pieces:
-            load_sharded(storage, ckpt_dir, manifest, whole)
+        whole: dict[str, torch.Tensor] = {}
+        if pieces:  # no live counterparts: whole tensors, of the size their pieces tile
+            saved = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
+            whole = restore_targets(pieces, {}, saved)
+            load_sharded(storage, ckpt_dir, manifest, whole, reader=saved)
         tree: Any = reader.finish(whole)
     finally:
         reader.close()
@@ -132,7 +137,7 @@ def check_target(
                 f"-o {out}: that is inside {what}, where only checkpoints belong; "
                 "export to a path outside it"
             )
-    _check_parent(out)
+    check_parent(out)
     if not os.path.lexists(out):
         return
     if os.path.islink(out):
@@ -151,14 +156,15 @@ def _inside(path: str, directory: str) -> bool:
     return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def _check_parent(out: str) -> None:
-    """The nearest existing directory above ``out`` must be a directory (not a file, a FIFO)."""
+def check_parent(out: str, option: str = "-o") -> None:
+    """The nearest existing directory above ``out`` must be a directory (not a file, a FIFO):
+    :class:`ConfigError` naming ``option`` and ``out`` otherwise."""
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(parent) and parent != os.path.dirname(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(
-            f"-o {out}: {parent} is a file, not a directory; choose a path in a directory"
+            f"{option} {out}: {parent} is a file, not a directory; choose a path in a directory"
         )
 
 
@@ -288,7 +294,10 @@ def export_safetensors(
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Write the model weights of ``ckpt_dir`` as safetensors at ``out_path``; returns the tensors
     and the files written (one, or the shards and their index). ``force``: replace an earlier
-    export's files (see :func:`check_target`)."""
+    export's files (see :func:`check_target`), whichever layout it had: the files of the earlier
+    export this one does not overwrite (marked shards its marked index lists, the index, a
+    single file) are removed once the new files are in place. An OSError writing the output is
+    raised with ``filename`` set to ``out_path`` (see :func:`_writing`)."""
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes}: must be positive")
     protected = _protected(storage, ckpt_dir)
@@ -301,34 +310,47 @@ def export_safetensors(
             )
     shards = _split(sorted(tensors.items()), max_shard_bytes)
     mark = f"step {step} of {storage.describe(ckpt_dir)}, crashproof {crashproof.__version__}"
-    if len(shards) == 1:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        _write_safetensors(out_path, shards[0], mark)
-        return tensors, [out_path]
     stem = out_path[: -len(".safetensors")] if out_path.endswith(".safetensors") else out_path
-    names = [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     index_path = f"{stem}.safetensors.index.json"
+    if len(shards) == 1:
+        if _file_mark(index_path) is not None:  # a sharded export here: replaced with --force
+            check_target(index_path, kind="file", force=force, protected=protected)
+        earlier = _listed_shards(index_path)
+        with _writing(out_path):
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+            _write_safetensors(out_path, shards[0], mark)
+            _remove_earlier(index_path, earlier - {os.path.abspath(out_path)})
+        return tensors, [out_path]
+    names = [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     for name in [*names, index_path]:  # every file checked before the first is written
         check_target(name, kind="file", force=force, protected=protected)
     earlier = _listed_shards(index_path)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    for name, shard in zip(names, shards, strict=True):
-        _write_safetensors(name, shard, mark)
-    index = {
-        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values()), MARK_KEY: mark},
-        "weight_map": {
-            tensor_name: os.path.basename(file)
-            for file, shard in zip(names, shards, strict=True)
-            for tensor_name, _ in shard
-        },
-    }
-    _write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
-    # The shards of the export this one replaced, that it does not overwrite: they were written
-    # by an export (marked), and left alone they would sit beside the new index as if current.
-    for old in earlier - {os.path.abspath(n) for n in names}:
+    with _writing(out_path):
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        for name, shard in zip(names, shards, strict=True):
+            _write_safetensors(name, shard, mark)
+        index = {
+            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values()), MARK_KEY: mark},
+            "weight_map": {
+                tensor_name: os.path.basename(file)
+                for file, shard in zip(names, shards, strict=True)
+                for tensor_name, _ in shard
+            },
+        }
+        write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+        # A single-file export at out_path (check_target let it through: marked, --force) and
+        # the shards of a sharded one that this one did not overwrite.
+        _remove_earlier(out_path, earlier - {os.path.abspath(n) for n in names})
+    return tensors, [*names, index_path]
+
+
+def _remove_earlier(first: str, shards: set[str]) -> None:
+    """Remove ``first``, then each of ``shards``, each only if it is a regular file an export
+    marked (never a link): the files of the export a forced one replaced, that it did not
+    overwrite; left alone they would sit beside the new export as if current."""
+    for old in [os.path.abspath(first), *sorted(shards)]:
         if not os.path.islink(old) and os.path.isfile(old) and _file_mark(old) is not None:
             os.remove(old)
-    return tensors, [*names, index_path]
 
 
 def _listed_shards(index_path: str) -> set[str]:
@@ -355,9 +377,6 @@ def export_dcp(
     ``torch.distributed.checkpoint`` directory ``out_dir``; returns what was written. ``out_dir``
     must be new or empty, or an earlier export replaced with ``force`` (see
     :func:`check_target`). Runs in this process alone (no process group needed)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
-
     protected = _protected(storage, ckpt_dir)
     check_target(out_dir, kind="dir", force=force, protected=protected)
     tree = saved_state(storage, ckpt_dir)
@@ -367,27 +386,68 @@ def export_dcp(
             f"{storage.describe(ckpt_dir)}: holds no model state to export"
         )
     state["step"] = torch.tensor(tree["step"])
+    with _writing(out_dir):
+        _write_dcp(state, int(tree["step"]), storage.describe(ckpt_dir), out_dir, force, protected)
+    return state
+
+
+def _write_dcp(
+    state: dict[str, Any], step: int, source: str, out_dir: str, force: bool,
+    protected: Sequence[str],
+) -> None:  # fmt: skip
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     tmp = _fresh(out_dir, "tmp")
     os.mkdir(tmp)  # fails rather than reuse anything: the name is new
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+            try:
+                save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+            except CheckpointException as exc:  # a BaseException wrapping each rank's error
+                raise _first_failure(exc) from None
         mark = {
             "command": "export",
             "format": "dcp",
-            "step": int(tree["step"]),
-            "source": storage.describe(ckpt_dir),
+            "step": step,
+            "source": source,
             "crashproof": crashproof.__version__,
             "files": sorted(_files_under(tmp)),
         }
-        _write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())
+        write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())
         _swap_in(tmp, out_dir, force=force, protected=protected)
     finally:
         if os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp)  # ours: a fresh name, created above
-    return state
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The error a rank's DCP write met (the ``OSError`` of a full disk), out of the
+    ``CheckpointException`` torch wraps it in (``exc`` itself when it holds none)."""
+    failures = getattr(exc, "failures", {})
+    for error, _ in failures.values():
+        if isinstance(error, Exception):
+            return error
+    return exc
+
+
+@contextlib.contextmanager
+def _writing(out: str) -> Iterator[None]:
+    """Writing the export ``out``: an OSError met is re-raised as one whose ``filename`` is
+    ``out`` (errno kept; the file it was met on in its text), so that a caller tells a failure
+    to write the output (``crashproof export``: exit 74 naming ``-o``) from a failure to read
+    the checkpoint."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename == out and type(exc) is OSError:
+            raise
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        at = f" at {exc.filename}" if exc.filename not in (None, out) else ""
+        raise OSError(exc.errno, f"{reason}{at}", out) from exc
 
 
 def _swap_in(tmp: str, out_dir: str, *, force: bool, protected: Sequence[str]) -> None:
@@ -435,9 +495,12 @@ def _write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], mark:
         raise
 
 
-def _write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes) -> None:
+    """``data`` as the file ``path``: written under a fresh name beside it (created, never
+    reused, never through a link), fsynced and renamed into place; a reader sees the old file or
+    the new one, whole. Whatever was at ``path`` is replaced: the caller checked it may be."""
     tmp = _fresh(path, "tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -8,20 +8,25 @@ Two levels, named so that neither claims more than it checked:
   (:func:`~crashproof.checkpoint._reader.verify_checkpoint`): ``True`` or ``False`` when checked,
   ``None`` when not (``ls`` without ``--verify``).
 
-This module only combines the two; the checks themselves live in ``_catalog`` and ``_reader``.
+A file the storage refuses to read (permissions, an I/O error) says nothing about the
+checkpoint: :func:`unreadable` tells such an error from corruption, and ``verify`` raises it
+(naming the file, :func:`located`) instead of calling the checkpoint unverified. This module
+only combines the checks; they live in ``_catalog`` and ``_reader``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from crashproof.checkpoint._catalog import CheckpointInfo, describe_checkpoint
-from crashproof.checkpoint._reader import verify_checkpoint
+from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
 from crashproof.errors import CrashproofError
 from crashproof.storage import Storage
 
-__all__ = ["Listed", "list_checkpoints"]
+__all__ = ["Listed", "list_checkpoints", "located", "unreadable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +54,16 @@ def list_checkpoints(
 ) -> list[Listed]:
     """A :class:`Listed` per ``(step, path)`` of ``found``, in that order. With ``verify``, each
     valid checkpoint is read whole and its checksums checked (``on_bytes(n)`` as bytes are
-    hashed); one that fails the cheap checks is ``verified=False`` without being read."""
+    hashed); one that fails the cheap checks is ``verified=False`` without being read. A file
+    the storage refuses to read raises its OSError (:func:`located`): no verdict is given on
+    what could not be read."""
     rows = []
     for step, path in found:
         info = describe_checkpoint(storage, step, path)
+        if not info.valid:
+            info, refused = _with_manifest(storage, path, info)
+            if verify and refused is not None:
+                raise refused
         verified: bool | None = None
         problem = info.problem
         if verify and not info.valid:
@@ -62,6 +73,65 @@ def list_checkpoints(
                 verify_checkpoint(storage, path, on_bytes=on_bytes)
                 verified = True
             except (CrashproofError, OSError) as exc:
+                if isinstance(exc, OSError) and unreadable(exc):
+                    raise located(storage, path, exc) from exc
                 verified, problem = False, str(exc)
         rows.append(Listed(info, verified, problem))
     return rows
+
+
+def unreadable(exc: BaseException) -> bool:
+    """``exc`` is the storage refusing a read (permissions, an I/O error, a stale handle), not a
+    fault of the checkpoint: an OSError other than crashproof's own, and other than a missing
+    file (a file its manifest lists that is absent, a link or FIFO refused: the checkpoint's
+    fault, :class:`~crashproof.errors.CorruptCheckpointError` where the reader words it)."""
+    return isinstance(exc, OSError) and not isinstance(exc, (CrashproofError, FileNotFoundError))
+
+
+def located(storage: Storage, ckpt_dir: str, exc: OSError) -> OSError:
+    """``exc`` (same type and errno) naming its file in full: the reader opens files relative
+    to their checkpoint directory, so the error names only ``rank_00001.safetensors``."""
+    name = exc.filename
+    if not isinstance(name, str) or not name:
+        name = storage.describe(ckpt_dir)
+    elif "/" not in name:  # opened relative to the checkpoint directory
+        name = storage.describe(storage.join(ckpt_dir, name))
+    elif "://" not in name:
+        name = os.path.abspath(name)
+    return type(exc)(exc.errno, exc.strerror or str(exc), name)
+
+
+def _with_manifest(
+    storage: Storage, ckpt_dir: str, info: CheckpointInfo
+) -> tuple[CheckpointInfo, OSError | None]:
+    """An invalid row with what its manifest says (created, size, kind) when the manifest
+    itself reads and parses: a data file that cannot be read, or has the wrong size, leaves
+    the rest of the checkpoint's description true. Also the error of a file the storage
+    refuses to open (:func:`located`), if any: then the row's problem says so."""
+    try:
+        manifest = read_manifest(storage, ckpt_dir)
+    except (CrashproofError, OSError):
+        return info, None
+    if manifest.step != info.step:
+        return info, None
+    problem, refused = info.problem, None
+    for name in manifest.files:  # the storage refusing a file is not the checkpoint's fault
+        try:
+            storage.open(storage.join(ckpt_dir, name)).close()
+        except OSError as exc:
+            if unreadable(exc):
+                refused = located(storage, ckpt_dir, exc)
+                problem = (
+                    f"{refused.filename}: cannot be read ({refused.strerror}); a storage "
+                    "problem, not a sign of corruption: check the permissions and the device"
+                )
+                break
+    return dataclasses.replace(
+        info,
+        created=manifest.created_unix,
+        size_bytes=sum(e.size for e in manifest.files.values()),
+        kind=manifest.kind,
+        world_size=manifest.world_size,
+        base_step=manifest.base_step,
+        problem=problem,
+    ), refused

@@ -3,8 +3,9 @@ one self-contained HTML page (``RUN_DIR/report.html`` unless told otherwise).
 
 The numbers come from :mod:`crashproof.goodput._ledger`, the page from
 :mod:`crashproof.goodput._report_html`; this module only formats and writes them.
-Exit codes, as for the other commands: 0 written; 2 no event log in RUN_DIR, or the page could
-not be written.
+Exit codes, as for the other commands: 0 written; 2 no event log in RUN_DIR, or ``--html`` names
+what the command must not write (a directory, a link, a file it did not write, a path under a
+file); 74 the page could not be written (a read-only or full disk, no permission).
 """
 
 from __future__ import annotations
@@ -13,25 +14,25 @@ import argparse
 import json
 import os
 import stat
-import sys
 
+from crashproof._console import output_unwritable, say
+from crashproof.checkpoint._export import check_parent, write_atomically
+from crashproof.errors import ConfigError
 from crashproof.goodput._ledger import Ledger, read_ledger
 from crashproof.goodput._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
 
 __all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
 
-EXIT_OK, EXIT_USAGE = 0, 2  # as in crashproof.cli
+EXIT_OK, EXIT_USAGE, EXIT_STORAGE = 0, 2, 74  # as in crashproof.cli
 REPORT_FILE = "report.html"
 
 
 def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:
-    """Write the report page to ``path`` (atomically: a reader never sees half a page); returns
-    the path written."""
+    """Write the report page to ``path`` (atomically: a reader never sees half a page; the
+    directories above it made if missing); returns the path written."""
     target = os.fspath(path)
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render_html(ledger))
-    os.replace(tmp, target)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    write_atomically(target, render_html(ledger).encode("utf-8"))
     return target
 
 
@@ -42,12 +43,35 @@ def _replaceable(path: str) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen: it refuses a directory
             return False
-        head = f.read(4096)
+        head = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
     # Pages from before the mark was added are recognised by their title.
     return GENERATOR_MARK.encode() in head or b"<title>crashproof report: " in head
+
+
+def _refuse_html(path: str) -> str:
+    """Why the page must not be written at ``path`` ("" when it may): only a new path, or a page
+    this command wrote, in a directory."""
+    if not path:
+        return "--html '': give the path of the page to write"
+    if os.path.isdir(path) and not os.path.islink(path):
+        return (
+            f"--html {path}: is a directory; give a file path such as "
+            f"{os.path.join(path, REPORT_FILE)}"
+        )
+    if os.path.lexists(path) and not _replaceable(path):
+        return f"--html {path}: exists and is not a page this command wrote; choose a new path"
+    try:
+        check_parent(path, "--html")
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def format_summary(ledger: Ledger) -> str:
@@ -115,30 +139,24 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         ledger = read_ledger(args.run_dir)
     except FileNotFoundError as exc:
-        print(f"crashproof: report: {exc}", file=sys.stderr)
+        say("crashproof", f"report: {exc}")
         return EXIT_USAGE
     except OSError as exc:  # a directory named events.jsonl, no permission...
-        print(
-            f"crashproof: report: cannot read the event log in {args.run_dir}: {exc}",
-            file=sys.stderr,
-        )
+        say("crashproof", f"report: cannot read the event log in {args.run_dir}: {exc}")
         return EXIT_USAGE
     html_path = args.html
     if html_path is None and not args.json:
         html_path = os.path.join(args.run_dir, REPORT_FILE)
-    if html_path is not None and os.path.lexists(html_path) and not _replaceable(html_path):
-        print(
-            f"crashproof: report: --html {html_path}: exists and is not a page this command "
-            "wrote; choose a new path",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     if html_path is not None:
+        refused = _refuse_html(html_path)
+        if refused:
+            say("crashproof", f"report: {refused}")
+            return EXIT_USAGE
         try:
             write_html_report(ledger, html_path)
-        except OSError as exc:
-            print(f"crashproof: report: cannot write {html_path}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        except OSError as exc:  # as `export -o`: the storage of an output (docs: README)
+            say("crashproof", f"report: {output_unwritable('--html', html_path, exc)}")
+            return EXIT_STORAGE
     if args.json:
         print(json.dumps(ledger.to_json(), indent=2))
     else:

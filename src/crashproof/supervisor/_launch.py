@@ -387,6 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch logs each failed trainer's whole traceback here; the trainer's own log (on the console
     # and in the run directory) has it already, and the agent reports the failure in one line.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its only messages are the tracebacks of its console-copying threads, one per rank, when a
+    # stop signal (a double Ctrl-C to the process group) interrupts them: the run's own logs and
+    # the trainers' log files are complete without them.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.tail_log").setLevel(
+        logging.CRITICAL
+    )
     try:
         hang = HangConfig(
             step_timeout_s=args.hang_timeout,
