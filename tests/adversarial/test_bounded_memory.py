@@ -28,7 +28,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.checkpoint import verify_checkpoint
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps
+from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._reader import read_manifest
 from crashproof.checkpoint._shard import shard_checksum
@@ -79,7 +79,7 @@ def _reseal(ckpt: Path) -> None:
         data = dumps(index)
         (ckpt / _index(rank)).write_bytes(data)
         manifest["files"][_index(rank)] = {"size": len(data), "checksum": digest(data)}
-    (ckpt / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (ckpt / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
 
 
 def _two_ranks(ckpt: Path) -> None:
@@ -90,7 +90,7 @@ def _two_ranks(ckpt: Path) -> None:
     (ckpt / _index(1)).write_bytes(dumps(index))
     manifest = json.loads((ckpt / MANIFEST_NAME).read_bytes())
     manifest["world_size"] = 2
-    (ckpt / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (ckpt / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
     _reseal(ckpt)
 
 
@@ -138,7 +138,7 @@ def _list_extra(ckpt: Path, name: str, scheme: str) -> None:
     if scheme == "bytes":
         entry = {"size": entry["size"], "checksum": digest((ckpt / name).read_bytes())}
     manifest["files"][name] = entry
-    (ckpt / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (ckpt / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
 
 
 def _extra_file_referenced_40_times(ckpt: Path) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.checkpoint import verify_checkpoint
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps
+from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._shard import shard_checksum
 from crashproof.storage import LocalStorage
@@ -119,7 +119,7 @@ def _reseal(ckpt: Path, index: dict[str, Any] | None = None) -> None:
         "scheme": "tensors",
     }
     manifest["files"][INDEX] = {"size": len(index_bytes), "checksum": digest(index_bytes)}
-    (ckpt / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (ckpt / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
 
 
 def _restore(root: Path, step: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -202,7 +202,7 @@ def test_a_delta_without_its_base_binding_is_rebuilt_and_checked_before_anything
     root, saved = resaved
     manifest = _manifest(_dir(root, 6))
     del manifest["base_manifest"]
-    (_dir(root, 6) / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (_dir(root, 6) / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
     _refused_untouched(root, 6, "rebuilt from its base it has checksum")
     got, values = _restore(root)
     assert got == 5 and _equal(values, saved[5])
@@ -227,7 +227,7 @@ def test_a_base_saved_again_with_the_same_tensors_is_another_checkpoint(tmp_path
     saved = _train(tmp_path, range(1, 3))
     manifest = _manifest(_dir(tmp_path, 1))
     manifest["created_unix"] += 60.0
-    (_dir(tmp_path, 1) / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (_dir(tmp_path, 1) / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
     _refused_untouched(tmp_path, 2, "not the checkpoint the delta was taken against")
     got, values = _restore(tmp_path)
     assert got == 1 and _equal(values, saved[1])
@@ -317,11 +317,11 @@ def test_a_delta_whose_base_is_gone_or_is_a_delta_is_skipped(tmp_path: Path) -> 
     saved = _train(tmp_path, range(1, 5))
     manifest = _manifest(_dir(tmp_path, 4))
     manifest["base_step"] = 2  # a delta itself
-    (_dir(tmp_path, 4) / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (_dir(tmp_path, 4) / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
     _refused_untouched(tmp_path, 4, "a delta against step 2")
     (_dir(tmp_path, 3) / MANIFEST_NAME).unlink()  # 3 is gone (uncommitted): no base for 4
     manifest["base_step"] = 3
-    (_dir(tmp_path, 4) / MANIFEST_NAME).write_bytes(dumps(manifest))
+    (_dir(tmp_path, 4) / MANIFEST_NAME).write_bytes(seal_manifest(manifest))
     got, values = _restore(tmp_path)
     assert got == 2 and _equal(values, saved[2])
 

@@ -240,3 +240,27 @@ def test_a_step_no_reader_could_read_back_is_refused_before_anything_is_written(
     ]
     with cp.CheckpointManager(tmp_path, read_only=True, handle_signals=False) as reader:
         assert reader.restore(cp.TrainState(model=torch.nn.Linear(4, 4))) == 2**62
+
+
+def test_a_script_that_ends_without_close_is_told_its_last_save_may_be_lost(
+    tmp_path: Path,
+) -> None:
+    """A loop ported from a tutorial often ends without ``close()``: the save in flight is then
+    lost, and the process must say so rather than end in silence."""
+    script = textwrap.dedent(
+        """
+        import sys, torch, crashproof as cp
+        model = torch.nn.Linear(4, 4)
+        ckpt = cp.CheckpointManager(sys.argv[1], every=cp.EverySteps(1), handle_signals=False)
+        for step in range(1, 4):
+            ckpt.maybe_save(step, cp.TrainState(model=model))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "was not closed" in done.stderr and "ckpt.close()" in done.stderr, done.stderr

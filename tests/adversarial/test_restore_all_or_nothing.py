@@ -32,7 +32,7 @@ from crashproof import (
     StateMismatchError,
     TrainState,
 )
-from crashproof.checkpoint._format import dumps
+from crashproof.checkpoint._format import dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._shard import shard_checksum
 
@@ -264,7 +264,7 @@ def _edit_state(root: Path, step: int, mutate: Callable[[dict[str, Any]], None])
     (ckpt / INDEX).write_bytes(data)
     manifest = json.loads((ckpt / "manifest.json").read_bytes())
     manifest["files"][INDEX] = {"size": len(data), "checksum": digest(data)}
-    (ckpt / "manifest.json").write_bytes(dumps(manifest))
+    (ckpt / "manifest.json").write_bytes(seal_manifest(manifest))
 
 
 # -- a valid checkpoint that does not fit: StateMismatchError, nothing changes ---------------
@@ -562,7 +562,7 @@ def _patch_tensor(root: Path, step: int, name: str, patch: Callable[[bytearray],
     manifest["files"]["rank_00000.safetensors"]["checksum"] = shard_checksum(
         bytes(shard[: order[0]["offset"]]), [t["checksum"] for t in order]
     )
-    (ckpt / "manifest.json").write_bytes(dumps(manifest))
+    (ckpt / "manifest.json").write_bytes(seal_manifest(manifest))
 
 
 def _param_state(tree: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from crashproof import (
     UnsafeCheckpointError,
 )
 from crashproof.checkpoint import committed_steps, verify_checkpoint
-from crashproof.checkpoint._format import dumps
+from crashproof.checkpoint._format import dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
 from crashproof.policy import KeepEvery, KeepLast
 from crashproof.storage import LocalStorage
@@ -197,7 +197,7 @@ def _edit_manifest(mutate: Callable[[dict[str, Any], Run], None]) -> Callable[[R
         path = run.step2 / MANIFEST
         obj = json.loads(path.read_bytes())
         mutate(obj, run)
-        path.write_bytes(dumps(obj))
+        path.write_bytes(seal_manifest(obj))  # well-sealed: only the parser stands in the way
 
     return corrupt
 
@@ -333,8 +333,11 @@ _BIG = 2**40
 
 CASES = [
     # A flipped bit in each kind of file.
-    _case("flip-manifest-shard-checksum", _flip(MANIFEST, _index_position(b'"rank_00000.safetensors":{"checksum":"')), SHARD),
-    _case("flip-manifest-index-size", _flip(MANIFEST, lambda d: d.index(b"}", d.index(b'"rank_00000.json"')) - 1), INDEX),
+    # (The manifest checks itself first: a flip in a file's entry is the manifest's damage.)
+    _case("flip-manifest-shard-checksum", _flip(MANIFEST, _index_position(b'"rank_00000.safetensors":{"checksum":"')), MANIFEST),
+    _case("flip-manifest-index-size", _flip(MANIFEST, lambda d: d.index(b"}", d.index(b'"rank_00000.json"')) - 1), MANIFEST),
+    _case("flip-manifest-created-time", _flip(MANIFEST, _index_position(b'"created_unix":')), MANIFEST),
+    _case("flip-manifest-metadata-key", _flip(MANIFEST, _index_position(b'"metadata"')), MANIFEST),
     _case("flip-manifest-format-name", _flip(MANIFEST, _index_position(b'"format":"crash')), MANIFEST),
     _case("flip-manifest-world-size", _flip(MANIFEST, _index_position(b'"world_size":'), bit=1), MANIFEST),
     _case("flip-index-middle", _flip(INDEX, lambda d: len(d) // 2), INDEX),
@@ -507,9 +510,9 @@ def test_corrupt_newest_checkpoint_is_rejected_and_restore_falls_back(
 # -- sweeps: every (sampled) single-bit flip -----------------------------------------------------
 
 
-def test_single_bit_flips_in_manifest_are_detected_or_harmless(run: Run) -> None:
-    """A flip either fails verification and restore falls back to step 1, or it hits a field
-    that does not matter (a timestamp digit, a version string) and step 2 restores intact."""
+def test_single_bit_flips_in_manifest_are_always_detected(run: Run) -> None:
+    """The manifest carries its own checksum: a flip anywhere in it (a file's entry, a time, a
+    version string, a key's name) fails verification and restore falls back to step 1."""
     path = run.step2 / MANIFEST
     original = path.read_bytes()
     state = _fresh_state()  # every restore below overwrites all of it
@@ -530,7 +533,7 @@ def test_single_bit_flips_in_manifest_are_detected_or_harmless(run: Run) -> None
         detected += not valid
         harmless += valid
     path.write_bytes(original)
-    assert detected > harmless > 0
+    assert detected > 0 and harmless == 0
 
 
 @pytest.mark.parametrize("name", [INDEX, SHARD])

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import crashproof as cp
-from crashproof.checkpoint._format import dumps
+from crashproof.checkpoint._format import dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._reader import read_manifest
 from crashproof.checkpoint._sharded import CrashproofReader, load_sharded
@@ -65,7 +65,7 @@ def _edit_index(ckpt_dir: Path, mutate: Any) -> None:
     (ckpt_dir / INDEX).write_bytes(data)
     manifest = json.loads((ckpt_dir / "manifest.json").read_bytes())
     manifest["files"][INDEX] = {"size": len(data), "checksum": digest(data)}
-    (ckpt_dir / "manifest.json").write_bytes(dumps(manifest))
+    (ckpt_dir / "manifest.json").write_bytes(seal_manifest(manifest))
 
 
 def test_pieces_that_leave_a_gap_in_their_tensor_are_refused(checkpoint: Path) -> None:

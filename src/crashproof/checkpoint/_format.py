@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crashproof.checkpoint._dtypes import dtype_from_name
+from crashproof.checkpoint._hashing import digest
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "ENCODINGS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MANIFEST_CHECKSUM",
     "MANIFEST_NAME",
     "MAX_INDEX_BYTES",
     "MAX_MANIFEST_BYTES",
@@ -48,6 +50,7 @@ __all__ = [
     "parse_manifest",
     "parse_rank_index",
     "parse_step_dir",
+    "seal_manifest",
     "shard_name",
     "sharded_pieces",
 ]
@@ -98,6 +101,43 @@ def index_name(rank: int) -> str:
 def dumps(obj: Any) -> bytes:
     """Canonical JSON: sorted keys; ``allow_nan=False`` because non-finite floats are tagged."""
     return json.dumps(obj, sort_keys=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+MANIFEST_CHECKSUM = "manifest_checksum"
+"""The manifest's checksum of itself: of its canonical JSON without this field."""
+_MANIFEST_FIELDS = frozenset(
+    {"format", "format_version", "step", "world_size", "kind", "created_unix",
+     "library_version", "torch_version", "hash_algorithm", "byte_order", "files", "metadata",
+     "environment", "base_step", "base_manifest", MANIFEST_CHECKSUM}
+)  # fmt: skip
+
+
+def seal_manifest(obj: dict[str, Any]) -> bytes:
+    """``manifest.json``'s bytes for ``obj`` (a manifest's JSON), with its checksum of itself, so
+    that a damaged manifest is caught like any damaged file (its times, metadata and settings
+    are no file's checksum)."""
+    fields = {k: v for k, v in obj.items() if k != MANIFEST_CHECKSUM}
+    return dumps(fields | {MANIFEST_CHECKSUM: digest(dumps(fields))})
+
+
+def _check_seal(obj: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(obj) - _MANIFEST_FIELDS)
+    if unknown:  # a damaged key name, or a newer format: either way not readable as it is
+        raise CorruptCheckpointError(
+            f"{where}: unknown field(s) {unknown}: the manifest is damaged, or was written by a "
+            "newer crashproof (upgrade to read it)"
+        )
+    if MANIFEST_CHECKSUM not in obj:
+        return  # written before manifests were sealed: its files' checksums still hold
+    fields = {k: v for k, v in obj.items() if k != MANIFEST_CHECKSUM}
+    try:
+        actual = digest(dumps(fields))
+    except ValueError:  # a NaN literal: never written by crashproof
+        actual = ""
+    if obj[MANIFEST_CHECKSUM] != actual:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest does not match its own checksum: it is damaged"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +303,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     obj = _load_json(data, where)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a crashproof manifest")
+    _check_seal(obj, where)
     version = _require(obj, "format_version", int, where)
     if version != FORMAT_VERSION:
         raise CorruptCheckpointError(

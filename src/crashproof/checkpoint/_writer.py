@@ -38,6 +38,7 @@ from crashproof.checkpoint._format import (
     checkpoint_dir_name,
     dumps,
     index_name,
+    seal_manifest,
     shard_name,
 )
 from crashproof.checkpoint._group import Group
@@ -424,7 +425,7 @@ def _commit(
             base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
             base_manifest=snapshot.delta[1].manifest if snapshot.delta is not None else None,
         )
-        manifest_bytes = dumps(manifest.to_json())
+        manifest_bytes = seal_manifest(manifest.to_json())
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
         publishing = True
         storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)

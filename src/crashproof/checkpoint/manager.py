@@ -8,6 +8,7 @@ synchronous save is the same save, waited on.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import errno
@@ -18,6 +19,7 @@ import os
 import posixpath
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -112,6 +114,28 @@ def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
         return read_manifest(storage, ckpt_dir).created_unix
     except (CorruptCheckpointError, OSError):
         return None
+
+
+def _unclosed_at_exit(ref: weakref.ref[CheckpointManager]) -> None:
+    """At interpreter exit, say so loudly when a writing manager was never closed: its last save
+    may not have committed (a script that ends without ``close()``, or destroys the process
+    group before it, loses the save in flight), and nothing else would tell."""
+    manager = ref()
+    if manager is None or manager._closed:
+        return
+    outcomes = []
+    for future, _ in manager._inflight:
+        if not future.done():
+            outcomes.append("a save was still being written")
+        elif (error := future.exception()) is not None:
+            outcomes.append(f"the last save failed: {error}")
+    log.error(
+        "CheckpointManager(%s) was not closed before the process ended%s: call ckpt.close() at "
+        "the end of training (before torch.distributed.destroy_process_group()), or use it as a "
+        "context manager, so that the last checkpoint is committed",
+        manager.root,
+        f" ({'; '.join(outcomes)})" if outcomes else "",
+    )
 
 
 def _check_step(step: int) -> None:
@@ -266,6 +290,7 @@ class CheckpointManager:
         self._retention_off = False
         if not read_only:
             self._open_for_writing()
+            atexit.register(_unclosed_at_exit, weakref.ref(self))
         try:
             self._tiers = open_tiers(remote)
             self.remote_timeout_s = remote_timeout_s
@@ -471,6 +496,8 @@ class CheckpointManager:
     def _save(self, step: int, state: TrainState, metadata: dict[str, Any] | None) -> bool:
         _check_step(step)
         metadata = checked_metadata(metadata, step)  # refused here, naming the key
+        if self._lock is not None:  # still ours: not deleted, replaced or moved meanwhile
+            self._lock.check()
         self._raise_pending()
         started = time.perf_counter()
         capacity = max(1, len(self._stagings))
@@ -707,6 +734,8 @@ class CheckpointManager:
         try:
             if self._retention_off:
                 return
+            if self._lock is not None:  # never remove from a root this writer no longer holds
+                self._lock.check()
             keep = self._kept_anyway(keep_always)
             found = committed_steps(self.storage, self.root)
             facts = checkpoint_facts(self.storage, found)
@@ -832,6 +861,8 @@ class CheckpointManager:
         """
         self._check_writer("prune")
         self.wait()
+        if self._lock is not None:
+            self._lock.check()
         doomed = prune_plan(self.storage, self.root, keep)
         if not dry_run:
             for _, path in doomed:
@@ -874,6 +905,8 @@ class CheckpointManager:
                 return None
             step, path = restored
             if self._group.rank == 0:
+                if self._lock is not None:
+                    self._lock.check()
                 if self._tiers:  # first, so the tiers' copies count as abandoned whatever happens
                     record_rollback(self.storage, self.root, step)
                 for later, later_path in committed_steps(self.storage, self.root):
