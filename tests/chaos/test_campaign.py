@@ -59,6 +59,7 @@ FAULTS = [
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.serial  # its straggler fault is judged by step times
 def test_a_campaign_of_every_kind_is_detected_recovered_and_ends_bit_identical_to_a_baseline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

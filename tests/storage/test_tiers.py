@@ -103,6 +103,7 @@ def test_close_waits_until_the_newest_checkpoint_is_in_the_bucket_and_a_lost_dis
     assert (local / "step_0000000005" / "manifest.json").exists()
 
 
+@pytest.mark.serial  # asserts training kept its pace: needs the cores to itself
 def test_a_frozen_server_does_not_slow_training_and_the_bucket_catches_up(
     tmp_path: Path,
     s3_server_process: subprocess.Popen[bytes],

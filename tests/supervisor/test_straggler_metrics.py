@@ -126,6 +126,7 @@ def _duty_cycle(pid: int, stop: threading.Event, stopped_s: float, period_s: flo
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.serial  # a straggler is judged by step times: other tests on the same cores would skew them
 def test_a_slowed_rank_is_reported_as_a_straggler_and_metrics_are_served(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = [
