@@ -9,14 +9,13 @@ the progress was counted as the first of the loop, and the report named the last
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
 from crashproof.supervisor._launch import EXIT_BUDGET_SPENT, EXIT_CRASH_LOOP
-from tests.supervisor._runs import Run, output, start_run, stop_run
+from tests.supervisor._runs import Run, output, start_run
 
 
 def _policy(attempts: int, *steps: int | tuple[int, int]) -> CrashLoopPolicy:
@@ -75,14 +74,6 @@ def test_backoff_waits_only_after_failures_without_progress() -> None:
     assert _policy(9, 12, 12, 12).backoff() == 2
     assert _policy(9, 12, 12, 12, 12, 12, 12).backoff() == 4  # capped
     assert _policy(3, 12, 12, 12, 13).backoff() == 0
-
-
-@pytest.fixture
-def runs() -> Iterator[list[Run]]:
-    started: list[Run] = []
-    yield started
-    for run in started:
-        stop_run(run)
 
 
 def test_a_run_that_progressed_then_fails_at_startup_stops_naming_its_furthest_step(

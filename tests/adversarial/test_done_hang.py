@@ -11,14 +11,11 @@ work was committed. Work after close that keeps beating is not ended.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from crashproof.supervisor._hang import HangConfig, HangDetector
 from crashproof.supervisor._heartbeat import Heartbeat
-from tests.supervisor._runs import Run, output, start_run, stop_run
+from tests.supervisor._runs import Run, output, start_run
 
 
 def test_the_done_phase_has_its_own_allowance() -> None:
@@ -28,14 +25,6 @@ def test_the_done_phase_has_its_own_allowance() -> None:
     verdict = detector.check(done, now_s=5.1)
     assert verdict is not None and verdict.phase == "done" and verdict.timeout_s == 5
     assert verdict.step == 40
-
-
-@pytest.fixture
-def runs() -> Iterator[list[Run]]:
-    started: list[Run] = []
-    yield started
-    for run in started:
-        stop_run(run)
 
 
 def test_a_rank_that_never_exits_after_close_is_ended_and_the_run_succeeds(

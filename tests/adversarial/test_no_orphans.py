@@ -15,22 +15,11 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.supervisor._runs import Run, gone_within, output, start_run, stop_run
+from tests.supervisor._runs import Run, gone_within, output, start_run
 
 WITHIN_S = 1.0
-
-
-@pytest.fixture
-def runs() -> Iterator[list[Run]]:
-    started: list[Run] = []
-    yield started
-    for run in started:
-        stop_run(run)
 
 
 def _wait_until(predicate: object, timeout: float, what: str) -> None:
