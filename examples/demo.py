@@ -37,7 +37,7 @@ FAULTS = [
     "at=step:240,kind=storage,error=eio",
     "at=step:290,kind=storage,error=enospc",
     "at=step:340,kind=storage,error=hang,hang_s=2",
-    "at=step:390,kind=straggler,stop=0.5,period_s=0.2,for_s=4",
+    "at=step:390,kind=straggler,stop=0.8,period_s=0.02,for_s=4",  # a period of ~2 steps
 ]
 
 
