@@ -1,9 +1,9 @@
 """The save pipeline: snapshot the state, persist it, commit it.
 
 1. :func:`take_snapshot` (the only part that pauses training) turns the captured state tree into
-   JSON plus a list of CPU tensors. With ``copy=True`` the tensors are copied, so training may
-   change its parameters while the snapshot is being written; without, they are the live tensors
-   and the caller must wait for the persist to finish.
+   JSON plus a list of CPU tensors. With a staging area the tensors are copied into its reusable
+   buffers, so training may change its parameters while the snapshot is being written; without,
+   they are the live tensors and the caller must wait for the persist to finish.
 2. :func:`persist` writes every rank's shard and index into a temporary directory, checksumming as
    it writes and fsyncing each file; the coordinator (rank 0) then writes the manifest last and
    publishes the directory under its final name. A failure on any rank means no commit.
