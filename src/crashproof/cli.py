@@ -51,6 +51,14 @@ from crashproof.checkpoint._listing import list_checkpoints, located, unreadable
 from crashproof.checkpoint._lock import lock_root
 from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import ConfigError, CrashproofError
+from crashproof.exitcodes import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
 from crashproof.goodput._planner import add_plan_parser
 from crashproof.goodput._report import add_report_parser
 from crashproof.policy import (
@@ -67,9 +75,6 @@ from crashproof.storage import LocalStorage, Storage, storage_for
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-EXIT_INTERNAL, EXIT_STORAGE, EXIT_INTERRUPTED = 70, 74, 130
-"""70: a bug (the message says so); 74: storage unreadable or unwritable; 130: Ctrl-C."""
 
 log = logging.getLogger("crashproof.cli")
 

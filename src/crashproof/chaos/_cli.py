@@ -18,10 +18,10 @@ from typing import Any
 
 from crashproof._console import say
 from crashproof.chaos._schedule import KINDS, Fault, draw_schedule, parse_duration, parse_fault
+from crashproof.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RUN_PLACEHOLDER", "add_chaos_parser", "run_chaos"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 RUN_PLACEHOLDER = "{run}"
 """In the ``crashproof run`` arguments: the run's own directory (``DIR/run``, or ``DIR/baseline``

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from crashproof.exitcodes import EXIT_PREEMPTED
+
 __all__ = [
     "Attempt",
     "Event",
@@ -358,7 +360,7 @@ def conclude(attempt: Attempt, after: Attempt | None, session: Session, later: b
         return
     first = failing[0] if failing else None
     code = int_field(first, "exitcode") if first is not None else None
-    if "preempted" in notes or code == 75:
+    if "preempted" in notes or code == EXIT_PREEMPTED:
         source = notes["preempted"].get("source") if "preempted" in notes else None
         attempt.kind, attempt.reason = "preempted", f"preempted ({source or 'exit code 75'})"
         attempt.rank = int_field(notes.get("preempted") or first or {}, "rank")

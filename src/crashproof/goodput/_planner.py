@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from crashproof.errors import ConfigError
+from crashproof.exitcodes import EXIT_OK, EXIT_USAGE
 from crashproof.goodput._economics import (
     _devices,
     _non_negative,
@@ -38,7 +39,6 @@ from crashproof.goodput._economics import (
 
 __all__ = ["Plan", "PlanInputs", "add_plan_parser", "plan", "run_plan"]
 
-EXIT_OK, EXIT_USAGE = 0, 2  # as in crashproof.cli
 
 _RATES = ("mtbf_hours", "daily_failure_prob", "cluster_mtbf_hours")
 

@@ -18,12 +18,12 @@ import stat
 from crashproof._console import output_unwritable, say
 from crashproof.checkpoint._export import check_parent, write_atomically
 from crashproof.errors import ConfigError
+from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
 from crashproof.goodput._ledger import Ledger, read_ledger
 from crashproof.goodput._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
 
 __all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
 
-EXIT_OK, EXIT_USAGE, EXIT_STORAGE = 0, 2, 74  # as in crashproof.cli
 REPORT_FILE = "report.html"
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from crashproof.exitcodes import EXIT_PREEMPTED
+
 __all__ = [
     "ENV_NOTICE_FILE",
     "EXIT_PREEMPTED",
@@ -36,8 +38,6 @@ __all__ = [
 
 log = logging.getLogger("crashproof.guard")
 
-EXIT_PREEMPTED = 75
-"""The exit code of a run stopped early that can resume (EX_TEMPFAIL: "requeue me")."""
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

@@ -42,7 +42,14 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from crashproof.errors import ConfigError
-from crashproof.guard._preemption import ENV_NOTICE_FILE, EXIT_PREEMPTED
+from crashproof.exitcodes import (
+    EXIT_BUDGET_SPENT,
+    EXIT_CRASH_LOOP,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+)
+from crashproof.guard._preemption import ENV_NOTICE_FILE
 from crashproof.state._reproducible import set_reproducible_defaults
 from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
@@ -65,13 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("crashproof.run")
-
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_BUDGET_SPENT = 76
-"""A trainer failed and ``--max-restarts`` restarts were already used."""
-EXIT_CRASH_LOOP = 77
-"""Trainers failed repeatedly without getting further; restarting again would not help."""
 
 
 def _seconds_or_auto(text: str) -> float | None:
