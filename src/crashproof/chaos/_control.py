@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from crashproof._files import read_json_object, write_json_atomically
 from crashproof.telemetry._events import read_events
 
 __all__ = ["FIRED_SUFFIX", "ControlWatcher", "read_fired", "watcher_for", "write_control"]
@@ -32,10 +33,7 @@ FIRED_SUFFIX = ".fired"
 
 def write_control(path: str, faults: list[dict[str, Any]]) -> None:
     """Replace the control file at ``path`` in one step (readers never see half a file)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"faults": faults}, f)
-    os.replace(tmp, path)
+    write_json_atomically(path, {"faults": faults})
 
 
 def read_fired(path: str) -> list[dict[str, Any]]:
@@ -124,12 +122,8 @@ class ControlWatcher:
             os.close(fd)
 
     def _load(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return []
-        faults = data.get("faults") if isinstance(data, dict) else None
+        data = read_json_object(self.path)
+        faults = data.get("faults") if data is not None else None
         if not isinstance(faults, list):
             return []
         return [

@@ -8,10 +8,10 @@ the final checkpoint is bit for bit the baseline's. ETTR comes from the goodput 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from crashproof._files import write_json_atomically
 from crashproof.chaos._analysis import Injection
 from crashproof.chaos._baseline import Comparison
 from crashproof.chaos._campaign import CampaignResult
@@ -82,11 +82,7 @@ def build_report(
 
 def write_report(report: dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomically(path, report, indent=2, durable=True)
 
 
 def _yes(value: bool) -> str:

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import stat
-import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO, Literal
@@ -35,6 +34,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 
 import crashproof
+from crashproof._files import fresh_name, write_atomically
 from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
 from crashproof.checkpoint._reader import RankRead, read_manifest
 from crashproof.checkpoint._reshard import source_rank
@@ -52,7 +52,6 @@ __all__ = [
     "export_dcp",
     "export_safetensors",
     "model_tensors",
-    "write_atomically",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
@@ -275,12 +274,6 @@ def _protected(storage: Storage, ckpt_dir: str) -> list[str]:
     return [] if "://" in where else [os.path.dirname(where.rstrip("/"))]
 
 
-def _fresh(path: str, what: str) -> str:
-    """A name beside ``path`` that nothing uses: ``.<name>.<what>-<random>``."""
-    head, name = os.path.split(os.path.abspath(path))
-    return os.path.join(head, f".{name}.{what}-{uuid.uuid4().hex[:12]}")
-
-
 # -- writers ---------------------------------------------------------------------------------------
 
 
@@ -400,7 +393,7 @@ def _write_dcp(
     from torch.distributed.checkpoint.state_dict_saver import save
 
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    tmp = _fresh(out_dir, "tmp")
+    tmp = fresh_name(out_dir, "tmp")
     os.mkdir(tmp)  # fails rather than reuse anything: the name is new
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
@@ -456,7 +449,7 @@ def _swap_in(tmp: str, out_dir: str, *, force: bool, protected: Sequence[str]) -
     if not os.path.lexists(out_dir) or not os.listdir(out_dir):
         os.replace(tmp, out_dir)  # onto nothing, or onto an empty directory
         return
-    old = _fresh(out_dir, "old")
+    old = fresh_name(out_dir, "old")
     os.rename(out_dir, old)
     try:
         os.rename(tmp, out_dir)
@@ -486,28 +479,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], mark: str) -> None:
-    tmp = _fresh(path, "tmp")
+    tmp = fresh_name(path, "tmp")
     write_shard(LocalStorage(), tmp, tensors, metadata={"format": "pt", MARK_KEY: mark})
     try:  # write_shard removes its file when it fails; from here on, the file is ours to remove
         os.replace(tmp, path)
     except BaseException:
         os.remove(tmp)
-        raise
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """``data`` as the file ``path``: written under a fresh name beside it (created, never
-    reused, never through a link), fsynced and renamed into place; a reader sees the old file or
-    the new one, whole. Whatever was at ``path`` is replaced: the caller checked it may be."""
-    tmp = _fresh(path, "tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
         raise

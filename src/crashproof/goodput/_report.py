@@ -16,7 +16,8 @@ import os
 import stat
 
 from crashproof._console import output_unwritable, say
-from crashproof.checkpoint._export import check_parent, write_atomically
+from crashproof._files import write_atomically
+from crashproof.checkpoint._export import check_parent
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
 from crashproof.goodput._ledger import Ledger, read_ledger

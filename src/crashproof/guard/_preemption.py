@@ -14,7 +14,6 @@ at once, as usual.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from crashproof._files import read_json_object
 from crashproof.exitcodes import EXIT_PREEMPTED
 
 __all__ = [
@@ -136,9 +136,4 @@ def _read_notice_file() -> dict[str, Any] | None:
     path = os.environ.get(ENV_NOTICE_FILE)
     if not path:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(path)

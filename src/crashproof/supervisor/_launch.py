@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import datetime as dt
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -41,6 +40,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
+from crashproof._files import write_json_atomically
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import (
     EXIT_BUDGET_SPENT,
@@ -318,10 +318,9 @@ def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> N
         return None
 
     def on_notice(notice: CloudNotice) -> None:
-        tmp = notice_file + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"source": notice.provider, "seconds_left": notice.seconds_left}, f)
-        os.replace(tmp, notice_file)
+        write_json_atomically(
+            notice_file, {"source": notice.provider, "seconds_left": notice.seconds_left}
+        )
         agent.forward_notice(signal.SIGTERM, f"{notice.provider} preemption notice")
 
     return NoticePoller(provider, on_notice)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from crashproof._files import read_json_object, write_json_atomically
 from crashproof.checkpoint._replication import (
     LocalCheckpoints,
     Tier,
@@ -47,8 +48,6 @@ __all__ = [
     "ReplicationHost",
     "agent_tiers",
     "job_paths",
-    "read_status",
-    "write_atomically",
 ]
 
 log = logging.getLogger("crashproof.replication")
@@ -69,23 +68,6 @@ class JobPaths:
 def job_paths(directory: str, key: str) -> JobPaths:
     base = os.path.join(directory, key)
     return JobPaths(f"{base}.json", f"{base}.status.json")
-
-
-def write_atomically(path: str, data: dict[str, Any]) -> None:
-    """Replace ``path`` with ``data`` as JSON in one rename: a reader never sees half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def read_status(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class _Job:
@@ -110,7 +92,7 @@ class _Job:
         self.write_status()
 
     def write_status(self) -> None:
-        write_atomically(
+        write_json_atomically(
             self.paths.status,
             {
                 "updated": time.time(),
@@ -238,7 +220,7 @@ class AgentTier:
         pass  # the host looks at the local root every POLL_S
 
     def _reported(self) -> dict[str, Any]:
-        status = read_status(self._paths.status) or {}
+        status = read_json_object(self._paths.status) or {}
         for tier in status.get("tiers", []):
             if isinstance(tier, dict) and tier.get("uri") == self.tier.uri:
                 return tier
@@ -336,5 +318,5 @@ def agent_tiers(
     # fresh one, nothing counts as durable (local retention then spares the whole backlog).
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths.status)
-    write_atomically(paths.spec, {"root": root, "keep": keep_spec, "tiers": described})
+    write_json_atomically(paths.spec, {"root": root, "keep": keep_spec, "tiers": described})
     return [AgentTier(t, paths, local, keep) for t in tiers]
