@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -172,6 +173,9 @@ class RootLock:
         """Whether the root directory itself is locked (not on NFS: there only the file is)."""
         self._dir_fd: int | None = dir_fd
         self._fd: int | None = fd
+        # The training thread (before a save) and the writer thread (before retention) both
+        # check; a check may replace the lock file's descriptor, so one check at a time.
+        self._guard = threading.Lock()
         _held.add(self)
 
     @property
@@ -185,6 +189,10 @@ class RootLock:
         Saves and retention write and remove by path: a root moved, replaced or deleted since
         the lock was taken would send them to a directory this writer does not hold, where
         another writer may be. A few system calls, no reads of file contents."""
+        with self._guard:
+            self._check()
+
+    def _check(self) -> None:
         fd, dir_fd = self._fd, self._dir_fd
         if fd is None or dir_fd is None:
             raise CheckpointWriteError(
@@ -228,6 +236,13 @@ class RootLock:
 
     def release(self) -> None:
         """Delete the lock file and let go of the lock; safe to call twice."""
+        if os.getpid() != self.holder.pid:  # a forked child: the guard may be copied held
+            self._release()
+            return
+        with self._guard:
+            self._release()
+
+    def _release(self) -> None:
         fd, self._fd = self._fd, None
         dir_fd, self._dir_fd = self._dir_fd, None
         if fd is None or dir_fd is None:
