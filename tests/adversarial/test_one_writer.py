@@ -377,6 +377,7 @@ _SAVING_HOLDER = textwrap.dedent(
     root = sys.argv[1]
     mgr = cp.CheckpointManager(root, keep=cp.KeepLast(1), async_save=False, handle_signals=False)
     mgr.save(1, cp.TrainState(model=torch.nn.Linear(4, 3)))
+    mgr.wait()  # retention (which checks the lock, re-creating a deleted file) has run
     # A save in progress, as the writer thread leaves it between two files.
     os.mkdir(os.path.join(root, ".tmp-step_0000000002-abcd1234-1"))
     print("SAVING", flush=True)
@@ -463,6 +464,7 @@ def test_a_writers_next_save_re_creates_a_deleted_lock_file(
 ) -> None:
     with _manager(tmp_path, keep=cp.KeepLast(1)) as writer:
         writer.save(1, _state())
+        writer.wait()  # its retention, which checks the lock, is over
         (tmp_path / LOCK_NAME).unlink()
         with caplog.at_level(logging.ERROR, logger="crashproof.checkpoint"):
             writer.save(2, _state(2))
@@ -486,6 +488,7 @@ def test_a_writer_whose_lock_file_was_replaced_fails_its_next_save_and_removes_n
     after ours was deleted: saving on, and retention, would delete its checkpoints."""
     writer = _manager(tmp_path, keep=cp.KeepLast(1))
     writer.save(1, _state())
+    writer.wait()  # its retention, which checks the lock, is over
     (tmp_path / LOCK_NAME).unlink()
     (tmp_path / LOCK_NAME).write_text(replacement)
     before = _tree(tmp_path)
@@ -505,6 +508,7 @@ def test_a_writer_whose_root_was_moved_fails_its_next_save_and_keeps_out_of_the_
     root, moved = tmp_path / "run", tmp_path / "run.old"
     writer = _manager(root, keep=cp.KeepLast(1))
     writer.save(1, _state())
+    writer.wait()  # its retention, which checks the lock, is over
     root.rename(moved)
     root.mkdir()
     with _manager(root) as newcomer:  # a new run, in the directory now at that path
@@ -527,6 +531,7 @@ def test_a_writer_whose_root_was_deleted_fails_its_next_save_saying_so(tmp_path:
     root = tmp_path / "run"
     writer = _manager(root)
     writer.save(1, _state())
+    writer.wait()  # its retention, which checks the lock, is over
     shutil.rmtree(root)
     with pytest.raises(CheckpointWriteError, match="is gone"):
         writer.save(2, _state(2))

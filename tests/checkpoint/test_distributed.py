@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,11 @@ def _batchnorm_ranks(rank: int, root: str, port: int, out: Any) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             ckpt.save(3, state)
-    out.put((rank, {k: v.clone() for k, v in model.module.state_dict().items()}))
+    # Plain bytes, not tensors: a tensor sent through a torch queue travels as a file descriptor
+    # that the parent fetches from this process, which may have exited by then.
+    buffer = io.BytesIO()
+    torch.save(model.module.state_dict(), buffer)
+    out.put((rank, buffer.getvalue()))
     torch.distributed.destroy_process_group()
 
 
@@ -156,7 +161,7 @@ def _spawn_batchnorm_ranks(root: Path) -> dict[int, dict[str, torch.Tensor]]:
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    return states
+    return {rank: torch.load(io.BytesIO(data), weights_only=True) for rank, data in states.items()}
 
 
 def test_ddp_buffers_that_differ_between_ranks_are_saved_per_rank_and_restore_anywhere(
