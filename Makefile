@@ -38,8 +38,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/demo.py --run-dir demo-runs
 
+# ruff, and the parts' import order (pyproject.toml's [tool.importlinter], docs/architecture.md).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

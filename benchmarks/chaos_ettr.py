@@ -62,7 +62,7 @@ def run_campaign(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def ledger_parts(run_dir: str) -> dict[str, float]:
     """Productive seconds and each loss (they add up to the wall time)."""
-    from crashproof.goodput import read_ledger
+    from crashproof.telemetry import read_ledger
 
     return read_ledger(run_dir).parts()
 

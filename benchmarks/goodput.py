@@ -73,7 +73,7 @@ def newest_step(run: Run) -> int:
 def ledger_ettr(run: Run) -> float | None:
     """crashproof's own ledger of the run, if the goodput module is there."""
     try:
-        from crashproof.goodput import read_ledger
+        from crashproof.telemetry import read_ledger
     except ImportError:
         return None
     path = run.directory / "crashproof"

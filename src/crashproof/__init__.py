@@ -15,8 +15,7 @@ A few lines in a training loop::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from crashproof._version import __version__
 from crashproof.checkpoint import (
     CheckpointInfo,
     CheckpointManager,
@@ -40,6 +39,7 @@ from crashproof.errors import (
     UnsupportedStateError,
 )
 from crashproof.guard import EXIT_PREEMPTED, NumericsGuard, PreemptedExit
+from crashproof.link import attach_to_supervisor
 from crashproof.policy import (
     AnyOf,
     CheckpointFacts,
@@ -59,7 +59,6 @@ from crashproof.policy import (
 from crashproof.state import ResumableSampler, TrainState, accumulation_steps
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
 from crashproof.supervisor import heartbeat
-from crashproof.supervisor._worker import attach_to_supervisor
 
 __all__ = [
     "EXIT_PREEMPTED",

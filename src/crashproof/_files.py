@@ -13,7 +13,15 @@ import os
 import uuid
 from typing import Any
 
-__all__ = ["fresh_name", "read_json_object", "write_atomically", "write_json_atomically"]
+from crashproof.errors import ConfigError
+
+__all__ = [
+    "check_parent",
+    "fresh_name",
+    "read_json_object",
+    "write_atomically",
+    "write_json_atomically",
+]
 
 
 def fresh_name(path: str, what: str) -> str:
@@ -58,3 +66,15 @@ def read_json_object(path: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def check_parent(out: str, option: str = "-o") -> None:
+    """The nearest existing directory above ``out`` must be a directory (not a file, a FIFO):
+    :class:`ConfigError` naming ``option`` and ``out`` otherwise."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"{option} {out}: {parent} is a file, not a directory; choose a path in a directory"
+        )

@@ -1,7 +1,7 @@
 """The ``crashproof`` command line: run training under supervision; look at, check, prune and
 export checkpoints.
 
-``crashproof run`` is :mod:`crashproof.supervisor._launch` (its exit codes are documented there).
+``crashproof run`` is :mod:`crashproof.supervisor.launch` (its exit codes are documented there).
 For the rest (README "Command line" has the table):
 
 - 0 success (and, for ``verify``, everything checked is valid);
@@ -36,20 +36,24 @@ from typing import Any, NoReturn
 
 from tqdm import tqdm
 
-import crashproof
 from crashproof._console import one_line, output_unwritable, say
+from crashproof._version import __version__
 from crashproof.chaos import add_chaos_parser
 from crashproof.checkpoint import (
+    check_target,
     committed_steps,
+    export_dcp,
+    export_safetensors,
+    list_checkpoints,
+    located,
+    lock_root,
+    parse_step_dir,
+    prune_plan,
     read_manifest,
+    read_rank_index,
+    unreadable,
     verify_checkpoint,
 )
-from crashproof.checkpoint._catalog import prune_plan
-from crashproof.checkpoint._export import check_target, export_dcp, export_safetensors
-from crashproof.checkpoint._format import parse_step_dir
-from crashproof.checkpoint._listing import list_checkpoints, located, unreadable
-from crashproof.checkpoint._lock import lock_root
-from crashproof.checkpoint._reader import read_rank_index
 from crashproof.errors import ConfigError, CrashproofError
 from crashproof.exitcodes import (
     EXIT_INTERNAL,
@@ -59,8 +63,6 @@ from crashproof.exitcodes import (
     EXIT_STORAGE,
     EXIT_USAGE,
 )
-from crashproof.goodput._planner import add_plan_parser
-from crashproof.goodput._report import add_report_parser
 from crashproof.policy import (
     KeepBest,
     KeepDaily,
@@ -72,6 +74,7 @@ from crashproof.policy import (
     RetentionPolicy,
 )
 from crashproof.storage import LocalStorage, Storage, storage_for
+from crashproof.telemetry import add_plan_parser, add_report_parser
 
 __all__ = ["main"]
 
@@ -572,9 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="crashproof", description="Fault-tolerant PyTorch training: checkpoint tools."
     )
-    parser.add_argument(
-        "--version", action="version", version=f"crashproof {crashproof.__version__}"
-    )
+    parser.add_argument("--version", action="version", version=f"crashproof {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what crashproof does")
     # Of _Parser too (one-line errors); typed as the plain class the add_*_parser hooks take.
     sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
@@ -668,8 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"]:  # torchrun's own option parser: see crashproof.supervisor._launch
-        from crashproof.supervisor._launch import main as run_main
+    if argv[:1] == ["run"]:  # torchrun's own option parser: see crashproof.supervisor.launch
+        from crashproof.supervisor.launch import main as run_main
 
         try:  # a supervisor must outlive a closed pipe: SIGPIPE stays ignored
             return run_main(argv[1:])

@@ -387,7 +387,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("bad input was not refused: the job would have launched")
 
     monkeypatch.setattr("crashproof.chaos._cli._campaign", launched)
-    import crashproof.supervisor._launch as launch
+    import crashproof.supervisor.launch as launch
 
     for seam in ("_launch", "_run_agent"):
         if hasattr(launch, seam):
@@ -436,7 +436,7 @@ def test_chaos_refuses_bad_options_with_one_line_naming_them(
 def test_run_refuses_bad_options_before_launching(
     tmp_path: Path, options: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Parsed by crashproof.supervisor._launch (the supervisor's module)."""
+    """Parsed by crashproof.supervisor.launch (the supervisor's module)."""
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit(0)\n")
     target = str(tmp_path / "nosuch.py") if flag == "nosuch.py" else str(script)
@@ -577,7 +577,7 @@ def test_a_report_page_that_cannot_be_written_is_74_naming_html(
     def failing(path: str, data: bytes) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), path + ".tmp-x")
 
-    monkeypatch.setattr("crashproof.goodput._report.write_atomically", failing)
+    monkeypatch.setattr("crashproof.telemetry._report.write_atomically", failing)
     page = str(tmp_path / "page.html")
     code, _, err = run_cli(["report", str(run_dir), "--html", page], capsys)
     _assert_output_unwritable(code, err, "--html", page)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
-from crashproof.supervisor._launch import EXIT_BUDGET_SPENT, EXIT_CRASH_LOOP
+from crashproof.supervisor.launch import EXIT_BUDGET_SPENT, EXIT_CRASH_LOOP
 from tests.supervisor._runs import Run, output, start_run
 
 

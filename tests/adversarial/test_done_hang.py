@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from crashproof.link._heartbeat import Heartbeat
 from crashproof.supervisor._hang import HangConfig, HangDetector
-from crashproof.supervisor._heartbeat import Heartbeat
 from tests.supervisor._runs import Run, output, start_run
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from crashproof import NumericsGuard
-from crashproof.chaos import _control
-from crashproof.chaos._control import read_fired, write_control
+from crashproof import NumericsGuard, _seams
+from crashproof._seams import read_fired, write_control
 from crashproof.storage import LocalStorage, Storage, read_all, storage_for, write_all
 from crashproof.storage._faulty import FaultyStorage
 
@@ -23,14 +22,14 @@ from crashproof.storage._faulty import FaultyStorage
 @pytest.fixture(autouse=True)
 def _fresh_process() -> Iterator[None]:
     """Each test starts as a new process would: no watcher remembers earlier firings."""
-    _control._watchers.clear()
+    _seams._watchers.clear()
     yield
-    _control._watchers.clear()
+    _seams._watchers.clear()
 
 
 def _restart() -> None:
     """What a trainer restart does to the seams' memory: only the fired log survives."""
-    _control._watchers.clear()
+    _seams._watchers.clear()
 
 
 @pytest.fixture

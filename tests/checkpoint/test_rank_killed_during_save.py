@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 import crashproof as cp
-from crashproof.chaos._control import read_fired, write_control
+from crashproof._seams import ENV_CHAOS_STORAGE, read_fired, write_control
 from crashproof.checkpoint import committed_steps
 from crashproof.storage import LocalStorage
-from crashproof.storage._faulty import ENV_CHAOS_STORAGE
 from tests.conftest import free_port
 
 TRAINER = textwrap.dedent(
@@ -26,7 +25,7 @@ TRAINER = textwrap.dedent(
     import json, os, signal, sys, threading, time
     import torch
     import crashproof as cp
-    from crashproof.chaos._control import read_fired, write_control
+    from crashproof._seams import read_fired, write_control
 
     root, control, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crashproof.supervisor._heartbeat import read_heartbeat
+from crashproof.link._heartbeat import read_heartbeat
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES, step_records
 from tests.metadata_server import MetadataServer

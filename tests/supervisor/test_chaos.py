@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crashproof.supervisor._heartbeat import Heartbeat, read_heartbeat
+from crashproof.link._heartbeat import Heartbeat, read_heartbeat
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES, step_records
 

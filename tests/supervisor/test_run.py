@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from crashproof.supervisor._launch import (
+from crashproof.supervisor.launch import (
     EXIT_BUDGET_SPENT,
     EXIT_CRASH_LOOP,
     EXIT_PREEMPTED,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from crashproof.errors import ConfigError
+from crashproof.link._heartbeat import RECORD_SIZE, Heartbeat, HeartbeatWriter, read_heartbeat
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
 from crashproof.supervisor._hang import HangConfig, HangDetector
-from crashproof.supervisor._heartbeat import RECORD_SIZE, Heartbeat, HeartbeatWriter, read_heartbeat
 from crashproof.telemetry import EventLog, read_events
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from crashproof.supervisor._heartbeat import Heartbeat
-from crashproof.supervisor._metrics import RunMetrics
+from crashproof.link._heartbeat import Heartbeat
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
 from crashproof.telemetry import read_events
+from crashproof.telemetry.metrics import RunMetrics
 from tests.conftest import EXAMPLES
 
 

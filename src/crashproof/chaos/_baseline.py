@@ -13,9 +13,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from crashproof.checkpoint import committed_steps, read_manifest, verify_checkpoint
-from crashproof.checkpoint._format import RankIndex
-from crashproof.checkpoint._reader import read_rank_index
+from crashproof.checkpoint import (
+    RankIndex,
+    committed_steps,
+    read_manifest,
+    read_rank_index,
+    verify_checkpoint,
+)
 from crashproof.errors import CrashproofError
 from crashproof.storage import Storage, storage_for
 

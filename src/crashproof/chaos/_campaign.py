@@ -32,15 +32,13 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from crashproof._seams import ENV_CHAOS_NAN, ENV_CHAOS_STORAGE, read_fired, write_control
 from crashproof.chaos._analysis import Injection, assess
-from crashproof.chaos._control import read_fired, write_control
 from crashproof.chaos._faults import DutyCycle, corrupt_newest, send, stop_all
 from crashproof.chaos._schedule import Fault
 from crashproof.chaos._watch import RunView
 from crashproof.checkpoint import committed_steps
-from crashproof.guard._injection import ENV_CHAOS_NAN
 from crashproof.storage import LocalStorage
-from crashproof.storage._faulty import ENV_CHAOS_STORAGE
 
 __all__ = ["CHAOS_LOG", "Campaign", "CampaignResult", "run_crashproof"]
 

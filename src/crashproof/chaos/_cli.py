@@ -85,7 +85,7 @@ def _usage(message: str) -> int:
 
 def _parse_run_args(run_args: list[str]) -> argparse.Namespace:
     """``crashproof run``'s own parser on the arguments (SystemExit(2) on a bad one)."""
-    from crashproof.supervisor._launch import build_parser
+    from crashproof.supervisor.launch import build_parser
 
     return build_parser().parse_args(run_args)
 
@@ -275,12 +275,11 @@ def _campaign(
     run_dir: str,
     report_path: str,
 ) -> int:
+    from crashproof._seams import ENV_CHAOS_NAN, write_control
     from crashproof.chaos._baseline import Comparison, compare_final_checkpoints
     from crashproof.chaos._campaign import Campaign, run_crashproof, stop_run
-    from crashproof.chaos._control import write_control
     from crashproof.chaos._report import build_report, format_table, summary_line, write_report
     from crashproof.chaos._watch import RunView
-    from crashproof.guard._injection import ENV_CHAOS_NAN
 
     echo = not args.json
     if echo:

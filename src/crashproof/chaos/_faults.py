@@ -9,7 +9,7 @@
   newest committed checkpoint's largest file is flipped (or the file is cut in half), and the
   group is SIGKILLed, the fault's rank first: a corruption shows only when a restore reads the
   file, and the restart makes one read it at once.
-- ``nan`` and ``storage``: a line in the seam's control file (:mod:`crashproof.chaos._control`);
+- ``nan`` and ``storage``: a line in the seam's control file (:mod:`crashproof._seams`);
   the trainer fires it.
 
 Only processes of the run's newest attempt are touched, and never the supervisor.

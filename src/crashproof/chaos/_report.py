@@ -3,7 +3,7 @@
 A campaign **passes** when the run succeeded, every fault injected was detected and recovered
 from, every fault given explicitly (``--fault``) was injected, and, with ``--compare-baseline``,
 the final checkpoint is bit for bit the baseline's. ETTR comes from the goodput ledger
-(:func:`crashproof.goodput.read_ledger`), the same arithmetic as ``crashproof report``.
+(:func:`crashproof.telemetry.read_ledger`), the same arithmetic as ``crashproof report``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["build_report", "ettr_of", "format_table", "summary_line", "write_rep
 
 def ettr_of(run_dir: str) -> tuple[float | None, str]:
     """The run's effective training time ratio and where it comes from."""
-    from crashproof.goodput import read_ledger
+    from crashproof.telemetry import read_ledger
 
     try:
         ledger = read_ledger(run_dir)

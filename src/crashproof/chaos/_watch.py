@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from crashproof.supervisor._heartbeat import Heartbeat, read_heartbeat
+from crashproof.link import Heartbeat, read_heartbeat
 from crashproof.telemetry import EVENTS_FILE, EventTail
 
 __all__ = ["RankProcess", "RunView"]

@@ -21,8 +21,7 @@ from crashproof.checkpoint._rollbacks import ROLLBACKS_FILE
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
-from crashproof.storage import Storage
-from crashproof.storage._local import REPLACED_PREFIX, TRASH_PREFIX
+from crashproof.storage import REPLACED_PREFIX, TRASH_PREFIX, Storage
 
 __all__ = [
     "CheckpointInfo",

@@ -33,8 +33,8 @@ from typing import Any, BinaryIO, Literal
 
 import torch
 
-import crashproof
-from crashproof._files import fresh_name, write_atomically
+from crashproof._files import check_parent, fresh_name, write_atomically
+from crashproof._version import __version__
 from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
 from crashproof.checkpoint._reader import RankRead, read_manifest
 from crashproof.checkpoint._reshard import source_rank
@@ -47,7 +47,6 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "MARKER",
     "MARK_KEY",
-    "check_parent",
     "check_target",
     "export_dcp",
     "export_safetensors",
@@ -153,18 +152,6 @@ def check_target(
 def _inside(path: str, directory: str) -> bool:
     """``path`` lies strictly inside ``directory`` (both resolved)."""
     return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
-def check_parent(out: str, option: str = "-o") -> None:
-    """The nearest existing directory above ``out`` must be a directory (not a file, a FIFO):
-    :class:`ConfigError` naming ``option`` and ``out`` otherwise."""
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(
-            f"{option} {out}: {parent} is a file, not a directory; choose a path in a directory"
-        )
 
 
 def _check_dir_target(out: str, force: bool) -> None:
@@ -302,7 +289,7 @@ def export_safetensors(
                 f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
             )
     shards = _split(sorted(tensors.items()), max_shard_bytes)
-    mark = f"step {step} of {storage.describe(ckpt_dir)}, crashproof {crashproof.__version__}"
+    mark = f"step {step} of {storage.describe(ckpt_dir)}, crashproof {__version__}"
     stem = out_path[: -len(".safetensors")] if out_path.endswith(".safetensors") else out_path
     index_path = f"{stem}.safetensors.index.json"
     if len(shards) == 1:
@@ -407,7 +394,7 @@ def _write_dcp(
             "format": "dcp",
             "step": step,
             "source": source,
-            "crashproof": crashproof.__version__,
+            "crashproof": __version__,
             "files": sorted(_files_under(tmp)),
         }
         write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())

@@ -43,7 +43,7 @@ from crashproof.checkpoint._format import Manifest, Piece, TensorEntry, shard_na
 from crashproof.checkpoint._reader import read_manifest, read_rank_index
 from crashproof.checkpoint._shard import ShardRead
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
-from crashproof.state._dtensor import empty_like_piece, is_dtensor
+from crashproof.state import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for
 
 __all__ = ["CrashproofReader", "load_sharded", "restore_targets"]

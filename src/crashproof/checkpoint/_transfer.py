@@ -22,8 +22,7 @@ from crashproof.checkpoint._format import (
 from crashproof.checkpoint._reader import read_manifest_bytes, verify_checkpoint
 from crashproof.checkpoint._writer import new_tmp_name
 from crashproof.errors import CorruptCheckpointError
-from crashproof.storage import LocalStorage, Storage, write_all
-from crashproof.storage._base import ReadStream
+from crashproof.storage import LocalStorage, ReadStream, Storage, write_all
 
 __all__ = ["PART_BYTES", "download_checkpoint", "remove_checkpoint", "upload_checkpoint"]
 

@@ -38,7 +38,7 @@ import torch
 
 from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
 from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
-from crashproof.state._dtensor import is_dtensor
+from crashproof.state import is_dtensor
 
 __all__ = ["JSONValue", "decode_tree", "encode_tree"]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-import crashproof
+from crashproof._version import __version__
 from crashproof.checkpoint._delta import Delta, DeltaBase, encode_delta
 from crashproof.checkpoint._finite import FiniteCheck
 from crashproof.checkpoint._format import (
@@ -47,8 +47,7 @@ from crashproof.checkpoint._shard import tensor_bytes, write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
-from crashproof.state._dtensor import is_dtensor, local_piece
-from crashproof.state._reproducible import mkl_reproducible
+from crashproof.state import is_dtensor, local_piece, mkl_reproducible
 from crashproof.storage import Storage, write_all
 
 __all__ = [
@@ -416,7 +415,7 @@ def _commit(
             world_size=world_size,
             kind="full" if snapshot.delta is None else "delta",
             created_unix=time.time(),
-            library_version=crashproof.__version__,
+            library_version=__version__,
             torch_version=str(torch.__version__),
             hash_algorithm=HASH_ALGORITHM,
             files=files,

@@ -42,6 +42,7 @@ from crashproof.checkpoint._delta import Delta, DeltaBase, keep_as_base
 from crashproof.checkpoint._format import MAX_STEP, checkpoint_dir_name
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._hosted import agent_tiers
 from crashproof.checkpoint._lock import RootLock, lock_root
 from crashproof.checkpoint._metadata import checked_metadata
 from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
@@ -76,7 +77,7 @@ from crashproof.errors import (
     NonFiniteStateError,
     StateMismatchError,
 )
-from crashproof.guard._preemption import Notice, PreemptedExit, PreemptionListener
+from crashproof.link import Notice, PreemptedExit, PreemptionListener, trainer_reporter
 from crashproof.policy import (
     CheckpointFacts,
     EverySteps,
@@ -87,9 +88,7 @@ from crashproof.policy import (
 )
 from crashproof.state import TrainState
 from crashproof.storage import LocalStorage, Storage, storage_for
-from crashproof.supervisor._replication_host import agent_tiers
-from crashproof.supervisor._reporter import trainer_reporter
-from crashproof.telemetry._events import emit
+from crashproof.telemetry import emit
 
 __all__ = ["CheckpointManager"]
 

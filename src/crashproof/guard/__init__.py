@@ -8,7 +8,7 @@ gradient norm before it is applied.
 from __future__ import annotations
 
 from crashproof.guard._numerics import NumericsGuard, Verdict
-from crashproof.guard._preemption import EXIT_PREEMPTED, Notice, PreemptedExit, PreemptionListener
+from crashproof.link import EXIT_PREEMPTED, Notice, PreemptedExit, PreemptionListener
 
 __all__ = [
     "EXIT_PREEMPTED",

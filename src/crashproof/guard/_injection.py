@@ -3,7 +3,7 @@
 :meth:`NumericsGuard.check` asks :func:`injected_nan` once per step whether to take this rank's
 loss as NaN. Without ``CRASHPROOF_CHAOS_NAN`` in the environment the answer is always no, at the
 cost of one dictionary lookup. With it, the variable names a control file
-(:mod:`crashproof.chaos._control`) listing faults ``{"id", "rank", "step"}``: the first check of
+(:mod:`crashproof._seams`) listing faults ``{"id", "rank", "step"}``: the first check of
 that rank at a step of at least ``step`` sees NaN, once; the firing is logged next to the file
 (``<file>.fired``), so a restarted trainer does not fire it again. The file is stat'ed once per
 step and read again only when it changed.
@@ -14,22 +14,16 @@ does next (skip, roll back, stop) are the real thing. ``docs/chaos.md`` document
 
 from __future__ import annotations
 
-import os
+from crashproof._seams import ENV_CHAOS_NAN, armed
 
-from crashproof.chaos._control import watcher_for
-
-__all__ = ["ENV_CHAOS_NAN", "injected_nan"]
-
-ENV_CHAOS_NAN = "CRASHPROOF_CHAOS_NAN"
-"""Path of the control file arming NaN losses (set by ``crashproof chaos``)."""
+__all__ = ["injected_nan"]
 
 
 def injected_nan(step: int) -> bool:
     """True when a campaign armed a NaN loss for this rank at ``step`` (it fires once)."""
-    path = os.environ.get(ENV_CHAOS_NAN)
-    if not path:
+    watcher = armed(ENV_CHAOS_NAN, default_rank=0)
+    if watcher is None:
         return False
-    watcher = watcher_for(path, int(os.environ.get("RANK", "0")))
     return any(
         step >= int(fault.get("step", 0)) and watcher.claim(str(fault["id"]), step=step)
         for fault in watcher.faults()

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from crashproof.checkpoint._group import Group, default_group
+from crashproof.checkpoint import Group, default_group
 from crashproof.errors import ConfigError, NumericsError
 from crashproof.guard._injection import injected_nan
 from crashproof.guard._rollback import DataLedger, SkippedData
-from crashproof.telemetry._events import emit
+from crashproof.telemetry import emit
 
 if TYPE_CHECKING:  # the checkpoint package imports the guard: no import cycle at run time
     from crashproof.checkpoint import CheckpointManager

@@ -30,9 +30,14 @@ from collections import deque
 from collections.abc import Callable
 
 from crashproof.errors import ConfigError
-from crashproof.goodput._economics import daly_interval, young_interval
 from crashproof.policy._save import SaveContext, _Combinable
-from crashproof.telemetry._events import ENV_RUN_DIR, EVENTS_FILE, read_events
+from crashproof.telemetry import (
+    ENV_RUN_DIR,
+    EVENTS_FILE,
+    daly_interval,
+    read_events,
+    young_interval,
+)
 
 __all__ = ["Daly", "Young", "observed_failures"]
 

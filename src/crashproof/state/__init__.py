@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 from crashproof.state._batch import accumulation_steps
+from crashproof.state._dtensor import empty_like_piece, is_dtensor, local_piece
+from crashproof.state._reproducible import mkl_reproducible, set_reproducible_defaults
 from crashproof.state._sampler import ResumableSampler
 from crashproof.state._train_state import Stateful, TrainState, unwrap_model
 
-__all__ = ["ResumableSampler", "Stateful", "TrainState", "accumulation_steps", "unwrap_model"]
+__all__ = [
+    "ResumableSampler",
+    "Stateful",
+    "TrainState",
+    "accumulation_steps",
+    "empty_like_piece",
+    "is_dtensor",
+    "local_piece",
+    "mkl_reproducible",
+    "set_reproducible_defaults",
+    "unwrap_model",
+]

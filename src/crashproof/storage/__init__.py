@@ -9,11 +9,14 @@ from typing import Any
 
 from crashproof.errors import ConfigError
 from crashproof.storage._base import ReadStream, Storage, WriteStream, read_all, write_all
+from crashproof.storage._faulty import with_injected_faults
 from crashproof.storage._fsspec import FsspecStorage
-from crashproof.storage._local import LocalStorage
+from crashproof.storage._local import REPLACED_PREFIX, TRASH_PREFIX, LocalStorage
 from crashproof.storage._memory import MemoryStorage
 
 __all__ = [
+    "REPLACED_PREFIX",
+    "TRASH_PREFIX",
     "FsspecStorage",
     "LocalStorage",
     "MemoryStorage",
@@ -65,7 +68,6 @@ def _chaos(storage: Storage) -> Storage:
     """Inert unless a chaos campaign set ``CRASHPROOF_CHAOS_STORAGE`` (docs/chaos.md)."""
     if not os.environ.get("CRASHPROOF_CHAOS_STORAGE"):
         return storage
-    from crashproof.storage._faulty import with_injected_faults
 
     return with_injected_faults(storage)
 

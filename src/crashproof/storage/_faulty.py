@@ -1,7 +1,7 @@
 """``FaultyStorage``: a storage wrapper that fails or stalls writes when a chaos campaign says so.
 
 :func:`crashproof.storage.storage_for` wraps every backend it returns in one when
-``CRASHPROOF_CHAOS_STORAGE`` names a control file (:mod:`crashproof.chaos._control`); without the
+``CRASHPROOF_CHAOS_STORAGE`` names a control file (:mod:`crashproof._seams`); without the
 variable nothing is wrapped. Each armed fault ``{"id", "rank", "error", "files", "hang_s"}``
 applies to the next ``files`` files this rank writes (``create`` and ``put_file``):
 
@@ -21,24 +21,20 @@ import errno
 import os
 import time
 
-from crashproof.chaos._control import watcher_for
+from crashproof._seams import ENV_CHAOS_STORAGE, ControlWatcher, armed
 from crashproof.storage._base import ReadStream, Storage, WriteStream
 
-__all__ = ["ENV_CHAOS_STORAGE", "FaultyStorage", "with_injected_faults"]
-
-ENV_CHAOS_STORAGE = "CRASHPROOF_CHAOS_STORAGE"
-"""Path of the control file arming storage faults (set by ``crashproof chaos``)."""
+__all__ = ["FaultyStorage", "with_injected_faults"]
 
 _ERRORS = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 
 def with_injected_faults(storage: Storage) -> Storage:
     """``storage``, wrapped in a :class:`FaultyStorage` when ``CRASHPROOF_CHAOS_STORAGE`` is set."""
-    path = os.environ.get(ENV_CHAOS_STORAGE)
-    if not path or isinstance(storage, FaultyStorage):
+    if isinstance(storage, FaultyStorage):
         return storage
-    rank = os.environ.get("RANK")
-    return FaultyStorage(storage, path, rank=int(rank) if rank is not None else None)
+    watcher = armed(ENV_CHAOS_STORAGE)
+    return storage if watcher is None else FaultyStorage(storage, watcher)
 
 
 class _Fault:
@@ -77,12 +73,12 @@ class _FaultyWriteStream:
 
 
 class FaultyStorage:
-    """``inner`` with the writes of this process's ``rank`` failing as the control file at
-    ``control`` says. Implements :class:`~crashproof.storage.Storage`."""
+    """``inner`` with the writes of this process's rank failing as the control file ``watcher``
+    reads says. Implements :class:`~crashproof.storage.Storage`."""
 
-    def __init__(self, inner: Storage, control: str, *, rank: int | None) -> None:
+    def __init__(self, inner: Storage, watcher: ControlWatcher) -> None:
         self.inner = inner
-        self._watcher = watcher_for(control, rank)
+        self._watcher = watcher
 
     def _next_fault(self, path: str) -> _Fault | None:
         """The armed fault that takes the file ``path``, if any (counted as fired)."""

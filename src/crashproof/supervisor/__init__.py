@@ -7,6 +7,6 @@ agent, extended); ``_heartbeat``, ``_hang`` and ``_crashloop`` hold the facts an
 
 from __future__ import annotations
 
-from crashproof.supervisor._heartbeat import heartbeat
+from crashproof.link import heartbeat
 
 __all__ = ["heartbeat"]

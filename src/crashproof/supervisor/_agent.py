@@ -15,7 +15,7 @@ group within its budget. On top of it this agent
   allowance, without counting it a failure: their work is committed;
 * writes every start, exit, hang and restart to the event log.
 
-It does not parse options (:mod:`crashproof.supervisor._launch` does) or decide what a hang is
+It does not parse options (:mod:`crashproof.supervisor.launch` does) or decide what a hang is
 (:mod:`crashproof.supervisor._hang`).
 """
 
@@ -44,19 +44,21 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from crashproof.guard._preemption import EXIT_PREEMPTED
-from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
-from crashproof.supervisor._exits import ExitWatcher
-from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
-from crashproof.supervisor._heartbeat import (
+from crashproof.link import (
     ENV_HEARTBEAT_DIR,
+    ENV_PARENT_PID,
+    EXIT_PREEMPTED,
+    STACK_DUMP_SIGNAL,
     Heartbeat,
     heartbeat_path,
     read_heartbeat,
+    stack_dump_path,
 )
+from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
+from crashproof.supervisor._exits import ExitWatcher
+from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
-from crashproof.supervisor._worker import ENV_PARENT_PID, STACK_DUMP_SIGNAL, stack_dump_path
-from crashproof.telemetry._events import ENV_RUN_DIR, EventLog
+from crashproof.telemetry import ENV_RUN_DIR, EventLog
 
 __all__ = ["CrashproofAgent", "SupervisorConfig"]
 

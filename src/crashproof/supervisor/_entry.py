@@ -28,7 +28,7 @@ import crashproof  # noqa: F401
 # modules): 1-1.5 s of every restart on a small machine, the largest part left after torch.
 with contextlib.suppress(ImportError):  # a torch built without it
     import torch._dynamo
-from crashproof.supervisor._worker import attach_to_supervisor
+from crashproof.link import attach_to_supervisor
 
 __all__ = ["FORKSERVER_IGNORES", "run_script"]
 

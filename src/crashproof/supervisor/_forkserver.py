@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import signal
 
+from crashproof.link import ENV_PARENT_PID, die_with_parent
 from crashproof.supervisor._entry import FORKSERVER_IGNORES, run_script
-from crashproof.supervisor._worker import ENV_PARENT_PID, die_with_parent
 
 __all__ = ["run_script"]
 

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from crashproof.errors import ConfigError
-from crashproof.supervisor._heartbeat import Heartbeat
+from crashproof.link import Heartbeat
 
 __all__ = ["HangConfig", "HangDetector", "Verdict"]
 

@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from crashproof.supervisor._heartbeat import Heartbeat
+from crashproof.link import Heartbeat
 
 __all__ = ["StragglerConfig", "StragglerDetector", "StragglerReport"]
 

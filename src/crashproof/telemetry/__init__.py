@@ -1,7 +1,66 @@
-"""Telemetry: the run's event log (``events.jsonl``), read by the goodput report."""
+"""Telemetry: what happened in a run, and what it cost.
+
+Every process of a run records what it does in the event log (``_events``: ``events.jsonl`` in
+the run directory); the goodput ledger (``_ledger``, ``_attempts``, ``_records``) reads the log
+back and accounts every second of wall time; ``crashproof report`` renders the ledger as text,
+JSON and a self-contained HTML page (``_report``, ``_report_html``); ``crashproof plan`` and the
+adaptive save policy use the same economics (``_economics``, ``_planner``); ``metrics`` serves the
+log as Prometheus metrics (a public module of its own: only the agent loads prometheus_client).
+
+Telemetry is a sink: every other part writes events into it, and it imports none of them.
+"""
 
 from __future__ import annotations
 
-from crashproof.telemetry._events import EVENTS_FILE, EventLog, EventTail, read_events
+from crashproof.telemetry._economics import daly_interval, young_interval
+from crashproof.telemetry._events import (
+    ENV_RUN_DIR,
+    EVENTS_FILE,
+    EventLog,
+    EventTail,
+    emit,
+    read_events,
+    worker_event_log,
+)
+from crashproof.telemetry._ledger import (
+    Breakdown,
+    FailureRecord,
+    Ledger,
+    Marker,
+    TimelinePoint,
+    compute_ledger,
+    read_ledger,
+)
+from crashproof.telemetry._planner import Plan, add_plan_parser, plan
+from crashproof.telemetry._report import (
+    add_report_parser,
+    format_summary,
+    run_report,
+    write_html_report,
+)
 
-__all__ = ["EVENTS_FILE", "EventLog", "EventTail", "read_events"]
+__all__ = [
+    "ENV_RUN_DIR",
+    "EVENTS_FILE",
+    "Breakdown",
+    "EventLog",
+    "EventTail",
+    "FailureRecord",
+    "Ledger",
+    "Marker",
+    "Plan",
+    "TimelinePoint",
+    "add_plan_parser",
+    "add_report_parser",
+    "compute_ledger",
+    "daly_interval",
+    "emit",
+    "format_summary",
+    "plan",
+    "read_events",
+    "read_ledger",
+    "run_report",
+    "worker_event_log",
+    "write_html_report",
+    "young_interval",
+]

@@ -8,8 +8,8 @@ parts are cut from one timeline in order, so they always add up to the wall time
 effective training time ratio, is productive over wall. ``docs/goodput.md`` explains each part
 and the assumptions behind it.
 
-This module owns the arithmetic. It does not render (:mod:`crashproof.goodput._report`) and
-does not plan (:mod:`crashproof.goodput._planner`); what the events mean is ``docs/events.md``.
+This module owns the arithmetic. It does not render (:mod:`crashproof.telemetry._report`) and
+does not plan (:mod:`crashproof.telemetry._planner`); what the events mean is ``docs/events.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from crashproof.goodput._attempts import (
+from crashproof.telemetry import EVENTS_FILE, read_events
+from crashproof.telemetry._attempts import (
     Attempt,
     Event,
     Segment,
@@ -33,8 +34,7 @@ from crashproof.goodput._attempts import (
     split_attempts,
     split_sessions,
 )
-from crashproof.goodput._records import Breakdown, FailureRecord, Ledger, Marker, TimelinePoint
-from crashproof.telemetry import EVENTS_FILE, read_events
+from crashproof.telemetry._records import Breakdown, FailureRecord, Ledger, Marker, TimelinePoint
 
 __all__ = [
     "Breakdown",

@@ -18,8 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crashproof.goodput import Ledger, compute_ledger, read_ledger
-from crashproof.telemetry import read_events
+from crashproof.telemetry import Ledger, compute_ledger, read_events, read_ledger
 from tests.conftest import EXAMPLES
 
 Event = dict[str, Any]

@@ -1,8 +1,9 @@
-"""The control file a chaos campaign arms in-process faults with, and the log of what fired.
+"""Fault-injection seams: the one place the chaos environment variables are read.
 
 Two seams in production code inject faults from inside a trainer: the NumericsGuard's loss
 (:mod:`crashproof.guard._injection`, ``CRASHPROOF_CHAOS_NAN``) and the storage wrapper
-(:mod:`crashproof.storage._faulty`, ``CRASHPROOF_CHAOS_STORAGE``). Each environment variable names
+(:mod:`crashproof.storage._faulty`, ``CRASHPROOF_CHAOS_STORAGE``); both ask :func:`armed` here.
+Each environment variable names
 a JSON file the campaign rewrites atomically (``{"faults": [{"id": ..., "rank": ..., ...}]}``);
 the trainer side stats it at most once per use and re-reads it only when it changed. A fault that
 fires is appended, one JSON line, to ``<file>.fired``, so it fires once across restarts (a new
@@ -23,9 +24,23 @@ from collections import Counter
 from typing import Any
 
 from crashproof._files import read_json_object, write_json_atomically
-from crashproof.telemetry._events import read_events
+from crashproof.telemetry import read_events
 
-__all__ = ["FIRED_SUFFIX", "ControlWatcher", "read_fired", "watcher_for", "write_control"]
+__all__ = [
+    "ENV_CHAOS_NAN",
+    "ENV_CHAOS_STORAGE",
+    "FIRED_SUFFIX",
+    "ControlWatcher",
+    "armed",
+    "read_fired",
+    "watcher_for",
+    "write_control",
+]
+
+ENV_CHAOS_NAN = "CRASHPROOF_CHAOS_NAN"
+"""Path of the control file arming NaN losses (set by ``crashproof chaos``)."""
+ENV_CHAOS_STORAGE = "CRASHPROOF_CHAOS_STORAGE"
+"""Path of the control file arming storage faults (set by ``crashproof chaos``)."""
 
 FIRED_SUFFIX = ".fired"
 """``<control file><FIRED_SUFFIX>``: one JSON line per fault fired by a trainer."""
@@ -46,6 +61,16 @@ def read_fired(path: str) -> list[dict[str, Any]]:
 
 _watchers: dict[tuple[str, int | None, int], ControlWatcher] = {}
 _watchers_lock = threading.Lock()
+
+
+def armed(variable: str, *, default_rank: int | None = None) -> ControlWatcher | None:
+    """The watcher of the control file the environment ``variable`` names, for this process's
+    rank (``RANK``, else ``default_rank``); None, at the cost of one lookup, when it is unset."""
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    rank = os.environ.get("RANK")
+    return watcher_for(path, int(rank) if rank is not None else default_rank)
 
 
 def watcher_for(path: str, rank: int | None) -> ControlWatcher:

@@ -1,6 +1,6 @@
 """``crashproof plan`` against a Monte-Carlo simulation of the failures it plans for.
 
-The plan's numbers are closed forms (:mod:`crashproof.goodput._economics`). The simulation
+The plan's numbers are closed forms (:mod:`crashproof.telemetry._economics`). The simulation
 uses none of them: devices fail at exponential intervals, a job computes, writes and restarts
 through the resulting stream of failures, and the tests count what happens and compare the
 counts with the plan's numbers at the same parameters. The simulation follows the assumptions that
@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from crashproof.goodput._economics import expected_goodput
-from crashproof.goodput._planner import Plan, plan
+from crashproof.telemetry._economics import expected_goodput
+from crashproof.telemetry._planner import Plan, plan
 
 Array = npt.NDArray[np.float64]
 

@@ -1,7 +1,7 @@
 """``crashproof plan``: before a run starts, what its failures will cost and how often to checkpoint.
 
 Owns the step from a run's size, length, failure rate and costs to a :class:`Plan`, and the
-``plan`` subcommand that prints one. The formulas are :mod:`crashproof.goodput._economics`'s; this
+``plan`` subcommand that prints one. The formulas are :mod:`crashproof.telemetry._economics`'s; this
 module only converts units and picks the operating point. docs/planning.md derives the model,
 states its limits and reproduces the worked examples of the literature with it.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_OK, EXIT_USAGE
-from crashproof.goodput._economics import (
+from crashproof.telemetry._economics import (
     _devices,
     _non_negative,
     _positive,

@@ -39,7 +39,7 @@ from crashproof.checkpoint._replication import (
 from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
 from crashproof.policy import CheckpointFacts, RetentionPolicy, policy_from_spec, policy_to_spec
 from crashproof.storage import storage_for
-from crashproof.telemetry._events import EventLog
+from crashproof.telemetry import EventLog
 
 __all__ = [
     "ENV_AGENT_REPLICATION",

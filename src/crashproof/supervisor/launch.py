@@ -41,6 +41,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from crashproof._files import write_json_atomically
+from crashproof.checkpoint import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import (
     EXIT_BUDGET_SPENT,
@@ -49,17 +50,16 @@ from crashproof.exitcodes import (
     EXIT_PREEMPTED,
     EXIT_USAGE,
 )
-from crashproof.guard._preemption import ENV_NOTICE_FILE
-from crashproof.state._reproducible import set_reproducible_defaults
+from crashproof.link import ENV_NOTICE_FILE
+from crashproof.state import set_reproducible_defaults
 from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
-from crashproof.supervisor._metrics import RunMetrics
-from crashproof.supervisor._replication_host import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.supervisor._straggler import StragglerConfig
-from crashproof.telemetry._events import EVENTS_FILE, EventLog
+from crashproof.telemetry import EVENTS_FILE, EventLog
+from crashproof.telemetry.metrics import RunMetrics
 
 __all__ = [
     "EXIT_BUDGET_SPENT",
@@ -455,8 +455,7 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
 
 def _ettr_of_log(path: str) -> float | None:
     """The run's ETTR so far, from its whole event log (the metrics' ``crashproof_ettr``)."""
-    from crashproof.goodput import compute_ledger
-    from crashproof.telemetry import read_events
+    from crashproof.telemetry import compute_ledger, read_events
 
     if not os.path.exists(path):
         return None

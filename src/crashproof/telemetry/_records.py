@@ -1,6 +1,6 @@
 """What the goodput ledger reports: the breakdown of a run's time, its failures and the points
-and markers of its timeline. Computed by :mod:`crashproof.goodput._ledger`, rendered by
-:mod:`crashproof.goodput._report` and :mod:`crashproof.goodput._report_html`."""
+and markers of its timeline. Computed by :mod:`crashproof.telemetry._ledger`, rendered by
+:mod:`crashproof.telemetry._report` and :mod:`crashproof.telemetry._report_html`."""
 
 from __future__ import annotations
 

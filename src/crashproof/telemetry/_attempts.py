@@ -2,7 +2,7 @@
 of each (one per start of the trainers), and within an attempt the segments of training between
 restores, with when each step was finished and how each attempt ended.
 
-Everything here estimates *when*; :mod:`crashproof.goodput._ledger` books the time to parts.
+Everything here estimates *when*; :mod:`crashproof.telemetry._ledger` books the time to parts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``crashproof report RUN_DIR``: a run's goodput ledger as a terminal summary, as JSON, and as
 one self-contained HTML page (``RUN_DIR/report.html`` unless told otherwise).
 
-The numbers come from :mod:`crashproof.goodput._ledger`, the page from
-:mod:`crashproof.goodput._report_html`; this module only formats and writes them.
+The numbers come from :mod:`crashproof.telemetry._ledger`, the page from
+:mod:`crashproof.telemetry._report_html`; this module only formats and writes them.
 Exit codes, as for the other commands: 0 written; 2 no event log in RUN_DIR, or ``--html`` names
 what the command must not write (a directory, a link, a file it did not write, a path under a
 file); 74 the page could not be written (a read-only or full disk, no permission).
@@ -16,12 +16,11 @@ import os
 import stat
 
 from crashproof._console import output_unwritable, say
-from crashproof._files import write_atomically
-from crashproof.checkpoint._export import check_parent
+from crashproof._files import check_parent, write_atomically
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
-from crashproof.goodput._ledger import Ledger, read_ledger
-from crashproof.goodput._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
+from crashproof.telemetry._ledger import Ledger, read_ledger
+from crashproof.telemetry._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
 
 __all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
 

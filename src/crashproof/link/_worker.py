@@ -29,8 +29,8 @@ import sys
 import threading
 from typing import IO
 
-from crashproof.supervisor._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
-from crashproof.telemetry._events import ENV_RUN_DIR
+from crashproof.link._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
+from crashproof.telemetry import ENV_RUN_DIR
 
 __all__ = [
     "ENV_PARENT_PID",

@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from crashproof.supervisor._heartbeat import HeartbeatWriter, Phase, worker_heartbeat
-from crashproof.telemetry._events import EventLog, worker_event_log
+from crashproof.link._heartbeat import HeartbeatWriter, Phase, worker_heartbeat
+from crashproof.telemetry import EventLog, worker_event_log
 
 __all__ = ["SupervisedReporter", "Unsupervised", "trainer_reporter"]
 

@@ -1,7 +1,7 @@
 """The goodput report as one self-contained HTML page: inline CSS and SVG drawn here, no script,
 no fonts or images fetched, so it opens anywhere (a laptop, a CI artifact, a mail attachment).
 
-It draws what :mod:`crashproof.goodput._ledger` computed and computes nothing itself.
+It draws what :mod:`crashproof.telemetry._ledger` computed and computes nothing itself.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import html
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-import crashproof
-from crashproof.goodput._records import Ledger, Marker, TimelinePoint
+from crashproof._version import __version__
+from crashproof.telemetry._records import Ledger, Marker, TimelinePoint
 
 __all__ = ["GENERATOR_MARK", "PART_LABELS", "render_html"]
 
@@ -89,7 +89,7 @@ def render_html(ledger: Ledger) -> str:
         "<h2>Failures</h2>",
         _failures_table(ledger),
         f'<p class="note">Computed from {_e(_events_path(ledger))} by crashproof '
-        f"{_e(crashproof.__version__)}; how each part is computed: docs/goodput.md. "
+        f"{_e(__version__)}; how each part is computed: docs/goodput.md. "
         "Times are seconds from the run's start.</p>",
     ]
     return (

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from crashproof.errors import ConfigError
-from crashproof.goodput._economics import (
+from crashproof.telemetry._economics import (
     cluster_mtbf,
     daily_prob_from_mtbf_hours,
     daly_interval,
@@ -27,7 +27,7 @@ from crashproof.goodput._economics import (
     p_no_failure,
     young_interval,
 )
-from crashproof.goodput._planner import Plan, add_plan_parser, plan, run_plan
+from crashproof.telemetry._planner import Plan, add_plan_parser, plan, run_plan
 from tests.conftest import run_python
 
 CONTRACT_KEYS = {

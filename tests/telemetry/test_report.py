@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crashproof.goodput import (
+from crashproof.telemetry import (
     Ledger,
     add_report_parser,
     compute_ledger,
@@ -25,8 +25,8 @@ from crashproof.goodput import (
     run_report,
     write_html_report,
 )
-from crashproof.goodput._report_html import PART_LABELS
-from tests.goodput.test_ledger import HANG, ONE_KILL, ROLLBACK
+from crashproof.telemetry._report_html import PART_LABELS
+from tests.telemetry.test_ledger import HANG, ONE_KILL, ROLLBACK
 
 CHROMIUM = next(
     (p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))),

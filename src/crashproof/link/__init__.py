@@ -1,0 +1,63 @@
+"""The trainer's link to its surroundings: what a training process tells ``crashproof run``'s
+agent and hears from it and from the machine.
+
+``_heartbeat`` writes the record the agent's hang detection reads; ``_reporter`` reports steps,
+saves and restores as heartbeats and events; ``_worker`` attaches a trainer to its agent (stack
+dumps on request, dying with the agent); ``_preemption`` turns preemption signals and cloud notices
+into a notice the checkpoint manager acts on at a step boundary. This part knows nothing of
+checkpoints: the checkpoint manager and the supervisor both build on it.
+"""
+
+from __future__ import annotations
+
+from crashproof.link._heartbeat import (
+    ENV_HEARTBEAT_DIR,
+    Heartbeat,
+    HeartbeatWriter,
+    Phase,
+    heartbeat,
+    heartbeat_path,
+    read_heartbeat,
+    worker_heartbeat,
+)
+from crashproof.link._preemption import (
+    ENV_NOTICE_FILE,
+    EXIT_PREEMPTED,
+    PREEMPTION_SIGNALS,
+    Notice,
+    PreemptedExit,
+    PreemptionListener,
+)
+from crashproof.link._reporter import SupervisedReporter, Unsupervised, trainer_reporter
+from crashproof.link._worker import (
+    ENV_PARENT_PID,
+    STACK_DUMP_SIGNAL,
+    attach_to_supervisor,
+    die_with_parent,
+    stack_dump_path,
+)
+
+__all__ = [
+    "ENV_HEARTBEAT_DIR",
+    "ENV_NOTICE_FILE",
+    "ENV_PARENT_PID",
+    "EXIT_PREEMPTED",
+    "PREEMPTION_SIGNALS",
+    "STACK_DUMP_SIGNAL",
+    "Heartbeat",
+    "HeartbeatWriter",
+    "Notice",
+    "Phase",
+    "PreemptedExit",
+    "PreemptionListener",
+    "SupervisedReporter",
+    "Unsupervised",
+    "attach_to_supervisor",
+    "die_with_parent",
+    "heartbeat",
+    "heartbeat_path",
+    "read_heartbeat",
+    "stack_dump_path",
+    "trainer_reporter",
+    "worker_heartbeat",
+]
