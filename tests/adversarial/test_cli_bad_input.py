@@ -386,7 +386,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def launched(*args: object, **kwargs: object) -> int:
         raise AssertionError("bad input was not refused: the job would have launched")
 
-    monkeypatch.setattr("crashproof.chaos._cli._campaign", launched)
+    monkeypatch.setattr("crashproof.chaos._orchestrate._campaign", launched)
     import crashproof.supervisor.launch as launch
 
     for seam in ("_launch", "_run_agent"):

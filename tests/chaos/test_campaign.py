@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crashproof.chaos import add_chaos_parser
+from crashproof.cli._chaos import add_chaos_parser
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES, REPO
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from crashproof.cli._plan import add_plan_parser, run_plan
 from crashproof.errors import ConfigError
 from crashproof.telemetry._economics import (
     cluster_mtbf,
@@ -27,7 +28,7 @@ from crashproof.telemetry._economics import (
     p_no_failure,
     young_interval,
 )
-from crashproof.telemetry._planner import Plan, add_plan_parser, plan, run_plan
+from crashproof.telemetry._planner import Plan, plan
 from tests.conftest import run_python
 
 CONTRACT_KEYS = {

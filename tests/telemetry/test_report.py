@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from crashproof.cli._report import add_report_parser, run_report
 from crashproof.telemetry import (
     Ledger,
-    add_report_parser,
     compute_ledger,
     format_summary,
-    run_report,
     write_html_report,
 )
 from crashproof.telemetry._report_html import PART_LABELS

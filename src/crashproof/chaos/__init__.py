@@ -7,21 +7,28 @@ storage wrapper, stragglers), then reports for each whether it was detected, whe
 recovered, and the work it cost; optionally it runs the job again without faults and compares
 the final checkpoints bit for bit. See ``docs/chaos.md``.
 
-This package's import is light on purpose (the guard and the storage seams import its control
-file module): the campaign machinery loads when a campaign runs.
+``crashproof chaos``'s options are parsed by :mod:`crashproof.cli`, which hands them to
+:func:`run_campaign`. This package's import is light on purpose: the campaign machinery loads
+when a campaign runs.
 """
 
 from __future__ import annotations
 
-from crashproof.chaos._cli import RUN_PLACEHOLDER, add_chaos_parser, run_chaos
+from crashproof.chaos._orchestrate import (
+    RUN_PLACEHOLDER,
+    CampaignOptions,
+    RunOptions,
+    run_campaign,
+)
 from crashproof.chaos._schedule import KINDS, Fault, draw_schedule, parse_fault
 
 __all__ = [
     "KINDS",
     "RUN_PLACEHOLDER",
+    "CampaignOptions",
     "Fault",
-    "add_chaos_parser",
+    "RunOptions",
     "draw_schedule",
     "parse_fault",
-    "run_chaos",
+    "run_campaign",
 ]

@@ -8,13 +8,14 @@ give the same list of :class:`Fault` objects: drawing is a pure function of the 
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Fault", "draw_schedule", "parse_duration", "parse_fault"]
+from crashproof._units import parse_duration
+
+__all__ = ["KINDS", "Fault", "draw_schedule", "parse_fault"]
 
 KINDS = ("kill", "hang", "nan", "corrupt", "storage", "straggler")
 """Every kind of fault, by its name on the command line and in the reports."""
@@ -96,19 +97,6 @@ class Fault:
         }
 
 
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``1.5m``, ``2h`` in seconds."""
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
-    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
-    try:
-        value = float(number) * units[unit]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a duration: write e.g. 30s, 1.5m or 2h") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{text!r}: a time must be a finite number of seconds, not negative")
-    return value
-
-
 def parse_fault(text: str, *, index: int, seed: int, world_size: int) -> Fault:
     """A fault from ``at=30s,rank=1,kind=kill`` (or ``at=step:120``, and the kind's parameters:
     ``error=eio``, ``mode=truncate``, ``stop=0.4``...). A rank or parameter left out is drawn from
@@ -133,7 +121,10 @@ def parse_fault(text: str, *, index: int, seed: int, world_size: int) -> Fault:
     if at.startswith("step:"):
         at_step = _int(at[len("step:") :], text, "at=step:")
     else:
-        at_s = parse_duration(at)
+        try:
+            at_s = parse_duration(at, "at", zero_ok=True)
+        except ValueError as exc:
+            raise ValueError(f"--fault {text!r}: {exc}") from None
     rank = _int(fields.pop("rank"), text, "rank") if "rank" in fields else rng.randrange(world_size)
     if rank >= world_size:
         raise ValueError(f"--fault {text!r}: rank {rank}, but the run has {world_size} rank(s)")
@@ -191,7 +182,11 @@ def _params(kind: str, rng: random.Random, *, given: Mapping[str, str]) -> dict[
         if name in given:
             value: Any = given[name]
             if isinstance(default, float) or name.endswith("_s"):
-                value = parse_duration(value) if name.endswith("_s") else float(value)
+                value = (
+                    parse_duration(value, name, zero_ok=True)
+                    if name.endswith("_s")
+                    else float(value)
+                )
             elif isinstance(default, int):
                 value = int(value)
             params[name] = value

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from crashproof._units import parse_duration
 from crashproof.link._heartbeat import HeartbeatWriter, Phase, worker_heartbeat
 from crashproof.telemetry import EventLog, worker_event_log
 
@@ -22,7 +23,7 @@ __all__ = ["SupervisedReporter", "Unsupervised", "trainer_reporter"]
 PROGRESS_INTERVAL_S = 2.0
 """How often rank 0 logs a ``progress`` event (step and step time): often enough for the goodput
 report to place steps on its timeline, a few thousand lines for an hour's run;
-overridable with ``CRASHPROOF_PROGRESS_INTERVAL_S``."""
+overridable with ``CRASHPROOF_PROGRESS_INTERVAL_S`` (a duration: ``0.5``, ``2s``, ``1m``)."""
 ENV_PROGRESS_INTERVAL = "CRASHPROOF_PROGRESS_INTERVAL_S"
 
 
@@ -60,8 +61,11 @@ class SupervisedReporter:
         self._heartbeat = heartbeat
         self._events = events if rank == 0 else None  # one voice per run is enough
         self._progress_at: tuple[float, int] | None = None
-        self._progress_interval_s = float(
-            os.environ.get(ENV_PROGRESS_INTERVAL, "") or PROGRESS_INTERVAL_S
+        interval = os.environ.get(ENV_PROGRESS_INTERVAL, "")
+        self._progress_interval_s = (
+            parse_duration(interval, ENV_PROGRESS_INTERVAL, zero_ok=True)
+            if interval
+            else PROGRESS_INTERVAL_S
         )
 
     def step_done(self, step: int) -> None:

@@ -1,15 +1,16 @@
-"""``crashproof run``: torchrun's command line, launched through :class:`CrashproofAgent`.
+"""Launching ``crashproof run``: from its parsed options (:mod:`crashproof.cli` parses them) to a
+:class:`CrashproofAgent` supervising the trainers, and the run's end as an exit code.
 
-The options are torchrun's own parser (so every torchrun option keeps its name and meaning),
-plus crashproof's: ``--run-dir``, ``--hang-timeout``, the phase allowances, the crash-loop
-limit and ``--cold-start``. Differences in defaults, each for recovery speed or diagnosis:
+Owns what the launch adds to torchrun's way, each for recovery speed or diagnosis:
 
-* rendezvous ``c10d`` (on ``localhost``, port chosen free, when one node and no endpoint);
-* ``--shutdown-timeout 5``: SIGKILL a trainer 5 s after SIGTERM, not 30 s;
+* rendezvous ``c10d`` on ``localhost`` (port chosen free) for one node without an endpoint, with
+  keep-alive and last-call timings of seconds, and a fresh store per attempt;
 * trainers are forked from a warm forkserver holding torch and crashproof (``--cold-start``
   execs ``python -u script.py`` per trainer, as torchrun does);
 * every rank's output is kept under ``RUN_DIR/logs`` and shown on the console prefixed with
-  ``[rank N]``.
+  ``[rank N]``;
+* preemption notices (SIGUSR1, the cloud's metadata service) forwarded to the trainers, the
+  replication host for durable tiers, the Prometheus endpoint, the run's event log.
 
 Exit codes (``docs/supervisor.md``): 0 the script finished on every rank; 75 stopped early by
 SIGTERM to the supervisor, resumable (preempted: requeue me); 76 the restart budget is spent;
@@ -21,24 +22,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import importlib.util
 import logging
-import math
 import os
-import shutil
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
+from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from crashproof._files import write_json_atomically
 from crashproof.checkpoint import ENV_AGENT_REPLICATION, ReplicationHost
@@ -67,191 +65,14 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PREEMPTED",
     "EXIT_USAGE",
-    "build_parser",
-    "main",
+    "PREEMPTION_PROVIDERS",
+    "launch",
 ]
 
+PREEMPTION_PROVIDERS = PROVIDERS
+"""The clouds whose preemption notices the launch can poll (``--preemption``'s choices)."""
+
 log = logging.getLogger("crashproof.run")
-
-
-def _seconds_or_auto(text: str) -> float | None:
-    if text == "auto":
-        return None
-    return _positive_seconds(text, "or 'auto'")
-
-
-def _positive_seconds(text: str, alternative: str = "") -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a positive number of seconds{' ' + alternative if alternative else ''}"
-        )
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -2
-    if not -1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a port from 1 to 65535, 0 for any free port, or -1 for no metrics"
-        )
-    return value
-
-
-def _above_one(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 1 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number above 1 (e.g. 1.3)")
-    return value
-
-
-def _positive_count(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
-    return value
-
-
-class _OneLineErrors(argparse.ArgumentParser):
-    """torchrun's parser, whose usage error is one line naming the option (not a page of usage)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """torchrun's argument parser, with crashproof's options added and a few defaults changed."""
-    parser = get_args_parser()
-    parser.__class__ = _OneLineErrors  # the same parser, its errors on one line
-    parser.prog = "crashproof run"
-    parser.description = (
-        "Run a training script like torchrun, and keep it running: detect crashed and hung "
-        "ranks, dump their stacks, restart from the newest valid checkpoint, stop crash loops."
-    )
-    group = parser.add_argument_group("crashproof")
-    group.add_argument(
-        "--run-dir",
-        default=None,
-        help="events.jsonl, per-rank logs, heartbeats and stack dumps (default: ./crashproof-runs/<time>)",
-    )
-    group.add_argument(
-        "--hang-timeout",
-        type=_seconds_or_auto,
-        default=None,
-        metavar="auto|SECONDS",
-        help="seconds without a finished step before a rank is hung; 'auto' (default) calibrates "
-        "from the observed step times: 10x the longest step, at least 60 s",
-    )
-    group.add_argument(
-        "--startup-timeout",
-        type=_positive_seconds,
-        default=600.0,
-        help="allowance from start to first step",
-    )
-    group.add_argument(
-        "--restore-timeout", type=_positive_seconds, default=600.0, help="allowance for a restore"
-    )
-    group.add_argument(
-        "--save-timeout",
-        type=_positive_seconds,
-        default=600.0,
-        help="allowance for a save's blocking part",
-    )
-    group.add_argument(
-        "--done-timeout",
-        type=_positive_seconds,
-        default=120.0,
-        help="allowance from closing the checkpoint manager to the trainer's exit; a trainer "
-        "still there after it is ended (its work is committed) and the run goes on",
-    )
-    group.add_argument(
-        "--crash-loop-attempts",
-        type=_count,
-        default=3,
-        help="failed attempts in a row that get no further than the furthest step reached "
-        "that stop the run as a crash loop (0: never)",
-    )
-    group.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="exec a fresh 'python script.py' per trainer (torchrun's way) instead of forking "
-        "it from a warm process that already imported torch",
-    )
-    group.add_argument(
-        "--preload",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="also import MODULE in the warm process (repeatable), e.g. a heavy model library",
-    )
-    group.add_argument(
-        "--preemption",
-        choices=("auto", *PROVIDERS, "none"),
-        default="auto",
-        help="poll this cloud's metadata service for spot/preemption notices (auto: the cloud "
-        "this machine runs on, if any; the base URL can be set with CRASHPROOF_METADATA_URL)",
-    )
-    group.add_argument(
-        "--preemption-grace",
-        type=_positive_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="on a preemption (SIGTERM to this command, or a notice), how long trainers get for "
-        "their emergency checkpoint before SIGKILL",
-    )
-    group.add_argument(
-        "--replication-timeout",
-        type=_positive_seconds,
-        default=600.0,
-        metavar="SECONDS",
-        help="when the run ends, how long to wait for checkpoints still being copied to durable "
-        "tiers (CheckpointManager(remote=...)); on a preemption at most --preemption-grace",
-    )
-    group.add_argument(
-        "--straggler-factor",
-        type=_above_one,
-        default=1.3,
-        help="report a rank whose work per step exceeds this many times its peers' median",
-    )
-    group.add_argument(
-        "--straggler-steps",
-        type=_positive_count,
-        default=20,
-        help="over how many recent steps a rank's work per step is averaged for that",
-    )
-    group.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=0,
-        help="serve Prometheus metrics on this port (default 0: any free port, written to "
-        "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
-    )
-    group.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="the address the metrics are served on (default: loopback only)",
-    )
-    parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
-    return parser
 
 
 def _resolve_rendezvous(args: argparse.Namespace) -> None:
@@ -359,27 +180,10 @@ def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
         os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What the option types cannot check alone: torchrun's own options, and the script."""
-    if args.max_restarts < 0:
-        parser.error(f"argument --max-restarts: {args.max_restarts}: give 0 or more restarts")
-    if args.monitor_interval <= 0:
-        parser.error(f"argument --monitor-interval: {args.monitor_interval}: give positive seconds")
-    script = args.training_script
-    if args.module:
-        if importlib.util.find_spec(script.split(".")[0]) is None:  # imports nothing of it
-            parser.error(f"-m {script}: no module {script.split('.')[0]!r} on the Python path")
-    elif args.no_python:
-        if shutil.which(script) is None:
-            parser.error(f"--no-python {script}: no such program (not a file, not on PATH)")
-    elif not os.path.isfile(script):
-        parser.error(f"{script}: no such file (the training script: give its path)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check(parser, args)
+def launch(args: argparse.Namespace) -> int:
+    """Run the job ``crashproof run``'s parsed options describe, under a :class:`CrashproofAgent`,
+    to its end; returns the exit code (the module's docstring lists them). A configuration the
+    supervisor refuses is one line on stderr and exit 2, before anything starts."""
     # Before any trainer (or the warm process they fork from) loads MKL: bit-reproducible CPU math.
     set_reproducible_defaults()
     logging.basicConfig(level=logging.INFO, format="[crashproof run] %(levelname)s %(message)s")

@@ -31,17 +31,18 @@ from crashproof.telemetry._ledger import (
     compute_ledger,
     read_ledger,
 )
-from crashproof.telemetry._planner import Plan, add_plan_parser, plan
+from crashproof.telemetry._planner import Plan, plan
 from crashproof.telemetry._report import (
-    add_report_parser,
+    REPORT_FILE,
     format_summary,
-    run_report,
+    is_report_page,
     write_html_report,
 )
 
 __all__ = [
     "ENV_RUN_DIR",
     "EVENTS_FILE",
+    "REPORT_FILE",
     "Breakdown",
     "EventLog",
     "EventTail",
@@ -50,16 +51,14 @@ __all__ = [
     "Marker",
     "Plan",
     "TimelinePoint",
-    "add_plan_parser",
-    "add_report_parser",
     "compute_ledger",
     "daly_interval",
     "emit",
     "format_summary",
+    "is_report_page",
     "plan",
     "read_events",
     "read_ledger",
-    "run_report",
     "worker_event_log",
     "write_html_report",
     "young_interval",

@@ -1,30 +1,22 @@
-"""``crashproof report RUN_DIR``: a run's goodput ledger as a terminal summary, as JSON, and as
-one self-contained HTML page (``RUN_DIR/report.html`` unless told otherwise).
-
-The numbers come from :mod:`crashproof.telemetry._ledger`, the page from
-:mod:`crashproof.telemetry._report_html`; this module only formats and writes them.
-Exit codes, as for the other commands: 0 written; 2 no event log in RUN_DIR, or ``--html`` names
-what the command must not write (a directory, a link, a file it did not write, a path under a
-file); 74 the page could not be written (a read-only or full disk, no permission).
+"""A run's goodput ledger as a terminal summary and as one self-contained HTML page (written
+atomically), and how to tell a page written here from any other file. The numbers come from
+:mod:`crashproof.telemetry._ledger`, the page from :mod:`crashproof.telemetry._report_html`; this
+module only formats and writes them. ``crashproof report`` (:mod:`crashproof.cli`) prints them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import stat
 
-from crashproof._console import output_unwritable, say
-from crashproof._files import check_parent, write_atomically
-from crashproof.errors import ConfigError
-from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
-from crashproof.telemetry._ledger import Ledger, read_ledger
+from crashproof._files import write_atomically
+from crashproof.telemetry._ledger import Ledger
 from crashproof.telemetry._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
 
-__all__ = ["add_report_parser", "format_summary", "run_report", "write_html_report"]
+__all__ = ["REPORT_FILE", "format_summary", "is_report_page", "write_html_report"]
 
 REPORT_FILE = "report.html"
+"""The page's name in the run directory, where ``crashproof report`` writes it by default."""
 
 
 def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:
@@ -36,9 +28,9 @@ def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:
     return target
 
 
-def _replaceable(path: str) -> bool:
+def is_report_page(path: str) -> bool:
     """Whether ``path`` is a report page written earlier (never follows a link, never blocks
-    on a FIFO): only those are overwritten."""
+    on a FIFO): the only file ``crashproof report`` overwrites."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
@@ -53,25 +45,6 @@ def _replaceable(path: str) -> bool:
         os.close(fd)
     # Pages from before the mark was added are recognised by their title.
     return GENERATOR_MARK.encode() in head or b"<title>crashproof report: " in head
-
-
-def _refuse_html(path: str) -> str:
-    """Why the page must not be written at ``path`` ("" when it may): only a new path, or a page
-    this command wrote, in a directory."""
-    if not path:
-        return "--html '': give the path of the page to write"
-    if os.path.isdir(path) and not os.path.islink(path):
-        return (
-            f"--html {path}: is a directory; give a file path such as "
-            f"{os.path.join(path, REPORT_FILE)}"
-        )
-    if os.path.lexists(path) and not _replaceable(path):
-        return f"--html {path}: exists and is not a page this command wrote; choose a new path"
-    try:
-        check_parent(path, "--html")
-    except ConfigError as exc:
-        return str(exc)
-    return ""
 
 
 def format_summary(ledger: Ledger) -> str:
@@ -110,56 +83,3 @@ def format_summary(ledger: Ledger) -> str:
             f"{duration(f.lost_s):>10} {duration(down):>10}  {f.reason[:100]}"
         )
     return "\n".join(lines)
-
-
-def add_report_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register ``report`` on ``crashproof``'s subcommands; it dispatches through ``func``."""
-    p = subparsers.add_parser(
-        "report",
-        help="where a run's time went: ETTR, losses by cause, failures; writes an HTML page",
-        description="Read RUN_DIR/events.jsonl (the --run-dir of `crashproof run`) and report "
-        "the run's effective training time ratio and where the rest of its time went "
-        "(docs/goodput.md).",
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of `crashproof run`")
-    p.add_argument(
-        "--html",
-        metavar="PATH",
-        help=f"where to write the page (default RUN_DIR/{REPORT_FILE}; with --json, only if given)",
-    )
-    p.add_argument("--json", action="store_true", help="print the ledger as a JSON object")
-    p.set_defaults(func=run_report)
-    return p
-
-
-def run_report(args: argparse.Namespace) -> int:
-    """``crashproof report``: print the summary and the page's path (or the JSON)."""
-    try:
-        ledger = read_ledger(args.run_dir)
-    except FileNotFoundError as exc:
-        say("crashproof", f"report: {exc}")
-        return EXIT_USAGE
-    except OSError as exc:  # a directory named events.jsonl, no permission...
-        say("crashproof", f"report: cannot read the event log in {args.run_dir}: {exc}")
-        return EXIT_USAGE
-    html_path = args.html
-    if html_path is None and not args.json:
-        html_path = os.path.join(args.run_dir, REPORT_FILE)
-    if html_path is not None:
-        refused = _refuse_html(html_path)
-        if refused:
-            say("crashproof", f"report: {refused}")
-            return EXIT_USAGE
-        try:
-            write_html_report(ledger, html_path)
-        except OSError as exc:  # as `export -o`: the storage of an output (docs: README)
-            say("crashproof", f"report: {output_unwritable('--html', html_path, exc)}")
-            return EXIT_STORAGE
-    if args.json:
-        print(json.dumps(ledger.to_json(), indent=2))
-    else:
-        print(format_summary(ledger))
-        print(f"\nreport: {html_path}")
-    return EXIT_OK

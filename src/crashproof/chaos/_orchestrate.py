@@ -1,26 +1,28 @@
-"""``crashproof chaos [options] -- <crashproof run arguments>``: a seeded fault campaign.
+"""A campaign from start to verdict: which faults, where the runs and the report go (never over
+what a campaign did not write), the faulted run and the optional baseline, the table and the
+report. The command line (:mod:`crashproof.cli`) parses the options, ``crashproof run``'s among
+them, and hands them here as :class:`CampaignOptions` and :class:`RunOptions`.
 
-Imports nothing heavy at module level: ``crashproof.chaos`` is imported by the guard and the
-storage seams, and the campaign machinery (torch's launcher among it) loads only when a
-campaign runs.
+Imports nothing heavy at module level: the campaign machinery (torch's launcher among it) loads
+only when a campaign runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from crashproof._console import say
-from crashproof.chaos._schedule import KINDS, Fault, draw_schedule, parse_duration, parse_fault
+from crashproof.chaos._schedule import Fault, draw_schedule, parse_fault
 from crashproof.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
-__all__ = ["RUN_PLACEHOLDER", "add_chaos_parser", "run_chaos"]
+__all__ = ["RUN_PLACEHOLDER", "CampaignOptions", "RunOptions", "run_campaign"]
 
 
 RUN_PLACEHOLDER = "{run}"
@@ -28,54 +30,39 @@ RUN_PLACEHOLDER = "{run}"
 for the baseline), so the two runs never share a checkpoint directory."""
 
 
-def add_chaos_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register ``chaos`` on ``crashproof``'s subcommands; it dispatches through ``func``."""
-    p = subparsers.add_parser(
-        "chaos",
-        help="inject seeded faults into a `crashproof run` job and check it recovers",
-        description="Launch `crashproof run` with the arguments after `--`, inject faults (kill, "
-        "hang, nan, corrupt, storage, straggler) on a seeded schedule, and report for each "
-        "whether it was detected and recovered from, and the work it cost. `{run}` in the "
-        "arguments stands for the run's directory. Exit 0: every fault detected and recovered "
-        "(and the baseline matched), 1: not, 2: usage error. See docs/chaos.md.",
-    )
-    p.add_argument("--seed", type=int, default=0, help="the same seed draws the same schedule")
-    p.add_argument("--mtbf", type=_duration, metavar="SECONDS",
-                   help="mean time between faults: exponential inter-arrival times")  # fmt: skip
-    p.add_argument("--duration", type=_duration, metavar="SECONDS",
-                   help="with --mtbf: no faults after this long; the run is then left to finish")  # fmt: skip
-    p.add_argument("--faults", default=",".join(KINDS), metavar="KIND,...",
-                   help=f"with --mtbf: the kinds drawn from, uniformly (default {','.join(KINDS)})")  # fmt: skip
-    p.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help='one fault, e.g. "at=30s,rank=1,kind=kill" or "at=step:120,rank=0,kind=nan" '
-        "(repeatable, injected in the order given)",
-    )
-    p.add_argument("--dir", metavar="DIR",
-                   help="the campaign's directory (default ./crashproof-chaos/<time>-<pid>); "
-                        "{run} is DIR/run, the baseline's DIR/baseline")  # fmt: skip
-    p.add_argument(
-        "--report", metavar="PATH", help="the JSON report (default RUN_DIR/chaos_report.json)"
-    )
-    p.add_argument("--compare-baseline", action="store_true",
-                   help="also run without faults and compare the final checkpoints bit for bit")  # fmt: skip
-    p.add_argument("--resolve-timeout", type=_duration, default=300.0, metavar="SECONDS",
-                   help="how long to wait for a fault's detection and recovery (default 300)")  # fmt: skip
-    p.add_argument("--timeout", type=_duration, default=None, metavar="SECONDS",
-                   help="stop each run after this long (default: no limit)")  # fmt: skip
-    p.add_argument("--force", action="store_true",
-                   help="replace an earlier campaign's report at --report (nothing else)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no live progress bar (it shows only on a terminal anyway)")  # fmt: skip
-    p.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- RUN_ARGS")
-    p.set_defaults(func=run_chaos)
-    return p
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CampaignOptions:
+    """What ``crashproof chaos`` was asked for (its options, by the same names)."""
+
+    seed: int = 0
+    faults: Sequence[str] = ()
+    """Explicit faults (``--fault``), in injection order; or, with ``mtbf_s``, none."""
+    mtbf_s: float | None = None
+    duration_s: float | None = None
+    kinds: str = ""
+    """``--faults``: the kinds a drawn schedule draws from, comma-separated."""
+    directory: str | None = None
+    report: str | None = None
+    compare_baseline: bool = False
+    resolve_timeout_s: float = 300.0
+    timeout_s: float | None = None
+    force: bool = False
+    json: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """The ``crashproof run`` arguments of the job, and what the campaign needs of them parsed."""
+
+    args: Sequence[str]
+    """As given (``{run}`` unfilled)."""
+    run_dir: str | None
+    """Their ``--run-dir`` (None: not given)."""
+    script_args: Sequence[str]
+    """The training script's own arguments."""
+    nproc_per_node: str
+    nnodes: str
 
 
 def _usage(message: str) -> int:
@@ -83,23 +70,63 @@ def _usage(message: str) -> int:
     return EXIT_USAGE
 
 
-def _parse_run_args(run_args: list[str]) -> argparse.Namespace:
-    """``crashproof run``'s own parser on the arguments (SystemExit(2) on a bad one)."""
-    from crashproof.supervisor.launch import build_parser
-
-    return build_parser().parse_args(run_args)
-
-
-def _duration(text: str) -> float:
-    """``parse_duration`` for argparse, which shows an ArgumentTypeError's message (a ValueError's
-    it replaces with "invalid value")."""
+def run_campaign(options: CampaignOptions, run: RunOptions) -> int:
+    """``crashproof chaos``: run the campaign (and the baseline), print and write the report.
+    Exit 0 passed, 1 failed, 2 a usage error (said in one line, before anything runs)."""
+    run_args = list(run.args)
+    run_dir_template = run.run_dir
+    if run_dir_template is None:
+        run_args = ["--run-dir", RUN_PLACEHOLDER, *run_args]
+        run_dir_template = RUN_PLACEHOLDER
+    elif options.compare_baseline and RUN_PLACEHOLDER not in run_dir_template:
+        return _usage(
+            f"--run-dir {run_dir_template}: with --compare-baseline write it with {RUN_PLACEHOLDER}, or leave it out"
+        )
+    if options.compare_baseline and not any(RUN_PLACEHOLDER in a for a in run.script_args):
+        return _usage(
+            f"--compare-baseline: the script's arguments must put its checkpoints under "
+            f"{RUN_PLACEHOLDER} (e.g. --run-dir {RUN_PLACEHOLDER}), or the baseline would resume "
+            "from the faulted run's checkpoints"
+        )
     try:
-        return parse_duration(text)
+        schedule = _schedule(options, _world_size(run))
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        return _usage(str(exc))
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    directory = os.path.abspath(
+        options.directory or os.path.join("crashproof-chaos", f"{stamp}-{os.getpid()}")
+    )
+    faulted = _placed(run_args, run_dir_template, os.path.join(directory, "run"))
+    if os.path.exists(os.path.join(faulted.run_dir, "events.jsonl")):
+        return _usage(
+            f"{faulted.run_dir} already holds a run's events: give the campaign a new --dir"
+        )
+    report_path = options.report or os.path.join(faulted.run_dir, "chaos_report.json")
+    refused = _refuse_outputs(directory, report_path, force=options.force)
+    if refused:
+        return _usage(refused)
+    os.makedirs(directory, exist_ok=True)
+    baseline = _placed(run_args, run_dir_template, os.path.join(directory, "baseline"))
+    with _signals_end_the_campaign():
+        return _campaign(options, schedule, directory, faulted, baseline, report_path)
 
 
-def _world_size(run: argparse.Namespace) -> int:
+class _Placed(NamedTuple):
+    """One run of the campaign: its ``crashproof run`` arguments and its run directory."""
+
+    args: list[str]
+    run_dir: str
+
+
+def _placed(run_args: list[str], run_dir_template: str, directory: str) -> _Placed:
+    """The run whose ``{run}`` is ``directory``."""
+    return _Placed(
+        [a.replace(RUN_PLACEHOLDER, directory) for a in run_args],
+        os.path.abspath(run_dir_template.replace(RUN_PLACEHOLDER, directory)),
+    )
+
+
+def _world_size(run: RunOptions) -> int:
     try:
         nproc = int(run.nproc_per_node)
         nodes = max(int(n) for n in str(run.nnodes).split(":", 1))  # "1:4": up to 4
@@ -116,20 +143,20 @@ def _world_size(run: argparse.Namespace) -> int:
     return nproc * nodes
 
 
-def _schedule(args: argparse.Namespace, world_size: int) -> list[Fault]:
-    if args.fault and args.mtbf is not None:
+def _schedule(options: CampaignOptions, world_size: int) -> list[Fault]:
+    if options.faults and options.mtbf_s is not None:
         raise ValueError("give either --mtbf (a drawn schedule) or --fault (explicit faults)")
-    if args.fault:
-        return [_fault(spec, i, args.seed, world_size) for i, spec in enumerate(args.fault)]
-    if args.mtbf is None:
+    if options.faults:
+        return [_fault(spec, i, options.seed, world_size) for i, spec in enumerate(options.faults)]
+    if options.mtbf_s is None:
         raise ValueError('give --mtbf SECONDS --duration SECONDS, or --fault "at=30s,kind=kill"')
-    if args.duration is None:
+    if options.duration_s is None:
         raise ValueError("--mtbf needs --duration SECONDS: how long faults keep coming")
-    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    kinds = [k.strip() for k in options.kinds.split(",") if k.strip()]
     return draw_schedule(
-        seed=args.seed,
-        mtbf_s=args.mtbf,
-        duration_s=args.duration,
+        seed=options.seed,
+        mtbf_s=options.mtbf_s,
+        duration_s=options.duration_s,
         kinds=kinds,
         world_size=world_size,
     )
@@ -143,58 +170,6 @@ def _fault(spec: str, index: int, seed: int, world_size: int) -> Fault:
         if spec in str(exc):
             raise
         raise ValueError(f"--fault {spec!r}: {exc}") from None
-
-
-def _fill(run_args: list[str], directory: str) -> list[str]:
-    return [a.replace(RUN_PLACEHOLDER, directory) for a in run_args]
-
-
-def run_chaos(args: argparse.Namespace) -> int:
-    """``crashproof chaos``: run the campaign (and the baseline), print and write the report."""
-    run_args = list(args.run_args)
-    if run_args[:1] == ["--"]:
-        run_args = run_args[1:]
-    if not run_args:
-        return _usage(
-            "give the `crashproof run` arguments after --, e.g. -- --nproc-per-node 2 train.py --run-dir {run}"
-        )
-    try:
-        run = _parse_run_args(run_args)
-    except SystemExit:
-        return _usage(f"the `crashproof run` arguments do not parse: {' '.join(run_args)}")
-    if run.run_dir is None:
-        run_args = ["--run-dir", RUN_PLACEHOLDER, *run_args]
-    elif args.compare_baseline and RUN_PLACEHOLDER not in run.run_dir:
-        return _usage(
-            f"--run-dir {run.run_dir}: with --compare-baseline write it with {RUN_PLACEHOLDER}, or leave it out"
-        )
-    if args.compare_baseline and not any(RUN_PLACEHOLDER in a for a in run.training_script_args):
-        return _usage(
-            f"--compare-baseline: the script's arguments must put its checkpoints under "
-            f"{RUN_PLACEHOLDER} (e.g. --run-dir {RUN_PLACEHOLDER}), or the baseline would resume "
-            "from the faulted run's checkpoints"
-        )
-    try:
-        schedule = _schedule(args, _world_size(run))
-        if args.resolve_timeout <= 0:
-            raise ValueError("--resolve-timeout must be positive")
-    except ValueError as exc:
-        return _usage(str(exc))
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    directory = os.path.abspath(
-        args.dir or os.path.join("crashproof-chaos", f"{stamp}-{os.getpid()}")
-    )
-    faulted_args = _fill(run_args, os.path.join(directory, "run"))
-    run_dir = os.path.abspath(_parse_run_args(faulted_args).run_dir)
-    if os.path.exists(os.path.join(run_dir, "events.jsonl")):
-        return _usage(f"{run_dir} already holds a run's events: give the campaign a new --dir")
-    report_path = args.report or os.path.join(run_dir, "chaos_report.json")
-    refused = _refuse_outputs(directory, report_path, force=args.force)
-    if refused:
-        return _usage(refused)
-    os.makedirs(directory, exist_ok=True)
-    with _signals_end_the_campaign():
-        return _campaign(args, schedule, directory, run_args, faulted_args, run_dir, report_path)
 
 
 _REPORT_KEYS = {"run_dir", "seed", "faults", "injected", "detected", "recovered", "passed"}
@@ -267,12 +242,11 @@ def _signals_end_the_campaign() -> Iterator[None]:
 
 
 def _campaign(
-    args: argparse.Namespace,
+    options: CampaignOptions,
     schedule: list[Fault],
     directory: str,
-    run_args: list[str],
-    faulted_args: list[str],
-    run_dir: str,
+    faulted: _Placed,
+    baseline: _Placed,
     report_path: str,
 ) -> int:
     from crashproof._seams import ENV_CHAOS_NAN, write_control
@@ -281,31 +255,31 @@ def _campaign(
     from crashproof.chaos._report import build_report, format_table, summary_line, write_report
     from crashproof.chaos._watch import RunView
 
-    echo = not args.json
+    run_dir = faulted.run_dir
+    echo = not options.json
     if echo:
         print(
-            f"[chaos] {len(schedule)} fault(s) scheduled (seed {args.seed}); run directory {run_dir}"
+            f"[chaos] {len(schedule)} fault(s) scheduled (seed {options.seed}); run directory {run_dir}"
         )
         for f in schedule:
             print(f"[chaos]   {f.id} {f.kind:<9} at {f.trigger:<10} rank {f.rank}  {_params(f)}")
     campaign = Campaign(
-        run_args=faulted_args,
+        run_args=faulted.args,
         run_dir=run_dir,
         schedule=schedule,
-        seed=args.seed,
+        seed=options.seed,
         console_path=os.path.join(directory, "run.log"),
-        resolve_timeout_s=args.resolve_timeout,
-        timeout_s=args.timeout,
+        resolve_timeout_s=options.resolve_timeout_s,
+        timeout_s=options.timeout_s,
         echo=echo,
-        progress=echo and not args.no_progress,
+        progress=echo and options.progress,
     )
     result = campaign.run()
     comparison: Comparison | None = None
     baseline_code: int | None = None
     baseline_dir: str | None = None
-    if args.compare_baseline:
-        base_args = _fill(run_args, os.path.join(directory, "baseline"))
-        baseline_dir = os.path.abspath(_parse_run_args(base_args).run_dir)
+    if options.compare_baseline:
+        baseline_dir = baseline.run_dir
         env = dict(os.environ)
         # A NaN changes what the run trains on by design (the guard skips or replays the batch):
         # the baseline gets the same NaNs at the same steps, and nothing else.
@@ -324,9 +298,9 @@ def _campaign(
                 f"[chaos] baseline run without faults{' (same NaN steps)' if nans else ''}: {baseline_dir}"
             )
         with open(os.path.join(directory, "baseline.log"), "a") as console:
-            proc = run_crashproof(base_args, env, console)
+            proc = run_crashproof(baseline.args, env, console)
             try:
-                baseline_code = proc.wait(timeout=args.timeout)
+                baseline_code = proc.wait(timeout=options.timeout_s)
             except subprocess.TimeoutExpired:
                 baseline_code = None  # reported as a failed baseline
             finally:
@@ -346,14 +320,14 @@ def _campaign(
     report = build_report(
         result=result,
         run_dir=run_dir,
-        seed=args.seed,
-        explicit=bool(args.fault),
+        seed=options.seed,
+        explicit=bool(options.faults),
         baseline=comparison,
         baseline_exitcode=baseline_code,
         baseline_run_dir=baseline_dir,
     )
     write_report(report, report_path)
-    if args.json:
+    if options.json:
         import json
 
         print(json.dumps(report, indent=2))

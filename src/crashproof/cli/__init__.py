@@ -1,0 +1,148 @@
+"""The ``crashproof`` command line: run training under supervision; look at, check, prune and
+export checkpoints; report, plan and test a run's resilience.
+
+One module per command group, each registering its parser and the function it dispatches to:
+``_run`` (``crashproof run``: torchrun's parser, launched by :mod:`crashproof.supervisor.launch`,
+whose docstring lists its exit codes), ``_checkpoints`` (``ls``, ``verify``, ``inspect``),
+``_prune``, ``_export``, ``_report``, ``_plan``, ``_chaos``; ``_conventions`` and ``_roots`` hold
+what they share. This is the top layer: it may import every part, and nothing imports it.
+
+Exit codes of the rest (README "Command line" has the table):
+
+- 0 success (and, for ``verify``, everything checked is valid);
+- 1 a checkpoint is invalid (``verify``, ``inspect``, ``export``), a campaign failed (``chaos``);
+- 2 a usage error, or nothing to act on (no such root or step, a root that is a file or a run
+  directory, an output path an export must not write);
+- 74 the storage could not be read or written (no credentials, no such bucket, permission, an
+  I/O error; a checkpoint file the storage refuses is this, never "invalid"), an output
+  (``export -o``, ``report --html``) could not be written, or ``prune`` on a root whose writer
+  holds its lock;
+- 70 an internal error (a bug: ``-v`` shows the traceback); 130 interrupted (Ctrl-C).
+
+Every failure is one line on stderr, ``crashproof: <what>: <why>; <what to do>``, naming the
+argument or path it is about (control characters in it escaped: :mod:`crashproof._console`);
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from crashproof._version import __version__
+from crashproof.cli._chaos import add_chaos_parser
+from crashproof.cli._checkpoints import add_checkpoint_parsers
+from crashproof.cli._conventions import OneLineParser, fail
+from crashproof.cli._export import add_export_parser
+from crashproof.cli._plan import add_plan_parser
+from crashproof.cli._prune import add_prune_parser
+from crashproof.cli._report import add_report_parser
+from crashproof.errors import CrashproofError
+from crashproof.exitcodes import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
+
+__all__ = ["main"]
+
+
+log = logging.getLogger("crashproof.cli")
+
+_STORAGE_MODULES = ("botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "adlfs", "fsspec",
+                    "google", "azure", "aiohttp", "urllib3", "requests")  # fmt: skip
+"""Packages whose exceptions, reaching the command line, mean the storage is out of reach."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``crashproof``'s parser, every subcommand on it but ``run`` (:func:`main` hands that to
+    torchrun's parser)."""
+    parser = OneLineParser(
+        prog="crashproof", description="Fault-tolerant PyTorch training: checkpoint tools."
+    )
+    parser.add_argument("--version", action="version", version=f"crashproof {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what crashproof does")
+    # Of OneLineParser too (one-line errors); typed as the plain class the add_*_parser hooks take.
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
+        dest="command", required=True, parser_class=OneLineParser
+    )
+    # Listed for --help only: main() hands `run` to torchrun's parser before this one runs.
+    sub.add_parser(
+        "run", help="run a training script like torchrun, restarting it on failures", add_help=False
+    )
+    add_checkpoint_parsers(sub)
+    add_prune_parser(sub)
+    add_export_parser(sub)
+    add_plan_parser(sub)
+    add_report_parser(sub)
+    add_chaos_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's own option parser (and torch): only for `run`
+        from crashproof.cli._run import run_main
+
+        try:  # a supervisor must outlive a closed pipe: SIGPIPE stays ignored
+            return run_main(argv[1:])
+        except SystemExit as exc:  # its usage errors: said already, in one line
+            return _exit_code(exc.code)
+    # Die quietly when piped into `head`, like other Unix tools.
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error (one line, said already), --help, --version
+        return _exit_code(exc.code)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except (CrashproofError, ValueError) as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except Exception as exc:
+        return _unexpected(args, exc)
+    return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return EXIT_OK
+    if isinstance(code, int):
+        return code
+    return fail(str(code), EXIT_USAGE)
+
+
+def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
+    """An exception no command turned into a message: the storage's, or a bug."""
+    subject = next(
+        (str(v) for k in ("root", "run_dir", "output", "dir") if (v := getattr(args, k, None))),
+        args.command,
+    )
+    what = f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " ")
+    log.debug("%s failed", args.command, exc_info=exc)  # -v: the traceback
+    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
+        remote = "://" in subject and not subject.startswith("file://")
+        return fail(
+            f"{subject}: cannot read or write the storage ({what}); check that it exists, "
+            + ("the credentials (for S3: AWS_* variables, ~/.aws) and " if remote else "")
+            + "the permissions",
+            EXIT_STORAGE,
+        )
+    return fail(
+        f"{args.command} {subject}: internal error ({what}); please report it, with the "
+        "traceback `crashproof -v` prints",
+        EXIT_INTERNAL,
+    )

@@ -1,0 +1,233 @@
+"""``crashproof ls``, ``verify`` and ``inspect``: what a checkpoint root holds, whether it is
+intact, and what one checkpoint holds; and how sizes and times are written for a person.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from crashproof.checkpoint import (
+    list_checkpoints,
+    read_manifest,
+    read_rank_index,
+    unreadable,
+    verify_checkpoint,
+)
+from crashproof.cli._conventions import fail
+from crashproof.cli._roots import open_root, pick, storage_refused
+from crashproof.errors import CrashproofError
+from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from crashproof.storage import Storage
+
+__all__ = ["add_checkpoint_parsers", "human", "iso"]
+
+
+def add_checkpoint_parsers(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Register ``ls``, ``verify`` and ``inspect``; each dispatches through ``func``."""
+    p = subparsers.add_parser(
+        "ls",
+        help="list checkpoints: step, created, size, kind, valid (manifest and file sizes), "
+        "verified (checksums, with --verify)",
+    )
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read every checkpoint whole and check its checksums (the `verified` column)",
+    )
+    p.set_defaults(func=cmd_ls)
+
+    p = subparsers.add_parser(
+        "verify", help="check every file's checksum; exit 1 if anything is invalid"
+    )
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="only this step (default: every checkpoint)")
+    p.add_argument("--latest", action="store_true", help="only the newest checkpoint")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
+
+    p = subparsers.add_parser("inspect", help="show a checkpoint's metadata and tensors")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="default: the newest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+
+def human(n: float) -> str:
+    """A size in bytes for a person: ``512 B``, ``1.5 MB`` (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def iso(ts: float | None) -> str:
+    """A Unix time as an ISO 8601 UTC time, ``-`` for none."""
+    if ts is None:
+        return "-"
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # a manifest's time no calendar holds
+        return str(ts)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    path, storage, found = open_root(args.root)
+    total = 0
+    if args.verify:
+        total = sum(sum(e.size for e in _manifest_files(storage, p)) for _, p in found)
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        disable=not args.verify or args.json or None,
+        file=sys.stderr,
+    ) as bar:
+        try:
+            rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
+        except OSError as exc:  # unreadable (not corrupt), named in full by list_checkpoints
+            if not unreadable(exc):
+                raise
+            return storage_refused(storage, path, exc)
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+        return EXIT_OK
+    # The header says which checks stand behind each column (docs: README "Command line").
+    checks = (
+        "valid (manifest, sizes)"
+        if args.verify
+        else "valid (manifest, sizes; checksums unread: --verify)"
+    )
+    print(
+        f"{'step':>10}  {'created (UTC)':<25}  {'size':>10}  {'kind':<18}  {checks}"
+        + ("  verified (checksums)" if args.verify else "")
+    )
+    for r in rows:
+        i = r.info
+        kind = f"delta (base {i.base_step})" if i.base_step is not None else i.kind
+        line = f"{i.step:>10}  {iso(i.created):<25}  {human(i.size_bytes):>10}  {kind:<18}  "
+        if not args.verify:
+            line += "yes" if i.valid else f"NO  {i.problem}"
+        else:
+            line += f"{'yes' if i.valid else 'NO':<23}  "
+            line += "yes" if r.verified else f"NO  {r.problem}"
+        print(line)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path, storage, found = open_root(args.root)
+    chosen = pick(found, args.step, storage.describe(path))
+    if args.latest:
+        chosen = chosen[:1]
+    results: list[dict[str, Any]] = []
+    for step, ckpt in chosen:
+        total = sum(e.size for e in _manifest_files(storage, ckpt))
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc=f"verify step {step}",
+            disable=args.json or None,
+            file=sys.stderr,
+        ) as bar:
+            try:
+                verify_checkpoint(storage, ckpt, on_bytes=bar.update)
+                results.append(
+                    {"step": step, "path": storage.describe(ckpt), "valid": True, "problem": ""}
+                )
+            except (CrashproofError, OSError) as exc:
+                if isinstance(exc, OSError) and unreadable(exc):  # no verdict on the unread
+                    return storage_refused(storage, ckpt, exc)
+                results.append(
+                    {
+                        "step": step,
+                        "path": storage.describe(ckpt),
+                        "valid": False,
+                        "problem": str(exc),
+                    }
+                )
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print(f"step {r['step']}: {'valid' if r['valid'] else 'INVALID: ' + r['problem']}")
+    return EXIT_OK if results and all(r["valid"] for r in results) else EXIT_INVALID
+
+
+def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
+    try:
+        return list(read_manifest(storage, ckpt).files.values())
+    except (CrashproofError, OSError):
+        return []
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path, storage, found = open_root(args.root)
+    chosen = pick(found, args.step, storage.describe(path))[:1]
+    if not chosen:
+        return fail(f"no checkpoints in {storage.describe(path)}", EXIT_USAGE)
+    _, ckpt = chosen[0]
+    try:
+        manifest = read_manifest(storage, ckpt)
+        ranks = [read_rank_index(storage, ckpt, manifest, r) for r in range(manifest.world_size)]
+    except CrashproofError as exc:
+        return fail(str(exc), EXIT_INVALID)
+    except OSError as exc:
+        return storage_refused(storage, ckpt, exc)
+    rank_reports: list[dict[str, Any]] = [
+        {
+            "rank": idx.rank,
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                | (
+                    {"global_shape": list(t.global_shape), "global_offset": list(t.global_offset)}
+                    if t.global_shape is not None and t.global_offset is not None
+                    else {}
+                )
+                for t in idx.tensors
+            ],
+            "components": sorted(idx.state) if isinstance(idx.state, dict) else [],
+        }
+        for idx in ranks
+    ]
+    report = {"manifest": manifest.to_json(), "ranks": rank_reports}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    m = manifest
+    print(f"checkpoint {storage.describe(ckpt)}")
+    print(
+        f"  step {m.step}, kind {m.kind}, world size {m.world_size}, created {iso(m.created_unix)}"
+    )
+    print(
+        f"  crashproof {m.library_version}, torch {m.torch_version}, checksums {m.hash_algorithm}"
+    )
+    if m.metadata:
+        print(f"  metadata {json.dumps(m.metadata)}")
+    for name, entry in sorted(m.files.items()):
+        print(f"  file {name:<28} {human(entry.size):>10}  {entry.checksum}")
+    for r in rank_reports:
+        print(f"  rank {r['rank']}: components {', '.join(r['components'])}")
+        print(f"    {'tensor':<50} {'dtype':<10} {'shape':<20} {'size':>10}")
+        for t in r["tensors"]:
+            print(
+                f"    {t['name']:<50} {t['dtype']:<10} {t['shape']!s:<20} {human(t['nbytes']):>10}"
+                + (  # a rank's piece of a sharded tensor: where it lies in the whole
+                    f"  piece of {t['global_shape']} at {t['global_offset']}"
+                    if "global_shape" in t
+                    else ""
+                )
+            )
+    return EXIT_OK

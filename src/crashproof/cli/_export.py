@@ -1,0 +1,89 @@
+"""``crashproof export``: a checkpoint written as safetensors (the model weights) or as a
+``torch.distributed.checkpoint`` directory; never over what an export did not write.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from crashproof._console import output_unwritable, say
+from crashproof._units import SIZE_FORMS
+from crashproof.checkpoint import check_target, export_dcp, export_safetensors
+from crashproof.cli._checkpoints import human
+from crashproof.cli._conventions import fail, size
+from crashproof.cli._roots import open_root, pick, storage_refused
+from crashproof.errors import ConfigError, CrashproofError
+from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_STORAGE, EXIT_USAGE
+
+__all__ = ["add_export_parser"]
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``export``; it dispatches through ``func``."""
+    p = subparsers.add_parser("export", help="write a checkpoint in a standard format")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="default: the newest valid checkpoint")
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "dcp"],
+        help="safetensors: the model weights (FILE); dcp: model, optimizer, scheduler and scaler "
+        "state as a torch.distributed.checkpoint directory (-o DIR)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="FILE|DIR")
+    p.add_argument(
+        "--max-shard-size",
+        type=size(),
+        default="5GB",
+        metavar="SIZE",
+        help="safetensors above this are split into numbered files plus an index (default 5GB); "
+        "SIZE is " + SIZE_FORMS,
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier export at -o (only one: a file or directory this command wrote, "
+        "holding nothing else)",
+    )
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    path, storage, found = open_root(args.root)
+    # Before anything is read: an export never writes over what it did not write, nor over the
+    # root, an ancestor of it, or the current directory (the export functions check again).
+    check_target(
+        args.output,
+        kind="dir" if args.format == "dcp" else "file",
+        force=args.force,
+        protected=[path] if "://" not in path else [],
+    )
+    chosen = pick(found, args.step, storage.describe(path))
+    for step, ckpt in chosen:  # newest first: the first that exports wins
+        try:
+            if args.format == "dcp":
+                state = export_dcp(storage, ckpt, args.output, force=args.force)
+                print(
+                    f"exported step {step} ({', '.join(sorted(state))}) as a "
+                    f"torch.distributed.checkpoint directory: {args.output}"
+                )
+                return EXIT_OK
+            tensors, files = export_safetensors(
+                storage, ckpt, args.output, max_shard_bytes=args.max_shard_size, force=args.force
+            )
+        except ConfigError as exc:  # the output path, or state safetensors cannot hold
+            return fail(str(exc), EXIT_USAGE)
+        except CrashproofError as exc:
+            if args.step is not None:
+                return fail(str(exc), EXIT_INVALID)
+            say("crashproof", f"skipping step {step}: {exc}")
+            continue
+        except OSError as exc:  # writing the output (named by its filename), or reading
+            if exc.filename == args.output:
+                return fail(output_unwritable("-o", args.output, exc), EXIT_STORAGE)
+            return storage_refused(storage, ckpt, exc)
+        size_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        where = args.output if len(files) == 1 else f"{len(files) - 1} files and {files[-1]}"
+        print(f"exported {len(tensors)} tensors ({human(size_bytes)}) of step {step} to {where}")
+        return EXIT_OK
+    return fail(f"no valid checkpoint to export in {storage.describe(path)}", EXIT_INVALID)

@@ -1,0 +1,112 @@
+"""``crashproof plan``: the options of a :class:`~crashproof.telemetry.Plan` (every input
+required), and the plan printed as a table or as JSON. The planning itself is
+:func:`crashproof.telemetry.plan`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from crashproof._console import say
+from crashproof.exitcodes import EXIT_OK, EXIT_USAGE
+from crashproof.telemetry import Plan, plan
+
+__all__ = ["add_plan_parser", "run_plan"]
+
+
+def add_plan_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register ``plan`` on ``crashproof``'s subcommands; it dispatches through ``func``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="what failures will cost a run, and how often it should checkpoint",
+        description="Expected failures, Young's and Daly's checkpoint intervals, goodput and cost "
+        "of a run, assuming independent exponential failures (docs/planning.md).",
+    )
+    p.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the job")
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--mtbf-hours", type=float, metavar="H", help="MTBF of one device")
+    rate.add_argument(
+        "--daily-failure-prob", type=float, metavar="P", help="chance one device fails in a day"
+    )
+    rate.add_argument("--cluster-mtbf-hours", type=float, metavar="H", help="MTBF of the whole job")
+    p.add_argument("--days", type=float, required=True, help="wall-clock length of the run")
+    p.add_argument(
+        "--ckpt-minutes",
+        type=float,
+        required=True,
+        metavar="MIN",
+        help="time training pauses for one checkpoint",
+    )
+    p.add_argument(
+        "--restart-minutes",
+        type=float,
+        required=True,
+        metavar="MIN",
+        help="from a failure to training again: detect, relaunch, load",
+    )
+    p.add_argument(
+        "--cost-per-device-hour",
+        type=float,
+        required=True,
+        metavar="PRICE",
+        help="price of one device for an hour (any currency)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``crashproof plan``: print the plan; exit 2, saying why, on a bad input."""
+    try:
+        result = plan(
+            devices=args.devices,
+            days=args.days,
+            ckpt_minutes=args.ckpt_minutes,
+            restart_minutes=args.restart_minutes,
+            cost_per_device_hour=args.cost_per_device_hour,
+            mtbf_hours=args.mtbf_hours,
+            daily_failure_prob=args.daily_failure_prob,
+            cluster_mtbf_hours=args.cluster_mtbf_hours,
+        )
+    except ValueError as exc:
+        say("crashproof", f"plan: {exc}")
+        return EXIT_USAGE
+    print(json.dumps(result.to_json(), indent=2) if args.json else _table(result))
+    return EXIT_OK
+
+
+def _table(r: Plan) -> str:
+    i = r.inputs
+    per_device_mtbf, daily_prob, _ = i.rates()
+    rows = [
+        f"{_count(i.devices, 'device')} for {_count(i.days, 'day')} "
+        f"({i.devices * i.days * 24:,.0f} device-hours)",
+        "failures",
+        f"  chance of none              {r.p_no_failure:.3g}",
+        f"  expected                    {r.expected_failures:.3g}",
+        f"  cluster MTBF                {r.cluster_mtbf_hours:,.2f} h",
+        f"  per device                  MTBF {per_device_mtbf:,.0f} h, "
+        f"daily failure probability {daily_prob:.3g}",
+        f"checkpoints ({i.ckpt_minutes:g} min to write, {i.restart_minutes:g} min to restart)",
+        f"  Young interval sqrt(2CM)    {_hours(r.young_interval_hours)}",
+        f"  Daly interval               {_hours(r.daly_interval_hours)}  <- assumed below",
+        f"  expected overhead           {r.expected_overhead_fraction:.1%}",
+        f"  expected goodput            {r.expected_goodput:.1%}",
+        f"  lost per failure            {_hours(r.loss_per_failure_hours())}",
+        f"cost (at {i.cost_per_device_hour:,.2f} per device-hour)",
+        f"  compute                     {r.compute_cost:,.0f}",
+        f"  expected failure cost       {r.expected_failure_cost:,.0f}",
+    ]
+    return "\n".join(rows)
+
+
+def _hours(h: float) -> str:
+    return f"{h:,.2f} h ({h * 60:,.0f} min)"
+
+
+def _count(n: float, unit: str) -> str:
+    return f"{n:,g} {unit}" + ("" if n == 1 else "s")

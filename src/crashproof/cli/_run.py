@@ -1,0 +1,174 @@
+"""``crashproof run``'s command line: torchrun's own parser (so every torchrun option keeps its
+name and meaning) with crashproof's options added, and the checks made before anything launches.
+The launch itself is :func:`crashproof.supervisor.launch.launch`'s.
+
+Defaults that differ from torchrun's, each for recovery speed or diagnosis (docs/supervisor.md):
+rendezvous ``c10d`` (on ``localhost``, port chosen free, when one node and no endpoint) and
+``--shutdown-timeout 5`` (SIGKILL a trainer 5 s after SIGTERM, not 30 s); the launch adds the
+rest (warm forked trainers, every rank's output kept and prefixed).
+
+Imports torch: loaded only for ``crashproof run`` and ``crashproof chaos``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+from collections.abc import Sequence
+
+from torch.distributed.run import get_args_parser
+
+from crashproof._units import DURATION_FORMS
+from crashproof.cli._conventions import (
+    OneLineParser,
+    duration,
+    number_above,
+    or_auto,
+    whole_number,
+)
+from crashproof.supervisor.launch import PREEMPTION_PROVIDERS, launch
+
+__all__ = ["build_run_parser", "run_main"]
+
+_DURATION = f"a duration: {DURATION_FORMS}"
+
+
+def build_run_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser, with crashproof's options added and a few defaults changed."""
+    parser = get_args_parser()
+    parser.__class__ = OneLineParser  # the same parser, its errors on one line
+    parser.prog = "crashproof run"
+    parser.description = (
+        "Run a training script like torchrun, and keep it running: detect crashed and hung "
+        "ranks, dump their stacks, restart from the newest valid checkpoint, stop crash loops."
+    )
+    group = parser.add_argument_group("crashproof")
+    group.add_argument(
+        "--run-dir",
+        default=None,
+        help="events.jsonl, per-rank logs, heartbeats and stack dumps (default: ./crashproof-runs/<time>)",
+    )
+    group.add_argument(
+        "--hang-timeout",
+        type=or_auto(duration()),
+        default=None,
+        metavar="auto|SECONDS",
+        help="how long without a finished step before a rank is hung; 'auto' (default) "
+        f"calibrates from the observed step times: 10x the longest step, at least 60 s; or "
+        f"{_DURATION}",
+    )
+    for option, default, allowance in (
+        ("--startup-timeout", 600.0, "allowance from start to first step"),
+        ("--restore-timeout", 600.0, "allowance for a restore"),
+        ("--save-timeout", 600.0, "allowance for a save's blocking part"),
+        (
+            "--done-timeout",
+            120.0,
+            "allowance from closing the checkpoint manager to the trainer's exit; a trainer "
+            "still there after it is ended (its work is committed) and the run goes on",
+        ),
+    ):
+        group.add_argument(
+            option, type=duration(), default=default, help=f"{allowance}; {_DURATION}"
+        )
+    group.add_argument(
+        "--crash-loop-attempts",
+        type=whole_number(0),
+        default=3,
+        help="failed attempts in a row that get no further than the furthest step reached "
+        "that stop the run as a crash loop (0: never)",
+    )
+    group.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="exec a fresh 'python script.py' per trainer (torchrun's way) instead of forking "
+        "it from a warm process that already imported torch",
+    )
+    group.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also import MODULE in the warm process (repeatable), e.g. a heavy model library",
+    )
+    group.add_argument(
+        "--preemption",
+        choices=("auto", *PREEMPTION_PROVIDERS, "none"),
+        default="auto",
+        help="poll this cloud's metadata service for spot/preemption notices (auto: the cloud "
+        "this machine runs on, if any; the base URL can be set with CRASHPROOF_METADATA_URL)",
+    )
+    group.add_argument(
+        "--preemption-grace",
+        type=duration(),
+        default=30.0,
+        metavar="SECONDS",
+        help="on a preemption (SIGTERM to this command, or a notice), how long trainers get for "
+        f"their emergency checkpoint before SIGKILL; {_DURATION}",
+    )
+    group.add_argument(
+        "--replication-timeout",
+        type=duration(),
+        default=600.0,
+        metavar="SECONDS",
+        help="when the run ends, how long to wait for checkpoints still being copied to durable "
+        "tiers (CheckpointManager(remote=...)); on a preemption at most --preemption-grace; "
+        f"{_DURATION}",
+    )
+    group.add_argument(
+        "--straggler-factor",
+        type=number_above(1, "1.3"),
+        default=1.3,
+        help="report a rank whose work per step exceeds this many times its peers' median",
+    )
+    group.add_argument(
+        "--straggler-steps",
+        type=whole_number(1),
+        default=20,
+        help="over how many recent steps a rank's work per step is averaged for that",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=whole_number(
+            -1,
+            65535,
+            accepted="give a port from 1 to 65535, 0 for any free port, or -1 for no metrics",
+        ),
+        default=0,
+        help="serve Prometheus metrics on this port (default 0: any free port, written to "
+        "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address the metrics are served on (default: loopback only)",
+    )
+    parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
+    return parser
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """``crashproof run ARGV``: parse, check, launch; a usage error exits 2 (SystemExit)."""
+    parser = build_run_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return launch(args)
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the option types cannot check alone: torchrun's own options, and the script."""
+    if args.max_restarts < 0:
+        parser.error(f"argument --max-restarts: {args.max_restarts}: give 0 or more restarts")
+    if args.monitor_interval <= 0:
+        parser.error(f"argument --monitor-interval: {args.monitor_interval}: give positive seconds")
+    script = args.training_script
+    if args.module:
+        if importlib.util.find_spec(script.split(".")[0]) is None:  # imports nothing of it
+            parser.error(f"-m {script}: no module {script.split('.')[0]!r} on the Python path")
+    elif args.no_python:
+        if shutil.which(script) is None:
+            parser.error(f"--no-python {script}: no such program (not a file, not on PATH)")
+    elif not os.path.isfile(script):
+        parser.error(f"{script}: no such file (the training script: give its path)")
