@@ -113,6 +113,10 @@ def main() -> int:
             and done == fail_at
             and (args.fail_attempts is None or attempt < args.fail_attempts)
         )
+        if failing and args.fail_every_attempt:
+            # Progress each time must be progress kept: the save before the failure commits
+            # first (under load an asynchronous save two steps old may still be in flight).
+            ckpt.wait()
         if failing and rank == args.fail_rank:
             print(f"rank {rank} fails after step {done}", file=sys.stderr, flush=True)
             os._exit(3)
