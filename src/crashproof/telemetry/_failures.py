@@ -22,9 +22,9 @@ GROUP_FAILURES = frozenset({"killed", "crash", "hang", "preempted"})
 def exit_failure(event: Event) -> str | None:
     """The kind of failure a ``rank_exit`` shows: ``preempted`` (exit code 75, after its
     emergency checkpoint), ``killed`` (by a signal) or ``crash``; None for an exit that is none
-    (code 0, no code)."""
+    (code 0, no code, or a trainer the agent ended after its work was committed)."""
     code = int_field(event, "exitcode")
-    if not code:
+    if not code or event.get("ended_after_done"):
         return None
     if code == EXIT_PREEMPTED:
         return "preempted"
