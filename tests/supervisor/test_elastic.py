@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from crashproof.supervisor._agent import _process_state
+from crashproof.supervisor._trainers import process_state as _process_state
 from crashproof.telemetry import read_events
 from tests.conftest import free_port
 

@@ -282,6 +282,21 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
     )
 
 
+def test_a_rank_ended_after_it_was_done_is_no_failure() -> None:
+    # rank 1 closed its manager after step 20 but did not exit: the supervisor ended it
+    events = [
+        *NO_FAILURE[:-3],
+        sup(1014.8, "done_hang", rank=1, pid=150, step=20, silent_s=0.7, timeout_s=0.5),
+        sup(1015.0, "rank_exit", rank=0, exitcode=0),
+        sup(1015.0, "rank_exit", rank=1, exitcode=-9, ended_after_done=True),
+        run_end(1015.5),
+    ]
+    ledger = compute_ledger(events)
+    assert ledger.failures == () and ledger.outcome == "succeeded"
+    assert parts(ledger) == parts(compute_ledger(NO_FAILURE))
+    assert_adds_up(ledger)
+
+
 def test_a_run_still_going_ends_at_its_last_event() -> None:
     ledger = compute_ledger(NO_FAILURE[:-3])  # no exits, no run_end
     assert ledger.outcome is None

@@ -11,13 +11,16 @@ For each injection: the event that shows it was **detected**, by kind:
 | storage | the error in a rank's ``rank_exit`` or log (``enospc``, ``eio``); a ``checkpoint`` whose ``persist_s`` shows the stall, or a ``hang`` (``hang``) |
 | straggler | a ``straggler`` event naming the rank |
 
-It was **recovered** from when, after the detection (and, for a straggler, after the slowdown
-ended), a checkpoint of a step beyond the furthest step reached before the fault was committed,
-or the run finished. Its **lost work** is what had to be computed again: the furthest step the
-group finished before it failed (``rank_exit``'s or ``hang``'s ``step``) minus the step the next
-attempt restored (0 when it found no checkpoint); for a rollback, the steps finished before the
-anomaly minus the step rolled back to. ``lost_s`` prices those steps at the run's median step
-time (``progress`` events). Faults that cost no restart and no rollback lose no steps.
+A fault that stopped the group is matched to its failure in the goodput ledger
+(:func:`crashproof.telemetry.compute_ledger`, classified by
+:func:`crashproof.telemetry.failure_kind`): the first attempt after the fault that ended with a
+rank's failure or a hang. It was **recovered** from when, after the detection (and, for a
+straggler, after the slowdown ended), a checkpoint of a step beyond the furthest step reached
+before the fault (the failure's ``step_reached``) was committed, or the run finished. Its **lost
+work** is what had to be computed again: the failure's ``lost_steps`` once the run went on from a
+restore (0 until it does); for a NaN rollback, the steps finished before the anomaly minus the
+step rolled back to. ``lost_s`` prices those steps at the run's median step time (``progress``
+events). Faults that cost no restart and no rollback lose no steps.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from crashproof.chaos._schedule import Fault
 from crashproof.chaos._watch import Event, RunView
+from crashproof.telemetry import GROUP_FAILURES, FailureRecord, failure_kind
 
 __all__ = ["Injection", "assess", "median_step_s"]
 
@@ -116,11 +120,12 @@ def assess(inj: Injection, view: RunView, *, until: float | None = None) -> None
             inj.detected, inj.detected_by = True, found[0]
             # None when only a trainer's log line showed it: such a line carries no time
             inj.detect_s = None if found[1] is None else max(0.0, found[1] - inj.ts)
+    failure = _failure(inj, view, until)
     if inj.detected and not inj.recovered:
-        recovery = _recovery(inj, view, until)
+        recovery = _recovery(inj, view, failure)
         if recovery is not None:
             inj.recovered, inj.recovered_by = True, recovery
-    inj.lost_steps = _lost_steps(inj, view, until)
+    inj.lost_steps = _lost_steps(inj, view, failure, until)
     step_s = median_step_s(view)
     inj.lost_s = inj.lost_steps * step_s if step_s is not None else 0.0
 
@@ -221,37 +226,39 @@ def _corruption_seen(
     return None
 
 
-def _failure(inj: Injection, view: RunView, until: float | None) -> Event | None:
-    """The first failure of the group after the fault: a rank that exited with an error first,
-    or a hang; None when it caused none."""
-    end = math.inf if until is None else until
-    for e in view.events:
-        if not _start(inj) <= float(e.get("ts", 0)) < end:
-            continue
-        if e["event"] == "hang" or (
-            e["event"] == "rank_exit" and e.get("first") and e.get("exitcode") not in (0, None)
-        ):
-            return e
-    return None
+def _failure(inj: Injection, view: RunView, until: float | None) -> FailureRecord | None:
+    """The ledger's record of the first failure of the group after the fault (a rank's, or a
+    hang); None when it caused none."""
+    start, end = _start(inj), math.inf if until is None else until
+
+    def after_fault(ts: float) -> bool:
+        return start <= ts < end
+
+    # The ledger reads the whole log: only once the log shows a failure to look up.
+    if not any(
+        failure_kind(e) in GROUP_FAILURES and after_fault(float(e.get("ts", 0)))
+        for e in view.events
+    ):
+        return None
+    return next(
+        (f for f in view.ledger().failures if f.kind in GROUP_FAILURES and after_fault(f.ts)),
+        None,
+    )
 
 
-def _reached(inj: Injection, view: RunView, failure: Event | None) -> int:
+def _reached(inj: Injection, failure: FailureRecord | None) -> int:
     """The furthest step finished before the fault's consequences: what recovery must pass."""
     if failure is not None:
-        at = float(failure["ts"])
-        same = [
-            int(e.get("step", -1)) for e in view.of(str(failure["event"]), after=at, before=at + 1)
-        ]
-        return max([int(failure.get("step", -1)), *same])
+        return failure.step_reached
     if inj.fault.kind == "straggler" and inj.end_step is not None:
         return inj.end_step
     return inj.step
 
 
-def _recovery(inj: Injection, view: RunView, until: float | None) -> str | None:
+def _recovery(inj: Injection, view: RunView, failure: FailureRecord | None) -> str | None:
     if inj.fault.kind == "straggler" and inj.end_ts is None:
         return None  # still being slowed down
-    reached = _reached(inj, view, _failure(inj, view, until))
+    reached = _reached(inj, failure)
     after = max(_start(inj), inj.end_ts or 0.0)
     for e in view.of("checkpoint", after=after):
         if int(e["step"]) > reached:
@@ -262,19 +269,16 @@ def _recovery(inj: Injection, view: RunView, until: float | None) -> str | None:
     return None
 
 
-def _lost_steps(inj: Injection, view: RunView, until: float | None) -> int:
-    failure = _failure(inj, view, until)
+def _lost_steps(
+    inj: Injection, view: RunView, failure: FailureRecord | None, until: float | None
+) -> int:
     if failure is not None:
-        at = float(failure["ts"])
-        starts = view.of("rank_start", after=at)
-        if not starts:
-            return 0  # not restarted (yet)
-        # The restore of the attempt that followed (none: it found no checkpoint, started at 0).
-        attempt = starts[0].get("restart")
-        restores = [e for e in view.of("restore", after=at) if e.get("restart") == attempt]
-        restored = int(restores[0]["step"]) if restores else 0
-        return max(0, _reached(inj, view, failure) - restored)
+        # Nothing is computed again until the run goes on (the ledger counts the steps after the
+        # newest checkpoint of a run that ended on the failure as lost; a campaign does not).
+        return failure.lost_steps if failure.step_restored is not None else 0
     if inj.fault.kind == "nan" and inj.fired_ts is not None:
+        # Not the ledger's figure: it counts the anomalous step too, a campaign the steps
+        # finished before it.
         e = _first(view.of("numerics_rollback", after=inj.fired_ts, before=until), step=inj.step)
         if e is not None and e.get("rolled_back_to") is not None:
             return max(0, inj.step - 1 - int(e["rolled_back_to"]))

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from crashproof._rundir import RunDir
 from crashproof._seams import ENV_CHAOS_NAN, ENV_CHAOS_STORAGE, read_fired, write_control
 from crashproof.chaos._analysis import Injection, assess
 from crashproof.chaos._faults import DutyCycle, corrupt_newest, send, stop_all
@@ -40,12 +41,9 @@ from crashproof.chaos._watch import RunView
 from crashproof.checkpoint import committed_steps
 from crashproof.storage import LocalStorage
 
-__all__ = ["CHAOS_LOG", "Campaign", "CampaignResult", "run_crashproof"]
+__all__ = ["Campaign", "CampaignResult", "run_crashproof"]
 
 log = logging.getLogger("crashproof.chaos")
-
-CHAOS_LOG = "chaos.jsonl"
-"""``RUN_DIR/chaos.jsonl``: the campaign's own record, one JSON object per line."""
 
 _POLL_S = 0.02
 _PROGRESS_EVERY_S = 0.25
@@ -128,10 +126,9 @@ class Campaign:
     def __post_init__(self) -> None:
         self._view = RunView(self.run_dir)
         self._rng = random.Random(f"{self.seed}:inject")
-        self._seams = {
-            "nan": os.path.join(self.run_dir, "chaos", "nan.json"),
-            "storage": os.path.join(self.run_dir, "chaos", "storage.json"),
-        }
+        layout = RunDir(self.run_dir)
+        self._log_path = layout.chaos_log
+        self._seams = {kind: layout.chaos_control(kind) for kind in ("nan", "storage")}
 
     @property
     def view(self) -> RunView:
@@ -440,7 +437,7 @@ class Campaign:
     def _record(self, event: str, **fields: Any) -> None:
         line = json.dumps({"ts": time.time(), "event": event, **fields}, default=str)
         os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, CHAOS_LOG), "a") as f:
+        with open(self._log_path, "a") as f:
             f.write(line + "\n")
 
     def _say(self, text: str) -> None:

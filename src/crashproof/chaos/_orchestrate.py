@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from crashproof._console import say
+from crashproof._rundir import RunDir
 from crashproof.chaos._schedule import Fault, draw_schedule, parse_fault
 from crashproof.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
@@ -97,11 +98,11 @@ def run_campaign(options: CampaignOptions, run: RunOptions) -> int:
         options.directory or os.path.join("crashproof-chaos", f"{stamp}-{os.getpid()}")
     )
     faulted = _placed(run_args, run_dir_template, os.path.join(directory, "run"))
-    if os.path.exists(os.path.join(faulted.run_dir, "events.jsonl")):
+    if os.path.exists(RunDir(faulted.run_dir).events):
         return _usage(
             f"{faulted.run_dir} already holds a run's events: give the campaign a new --dir"
         )
-    report_path = options.report or os.path.join(faulted.run_dir, "chaos_report.json")
+    report_path = options.report or RunDir(faulted.run_dir).chaos_report
     refused = _refuse_outputs(directory, report_path, force=options.force)
     if refused:
         return _usage(refused)
@@ -289,7 +290,7 @@ def _campaign(
             if i.fault.kind == "nan" and i.fired_ts is not None
         ]
         if nans:
-            control = os.path.join(baseline_dir, "chaos", "nan.json")
+            control = RunDir(baseline_dir).chaos_control("nan")
             os.makedirs(os.path.dirname(control), exist_ok=True)
             write_control(control, nans)
             env[ENV_CHAOS_NAN] = control

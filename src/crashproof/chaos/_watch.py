@@ -1,9 +1,10 @@
 """What a campaign sees of a running ``crashproof run``: its events, ranks, steps and logs.
 
 Read-only, from the files the supervisor and the trainers keep in the run directory: the event
-log (read incrementally, a torn last line left for the next read), the ``rank_start`` events of
-the newest attempt (global rank -> pid), the heartbeat records (each rank's last finished step
-and phase) and the ranks' log files. Nothing here sends a signal or writes a file.
+log (read incrementally, a torn last line left for the next read) and its goodput ledger, the
+``rank_start`` events of the newest attempt (global rank -> pid), the heartbeat records (each
+rank's last finished step and phase) and the ranks' log files. Nothing here sends a signal or
+writes a file.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from crashproof._rundir import RunDir
 from crashproof.link import Heartbeat, read_heartbeat
-from crashproof.telemetry import EVENTS_FILE, EventTail
+from crashproof.telemetry import EventTail, Ledger, compute_ledger
 
 __all__ = ["RankProcess", "RunView"]
 
@@ -40,15 +42,23 @@ class RunView:
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
+        self.layout = RunDir(run_dir)
         self.events: list[Event] = []
-        self._tail = EventTail(os.path.join(run_dir, EVENTS_FILE))
+        self._tail = EventTail(self.layout.events)
         self._searched: dict[tuple[str, int], tuple[str | None, float]] = {}
+        self._ledger: tuple[int, Ledger] | None = None
 
     def refresh(self) -> list[Event]:
         """Read the events appended since the last call; returns them."""
         new = [e for e in self._tail.read_new() if isinstance(e.get("event"), str)]
         self.events += new
         return new
+
+    def ledger(self) -> Ledger:
+        """The goodput ledger of the events read so far (computed again only after new ones)."""
+        if self._ledger is None or self._ledger[0] != len(self.events):
+            self._ledger = (len(self.events), compute_ledger(self.events, run_dir=self.run_dir))
+        return self._ledger[1]
 
     def of(self, name: str, *, after: float = 0.0, before: float | None = None) -> list[Event]:
         """The events called ``name`` with a time at or after ``after`` (and before ``before``)."""
@@ -75,7 +85,7 @@ class RunView:
 
     def heartbeat(self, process: RankProcess) -> Heartbeat | None:
         """The trainer's heartbeat record, if it has written one (matched by pid)."""
-        pattern = os.path.join(self.run_dir, "heartbeats", "*", f"local_rank_{process.local_rank}")
+        pattern = RunDir.heartbeat_file(self.layout.heartbeat_dir("*"), process.local_rank)
         for path in glob.glob(pattern):
             beat = read_heartbeat(path)
             if beat is not None and beat.pid == process.pid:
@@ -101,10 +111,10 @@ class RunView:
         return os.path.dirname(str(saves[-1]["path"]).rstrip("/"))
 
     def log_files(self, *, from_attempt: int = 0) -> list[str]:
-        """The ranks' output files (``RUN_DIR/logs/<run>/attempt_<k>/<rank>/std*.log``) of the
-        attempts from ``from_attempt`` on."""
+        """The ranks' output files (:attr:`RunDir.rank_logs`) of the attempts from
+        ``from_attempt`` on."""
         found = []
-        for path in glob.glob(os.path.join(self.run_dir, "logs", "*", "attempt_*", "*", "*.log")):
+        for path in glob.glob(self.layout.rank_logs):
             attempt = os.path.basename(os.path.dirname(os.path.dirname(path)))
             try:
                 if int(attempt.removeprefix("attempt_")) >= from_attempt:

@@ -15,10 +15,10 @@ import os
 
 from crashproof._console import output_unwritable, say
 from crashproof._files import check_parent
+from crashproof._rundir import RunDir
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
 from crashproof.telemetry import (
-    REPORT_FILE,
     format_summary,
     is_report_page,
     read_ledger,
@@ -35,7 +35,7 @@ def add_report_parser(
     p = subparsers.add_parser(
         "report",
         help="where a run's time went: ETTR, losses by cause, failures; writes an HTML page",
-        description="Read RUN_DIR/events.jsonl (the --run-dir of `crashproof run`) and report "
+        description=f"Read {RunDir('RUN_DIR').events} (the --run-dir of `crashproof run`) and report "
         "the run's effective training time ratio and where the rest of its time went "
         "(docs/goodput.md).",
     )
@@ -43,7 +43,7 @@ def add_report_parser(
     p.add_argument(
         "--html",
         metavar="PATH",
-        help=f"where to write the page (default RUN_DIR/{REPORT_FILE}; with --json, only if given)",
+        help=f"where to write the page (default {RunDir('RUN_DIR').report_page}; with --json, only if given)",
     )
     p.add_argument("--json", action="store_true", help="print the ledger as a JSON object")
     p.set_defaults(func=run_report)
@@ -62,7 +62,7 @@ def run_report(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     html_path = args.html
     if html_path is None and not args.json:
-        html_path = os.path.join(args.run_dir, REPORT_FILE)
+        html_path = RunDir(args.run_dir).report_page
     if html_path is not None:
         refused = _refuse_html(html_path)
         if refused:
@@ -87,10 +87,7 @@ def _refuse_html(path: str) -> str:
     if not path:
         return "--html '': give the path of the page to write"
     if os.path.isdir(path) and not os.path.islink(path):
-        return (
-            f"--html {path}: is a directory; give a file path such as "
-            f"{os.path.join(path, REPORT_FILE)}"
-        )
+        return f"--html {path}: is a directory; give a file path such as {RunDir(path).report_page}"
     if os.path.lexists(path) and not is_report_page(path):
         return f"--html {path}: exists and is not a page this command wrote; choose a new path"
     try:

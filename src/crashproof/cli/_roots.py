@@ -12,6 +12,7 @@ import os
 import stat
 from collections.abc import Iterator
 
+from crashproof._rundir import EVENTS_FILE, RunDir
 from crashproof.checkpoint import committed_steps, located, parse_step_dir
 from crashproof.cli._conventions import fail, usage_error
 from crashproof.exitcodes import EXIT_STORAGE
@@ -122,8 +123,8 @@ def _why_none(storage: Storage, path: str, local: bool) -> str:
             if names
             else ("nothing is stored under that prefix (check the bucket and the prefix)")
         )
-    if "events.jsonl" in names:
-        roots = _roots_in_events(os.path.join(path, "events.jsonl"))
+    if EVENTS_FILE in names:
+        roots = _roots_in_events(RunDir(path).events)
         where = (
             f"its checkpoints are in {', '.join(roots)} (from its checkpoint events); "
             "run this command on that root"

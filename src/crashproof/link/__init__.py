@@ -16,7 +16,6 @@ from crashproof.link._heartbeat import (
     HeartbeatWriter,
     Phase,
     heartbeat,
-    heartbeat_path,
     read_heartbeat,
     worker_heartbeat,
 )
@@ -34,7 +33,6 @@ from crashproof.link._worker import (
     STACK_DUMP_SIGNAL,
     attach_to_supervisor,
     die_with_parent,
-    stack_dump_path,
 )
 
 __all__ = [
@@ -55,9 +53,7 @@ __all__ = [
     "attach_to_supervisor",
     "die_with_parent",
     "heartbeat",
-    "heartbeat_path",
     "read_heartbeat",
-    "stack_dump_path",
     "trainer_reporter",
     "worker_heartbeat",
 ]

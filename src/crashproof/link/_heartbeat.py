@@ -2,14 +2,16 @@
 
 A trainer run by ``crashproof run`` finds ``CRASHPROOF_HEARTBEAT_DIR`` in its environment and
 keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the step it
-started from (its restore), the phase it is in (start-up, step, restore, save, done), when it last beat, the longest gap between two steps
-since its previous write, and the seconds it spent in its own work (``compute_section``: the part
-of a step with no collective in it, which finds a straggler among ranks that wait for each other). The supervisor reads these files every monitor interval and decides
-what is a hang (:mod:`crashproof.supervisor._hang`); this module only moves the facts.
+started from (its restore), the phase it is in (start-up, step, restore, save, done), when it
+entered that phase and when it last beat, the longest gap between two steps since its previous
+write, and the seconds it spent in its own work (``compute_section``: the part of a step with no
+collective in it, which finds a straggler among ranks that wait for each other). The supervisor
+reads these files every monitor interval and decides what is a hang
+(:mod:`crashproof.supervisor._hang`); this module only moves the facts.
 
-A record is 72 bytes written with one ``pwrite`` and guarded by a CRC, so a reader never acts on a
-torn write. Beats are cheap (a clock read and a 72-byte ``pwrite`` to the page cache, a few
-microseconds; beats without a step are written at most every 10 ms), so beating every step
+A record is 72 bytes (a 68-byte body and its CRC-32) written with one ``pwrite``, so a reader
+never acts on a torn write. Beats are cheap (a clock read and a ``pwrite`` to the page cache, a
+few microseconds; beats without a step are written at most every 10 ms), so beating every step
 costs nothing measurable.
 """
 
@@ -22,13 +24,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Literal
 
+from crashproof._rundir import RunDir
+
 __all__ = [
     "ENV_HEARTBEAT_DIR",
     "Heartbeat",
     "HeartbeatWriter",
     "Phase",
     "heartbeat",
-    "heartbeat_path",
     "read_heartbeat",
     "worker_heartbeat",
 ]
@@ -65,10 +68,6 @@ class Heartbeat:
     """Seconds spent in compute sections since the trainer started (0: it marks none)."""
     start_step: int = -1
     """The step the trainer started from: the one it restored (-1: none restored yet)."""
-
-
-def heartbeat_path(directory: str, local_rank: int) -> str:
-    return os.path.join(directory, f"local_rank_{local_rank}")
 
 
 def read_heartbeat(path: str) -> Heartbeat | None:
@@ -185,7 +184,7 @@ def worker_heartbeat() -> HeartbeatWriter | None:
     if not directory:
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _writer = HeartbeatWriter(heartbeat_path(directory, local_rank))
+    _writer = HeartbeatWriter(RunDir.heartbeat_file(directory, local_rank))
     return _writer
 
 

@@ -29,15 +29,14 @@ import sys
 import threading
 from typing import IO
 
+from crashproof._rundir import RunDir
 from crashproof.link._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
-from crashproof.telemetry import ENV_RUN_DIR
 
 __all__ = [
     "ENV_PARENT_PID",
     "STACK_DUMP_SIGNAL",
     "attach_to_supervisor",
     "die_with_parent",
-    "stack_dump_path",
 ]
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -48,10 +47,6 @@ sets it for the trainers it forks)."""
 
 _stack_file: IO[str] | None = None
 _attached_pid = 0
-
-
-def stack_dump_path(run_dir: str, attempt: int, rank: int) -> str:
-    return os.path.join(run_dir, "stacks", f"attempt_{attempt}", f"rank_{rank}.txt")
 
 
 def attach_to_supervisor() -> None:
@@ -70,10 +65,9 @@ def attach_to_supervisor() -> None:
     # This process owns the record now; its children (spawned DataLoader workers, helper
     # scripts) must not open it again, truncating the trainer's record and stack file.
     os.environ.pop(ENV_HEARTBEAT_DIR, None)
-    run_dir = os.environ.get(ENV_RUN_DIR)
-    if run_dir:
-        path = stack_dump_path(
-            run_dir,
+    run_dir = RunDir.from_env()
+    if run_dir is not None:
+        path = run_dir.stack_dump(
             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             int(os.environ.get("RANK", "0")),
         )

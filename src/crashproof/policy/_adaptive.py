@@ -23,21 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 
+from crashproof._rundir import RunDir
 from crashproof.errors import ConfigError
 from crashproof.policy._save import SaveContext, _Combinable
-from crashproof.telemetry import (
-    ENV_RUN_DIR,
-    EVENTS_FILE,
-    daly_interval,
-    read_events,
-    young_interval,
-)
+from crashproof.telemetry import daly_interval, read_events, young_interval
 
 __all__ = ["Daly", "Young", "observed_failures"]
 
@@ -107,11 +101,9 @@ class _Adaptive(_Combinable):
     def should_save(self, ctx: SaveContext) -> bool:
         if not self._read_log:
             self._read_log = True
-            run_dir = os.environ.get(ENV_RUN_DIR)
-            if run_dir:  # under crashproof run: the failures of earlier attempts count
-                self._run_started, self._failures = observed_failures(
-                    os.path.join(run_dir, EVENTS_FILE)
-                )
+            run_dir = RunDir.from_env()
+            if run_dir is not None:  # under crashproof run: the failures of earlier attempts count
+                self._run_started, self._failures = observed_failures(run_dir.events)
         if ctx.last_blocking_s is not None and ctx.last_blocking_s != self._seen_blocking:
             self._seen_blocking = ctx.last_blocking_s
             self._costs.append(ctx.last_blocking_s)

@@ -15,21 +15,22 @@ group within its budget. On top of it this agent
   allowance, without counting it a failure: their work is committed;
 * writes every start, exit, hang and restart to the event log.
 
-It does not parse options (:mod:`crashproof.supervisor.launch` does) or decide what a hang is
+This module is the loop and its decisions. The trainers' heartbeat records are read by
+:mod:`~crashproof.supervisor._heartbeats`, signals, stack dumps and exit codes go through
+:mod:`~crashproof.supervisor._trainers`, and the events and console lines of hangs, stragglers and
+crash loops are worded by :mod:`~crashproof.supervisor._announce`. It does not parse options
+(:mod:`crashproof.supervisor.launch` does) or decide what a hang is
 (:mod:`crashproof.supervisor._hang`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,28 +45,34 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from crashproof.link import (
-    ENV_HEARTBEAT_DIR,
-    ENV_PARENT_PID,
-    EXIT_PREEMPTED,
-    STACK_DUMP_SIGNAL,
-    Heartbeat,
-    heartbeat_path,
-    read_heartbeat,
-    stack_dump_path,
+from crashproof._rundir import ENV_RUN_DIR, RunDir
+from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED
+from crashproof.supervisor._announce import (
+    announce_crash_loop,
+    announce_done_hang,
+    announce_hang,
+    announce_straggler,
 )
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
 from crashproof.supervisor._exits import ExitWatcher
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
+from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
-from crashproof.telemetry import ENV_RUN_DIR, EventLog
+from crashproof.supervisor._trainers import (
+    dump_stacks,
+    exit_code,
+    exit_codes,
+    last_error,
+    process_state,
+    remove_empty_stack_dumps,
+    signal_name,
+    signal_trainers,
+)
+from crashproof.telemetry import EventLog
 
 __all__ = ["CrashproofAgent", "SupervisorConfig"]
 
 log = logging.getLogger(__name__)
-
-_EXIT_CODE_WAIT_S = 0.05
-"""How long a look waits for the exit code of a trainer seen to end (reaped by its parent)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,8 +119,7 @@ class CrashproofAgent(LocalElasticAgent):
         )
         self.config = config
         self.events = events
-        self.hangs = HangDetector(config.hang)
-        self.stragglers = StragglerDetector(config.straggler)
+        self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
         self.preempted: str | None = None
@@ -123,13 +129,15 @@ class CrashproofAgent(LocalElasticAgent):
         self._notice: tuple[signal.Signals, str] | None = None  # set by handlers, sent by the loop
         self._long_close = False
         self._grace = max(1, round(config.shutdown_grace_s))  # torch takes whole seconds
-        agent_id = f"{socket.gethostname()}-{os.getpid()}"
-        self.heartbeat_dir = os.path.join(config.run_dir, "heartbeats", agent_id)
-        os.makedirs(self.heartbeat_dir, exist_ok=True)
+        self.heartbeats = GroupHeartbeats(
+            self.layout.heartbeat_dir(f"{socket.gethostname()}-{os.getpid()}"),
+            HangDetector(config.hang),
+            StragglerDetector(config.straggler),
+        )
         # Set before the first trainer starts, so the forkserver (started with the first group)
         # and every exec'd trainer inherit them; per-trainer facts come from torch's own variables.
         os.environ[ENV_RUN_DIR] = config.run_dir
-        os.environ[ENV_HEARTBEAT_DIR] = self.heartbeat_dir
+        os.environ[ENV_HEARTBEAT_DIR] = self.heartbeats.directory
         os.environ[ENV_PARENT_PID] = str(os.getpid())  # trainers and forkserver die with it
         self._failed_at_s: float | None = None
         self._stop_reason = ""
@@ -138,10 +146,6 @@ class CrashproofAgent(LocalElasticAgent):
         """Trainers SIGKILLed because a peer had failed (their exit is not a failure of theirs)."""
         self._ended_after_done: set[int] = set()
         """Trainers ended after they were done (work committed) but did not exit: no failure."""
-        self._seen_step = -1
-        """The furthest step this attempt's heartbeats have shown."""
-        self._seen_start_step = -1
-        """The step this attempt's ranks restored, as their heartbeats showed it (-1: none)."""
         # torch's loop sleeps a whole monitor interval between looks; ours waits on this event
         # instead, which the exit watcher sets when a trainer exits, so a failure is acted on the
         # moment it happens and a look still comes every interval when nothing does.
@@ -156,13 +160,11 @@ class CrashproofAgent(LocalElasticAgent):
     # -- starting and stopping ---------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        for stale in glob.glob(os.path.join(self.heartbeat_dir, "local_rank_*")):
-            os.remove(stale)  # a previous attempt's record must not vouch for a new trainer
+        self.heartbeats.new_attempt()
         started = time.monotonic()
         self.attempt = self.restart_count
         self._stopped_by_us.clear()
         self._ended_after_done.clear()
-        self._seen_step = self._seen_start_step = -1
         pids: dict[int, Any] = super()._start_workers(worker_group)
         if self._exits is not None:
             self._exits.close()
@@ -207,13 +209,7 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._grace)
-        # Each trainer opens its stack file at start; keep only those that hold a dump.
-        attempt_dir = os.path.dirname(stack_dump_path(self.config.run_dir, self.attempt, 0))
-        for path in glob.glob(os.path.join(attempt_dir, "rank_*.txt")):
-            if _size(path) == 0:
-                os.remove(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(attempt_dir)  # only if empty
+        remove_empty_stack_dumps(self.layout, self.attempt)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         membership_change = worker_group.state == WorkerState.HEALTHY
@@ -262,13 +258,13 @@ class CrashproofAgent(LocalElasticAgent):
                 self.events.emit(
                     "rank_exit",
                     rank=worker.global_rank,
-                    exitcode=self._exit_code(worker) if ended else 0,
+                    exitcode=exit_code(self._pcontext, worker.local_rank) if ended else 0,
                     **({"ended_after_done": True} if ended else {}),
                 )
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result.failures)
         elif result.state == WorkerState.HEALTHY:
-            hung = self._hung_workers(worker_group)
+            hung = self.heartbeats.hung(worker_group.workers)
             stuck = [(w, v) for w, v in hung if v.phase == "done"]
             hung = [(w, v) for w, v in hung if v.phase != "done"]
             if hung:
@@ -298,7 +294,7 @@ class CrashproofAgent(LocalElasticAgent):
         any process that ends non-zero, and a done one SIGTERMed by torch would read as a failure.
         """
         codes = self._exit_codes(worker_group)
-        beats = self._beats(worker_group.workers)
+        beats = self.heartbeats.read(worker_group.workers)
         running = [w for w in worker_group.workers if codes[w.local_rank] is None]
         if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
             return  # a rank still works (its own allowance applies); the done ones wait for it
@@ -306,35 +302,23 @@ class CrashproofAgent(LocalElasticAgent):
         running = [w for w in running if w.id not in self._ended_after_done]
         if not running:
             return
-        verdicts = {w.local_rank: v for w, v in stuck}
-        states = {w.global_rank: _process_state(w.id) for w in running}
-        stacks = self._dump_stacks(worker_group, running)
+        past_timeout = {w.local_rank for w, _ in stuck}
+        states = {w.global_rank: process_state(w.id) for w in running}
+        stacks = self._dump_stacks(running)
         now = time.monotonic()
+        self._ended_after_done.update(w.id for w in running)
+        signal_trainers((w.id for w in running), signal.SIGKILL)
         for worker in running:
-            self._ended_after_done.add(worker.id)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(worker.id, signal.SIGKILL)
             beat = beats[worker.local_rank]
-            verdict = verdicts.get(worker.local_rank)
-            self.events.emit(
-                "done_hang",
-                rank=worker.global_rank,
-                pid=worker.id,
-                step=beat.step,
-                silent_s=round(now - beat.beat_s, 3),
-                timeout_s=round(self.hangs.config.done_timeout_s, 3),
-                past_timeout=verdict is not None,
-                process_state=states.get(worker.global_rank),
+            announce_done_hang(
+                self.events,
+                worker,
+                beat,
+                silent_s=now - beat.beat_s,
+                timeout_s=self.config.hang.done_timeout_s,
+                past_timeout=worker.local_rank in past_timeout,
+                state=states.get(worker.global_rank),
                 stacks=stacks.get(worker.global_rank),
-            )
-            log.warning(
-                "rank %d (pid %s) finished its work (step %d committed) but did not exit for "
-                "%.1f s: ended it; stacks in %s",
-                worker.global_rank,
-                worker.id,
-                beat.step,
-                now - beat.beat_s,
-                stacks.get(worker.global_rank, "(none written)"),
             )
 
     def _stop_doomed_peers(self, worker_group: WorkerGroup) -> None:
@@ -344,9 +328,8 @@ class CrashproofAgent(LocalElasticAgent):
         takes every rank), and torch would first SIGTERM them and wait for them to unwind (a
         collective's error, the interpreter's exit), time every failure pays; to a crashproof
         trainer SIGTERM means "preempted: checkpoint and stop" besides. Their committed
-        checkpoints are safe: commits are atomic. A trainer
-        that stopped on a preemption notice (exit code 75) or finished (0) dooms no one: its
-        peers are saving or finishing too.
+        checkpoints are safe: commits are atomic. A trainer that stopped on a preemption notice
+        (exit code 75) or finished (0) dooms no one: its peers are saving or finishing too.
         """
         codes = self._exit_codes(worker_group)
         if all(
@@ -354,88 +337,17 @@ class CrashproofAgent(LocalElasticAgent):
             for w in worker_group.workers
         ):
             return
-        for worker in worker_group.workers:
-            if codes[worker.local_rank] is None and worker.id is not None:
-                self._stopped_by_us.add(worker.id)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(worker.id, signal.SIGKILL)
+        running = [w.id for w in worker_group.workers if codes[w.local_rank] is None]
+        self._stopped_by_us.update(pid for pid in running if pid is not None)
+        signal_trainers(running, signal.SIGKILL)
 
     def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
-        """Every trainer's exit code by local rank (None: running). A trainer the exit watcher saw
-        end has a code a moment later, once the forkserver has reaped it: wait that moment
-        (briefly; past it, the next look will tell)."""
         exited = self._exits.exited_s if self._exits is not None else {}
-        deadline = time.monotonic() + _EXIT_CODE_WAIT_S
-        while True:
-            codes = {w.local_rank: self._exit_code(w) for w in worker_group.workers}
-            unknown = [
-                w for w in worker_group.workers if w.id in exited and codes[w.local_rank] is None
-            ]
-            if not unknown or time.monotonic() > deadline:
-                return codes
-            time.sleep(0.002)
+        return exit_codes(self._pcontext, worker_group.workers, exited)
 
     def _watch_stragglers(self, worker_group: WorkerGroup) -> None:
-        by_local_rank = {w.local_rank: w for w in worker_group.workers}
-        for report in self.stragglers.observe(self._beats(worker_group.workers)):
-            rank = by_local_rank[report.local_rank].global_rank
-            fields = {
-                "rank": rank,
-                "step": report.step,
-                "ratio": report.ratio,
-                "seconds_per_step": round(report.seconds_per_step, 6),
-                "peers_median_s": round(report.peers_median_s, 6),
-                "basis": report.basis,
-            }
-            if report.recovered:
-                log.info("rank %d is no longer a straggler (%.2fx its peers)", rank, report.ratio)
-                self.events.emit("straggler_recovered", **fields)
-            else:
-                log.warning(
-                    "rank %d is a straggler: %.2fx its peers' median %s over its last %d steps "
-                    "(%.4f s vs %.4f s per step)",
-                    rank,
-                    report.ratio,
-                    "work" if report.basis == "compute_section" else "step time",
-                    self.config.straggler.steps,
-                    report.seconds_per_step,
-                    report.peers_median_s,
-                )
-                self.events.emit("straggler", **fields)
-
-    def _beats(self, workers: Iterable[Worker]) -> dict[int, Heartbeat]:
-        """The heartbeat of each worker (by local rank) that has one from its current process."""
-        beats = {}
-        for worker in workers:
-            beat = read_heartbeat(heartbeat_path(self.heartbeat_dir, worker.local_rank))
-            if beat is not None and beat.pid == worker.id:
-                beats[worker.local_rank] = beat
-        return beats
-
-    def _progress(self, beats: Iterable[Heartbeat]) -> tuple[int, int]:
-        """(the furthest step, the restored step) of this attempt: from ``beats`` and every
-        earlier look (a record can be unreadable at the moment of a failure)."""
-        for beat in beats:
-            self._seen_step = max(self._seen_step, beat.step)
-            self._seen_start_step = max(self._seen_start_step, beat.start_step)
-        return self._seen_step, self._seen_start_step
-
-    def _furthest_step(self, worker_group: WorkerGroup) -> int:
-        return self._progress(self._beats(worker_group.workers).values())[0]
-
-    def _hung_workers(self, worker_group: WorkerGroup) -> list[tuple[Worker, Verdict]]:
-        now = time.monotonic()
-        beats = self._beats(worker_group.workers)
-        self._progress(beats.values())
-        hung = []
-        for worker in worker_group.workers:
-            beat = beats.get(worker.local_rank)
-            if beat is None:
-                continue  # not (yet) heartbeating: a script that does not use crashproof
-            verdict = self.hangs.check(beat, now)
-            if verdict is not None:
-                hung.append((worker, verdict))
-        return hung
+        for worker, report in self.heartbeats.straggling(worker_group.workers):
+            announce_straggler(self.events, worker, report, self.config.straggler.steps)
 
     def _on_failure(self, worker_group: WorkerGroup, failures: dict[int, ProcessFailure]) -> None:
         """Log every trainer's exit, the first one to exit as the root cause, and record it."""
@@ -451,17 +363,21 @@ class CrashproofAgent(LocalElasticAgent):
             ),
         )
         first: Failure | None = None
-        furthest = self._furthest_step(worker_group)
+        furthest = self.heartbeats.furthest_step(worker_group.workers)
         for worker in workers:
             failure = failures.get(worker.global_rank)
-            exitcode = failure.exitcode if failure is not None else self._exit_code(worker)
+            exitcode = (
+                failure.exitcode
+                if failure is not None
+                else exit_code(self._pcontext, worker.local_rank)
+            )
             if exitcode is None:
                 continue  # still running: torch stops it next
-            signame = _signal_name(-exitcode) if exitcode < 0 else None
+            signame = signal_name(-exitcode) if exitcode < 0 else None
             how = f"killed by {signame}" if signame else f"exit code {exitcode}"
             stopped = worker.id in self._stopped_by_us
             # A rank stopped because of its peer has no error of its own to show.
-            error = None if stopped else self._last_error(worker, failure)
+            error = None if stopped else last_error(self._pcontext, worker.local_rank, failure)
             self.events.emit(
                 "rank_exit",
                 rank=worker.global_rank,
@@ -489,7 +405,7 @@ class CrashproofAgent(LocalElasticAgent):
                     step=furthest,
                     rank=worker.global_rank,
                     reason=how + (f": {error}" if error else ""),
-                    start_step=self._seen_start_step,
+                    start_step=self.heartbeats.seen_start_step,
                 )
         if first is None:
             first = Failure(
@@ -497,7 +413,7 @@ class CrashproofAgent(LocalElasticAgent):
                 step=furthest,
                 rank=None,
                 reason="the worker group became unhealthy",
-                start_step=self._seen_start_step,
+                start_step=self.heartbeats.seen_start_step,
             )
         self._record(first)
 
@@ -530,109 +446,34 @@ class CrashproofAgent(LocalElasticAgent):
         self._remaining_restarts = 0  # from now on a failure ends the run: it is stopping
         self.events.emit("notice", source=source, signal=sig.name)
         log.warning("preemption notice (%s): asking the trainers to checkpoint and stop", source)
-        for worker in self._worker_group.workers:
-            if worker.id is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(worker.id, sig)
-
-    def _exit_code(self, worker: Worker) -> int | None:
-        """A trainer's exit code (negative: the signal), None while it runs or if unknown."""
-        pcontext: Any = self._pcontext
-        try:
-            if hasattr(pcontext, "subprocess_handlers"):  # exec'd trainers
-                code: int | None = pcontext.subprocess_handlers[worker.local_rank].proc.poll()
-                return code
-            mp_code: int | None = pcontext._pc.processes[worker.local_rank].exitcode
-            return mp_code
-        except (AttributeError, IndexError, KeyError):
-            return None
-
-    def _last_error(self, worker: Worker, failure: ProcessFailure | None) -> str | None:
-        """The failed trainer's own error: its error file, or the last line of its stderr log."""
-        message: Any = failure.message if failure is not None else None
-        while isinstance(message, dict):  # error files nest {"message": {"message": ...}}
-            message = message.get("message")
-        if isinstance(message, str) and message and not message.startswith("To enable traceback"):
-            return message.strip().splitlines()[-1][:500]
-        pcontext = self._pcontext
-        stderr = pcontext.stderrs.get(worker.local_rank) if pcontext is not None else None
-        if stderr and os.path.isfile(stderr):
-            with open(stderr, "rb") as f:
-                f.seek(max(0, os.path.getsize(stderr) - 8192))
-                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return lines[-1][:500]
-        return None
+        signal_trainers((w.id for w in self._worker_group.workers), sig)
 
     def _on_hang(self, worker_group: WorkerGroup, hung: list[tuple[Worker, Verdict]]) -> None:
         self._failed_at_s = time.monotonic()
         # The states first: the dump sends SIGCONT, and a stopped process ("T") would look alive.
-        states = {w.global_rank: _process_state(w.id) for w in worker_group.workers}
-        stacks = self._dump_stacks(worker_group)
+        states = {w.global_rank: process_state(w.id) for w in worker_group.workers}
+        stacks = self._dump_stacks(worker_group.workers)
         # A hung group cannot checkpoint (its collectives do not complete), and a SIGTERM would
         # only start an emergency save that waits out the grace period: kill it now.
-        for worker in worker_group.workers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(worker.id, signal.SIGKILL)
-        worst_worker, worst = max(hung, key=lambda wv: wv[1].silent_s)
-        for worker, verdict in hung:
-            self.events.emit(
-                "hang",
-                rank=worker.global_rank,
-                pid=worker.id,
-                step=verdict.step,
-                phase=verdict.phase,
-                silent_s=round(verdict.silent_s, 3),
-                timeout_s=round(verdict.timeout_s, 3),
-                process_state=states.get(worker.global_rank),
-                stacks=stacks.get(worker.global_rank),
-            )
-        log.error(
-            "hang: rank %d silent for %.1f s in phase %r (allowance %.1f s, process state %s); "
-            "stacks of every rank in %s",
-            worst_worker.global_rank,
-            worst.silent_s,
-            worst.phase,
-            worst.timeout_s,
-            states.get(worst_worker.global_rank),
-            os.path.dirname(next(iter(stacks.values()), self.config.run_dir)),
-        )
+        signal_trainers((w.id for w in worker_group.workers), signal.SIGKILL)
+        worst_worker, worst = announce_hang(self.events, hung, states, stacks, self.config.run_dir)
         self._record(
             Failure(
                 attempt=self.attempt,
-                step=self._furthest_step(worker_group),
+                step=self.heartbeats.furthest_step(worker_group.workers),
                 rank=worst_worker.global_rank,
                 reason=f"hang: silent for {worst.silent_s:.1f} s in phase {worst.phase}",
-                start_step=self._seen_start_step,
+                start_step=self.heartbeats.seen_start_step,
             )
         )
 
-    def _dump_stacks(
-        self, worker_group: WorkerGroup, workers: list[Worker] | None = None
-    ) -> dict[int, str]:
-        """Ask every trainer (or ``workers``) for its Python stacks; returns the files written,
-        by global rank."""
-        workers = worker_group.workers if workers is None else workers
-        paths = {
-            w.global_rank: stack_dump_path(self.config.run_dir, self.attempt, w.global_rank)
-            for w in workers
-        }
-        sizes = {rank: _size(path) for rank, path in paths.items()}
-        for worker in workers:
-            for sig in (STACK_DUMP_SIGNAL, signal.SIGCONT):  # a stopped process handles it on CONT
-                try:
-                    os.kill(worker.id, sig)
-                except (ProcessLookupError, PermissionError):
-                    break
-        deadline = time.monotonic() + self.config.stack_dump_wait_s
-        written: dict[int, str] = {}
-        while time.monotonic() < deadline and len(written) < len(paths):
-            time.sleep(0.05)
-            for rank, path in paths.items():
-                if rank not in written and _size(path) > sizes[rank]:
-                    written[rank] = path
-        time.sleep(0.05)  # let the last dumps finish their few lines
-        return written
+    def _dump_stacks(self, workers: list[Worker]) -> dict[int, str]:
+        """Ask ``workers`` for their Python stacks; returns the files written, by global rank."""
+        return dump_stacks(
+            {w.global_rank: w.id for w in workers},
+            {w.global_rank: self.layout.stack_dump(self.attempt, w.global_rank) for w in workers},
+            self.config.stack_dump_wait_s,
+        )
 
     def _record(self, failure: Failure) -> None:
         policy = self.config.crash_loop
@@ -641,43 +482,4 @@ class CrashproofAgent(LocalElasticAgent):
         if policy.is_crash_loop():
             self.crash_loop = failure
             self._remaining_restarts = 0  # the base loop then stops the group and returns FAILED
-            self.events.emit(
-                "crash_loop",
-                rank=failure.rank,
-                step=policy.furthest_step,
-                last_step=failure.step,
-                attempts=policy.stalled,
-                reason=failure.reason,
-            )
-            log.error(
-                "crash loop: %d failed attempts in a row without getting past step %d (the "
-                "furthest the run reached); the last one reached step %d: rank %s, %s",
-                policy.stalled,
-                policy.furthest_step,
-                failure.step,
-                failure.rank,
-                failure.reason,
-            )
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
-
-
-def _process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R running, S sleeping, T stopped, D disk ...)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:  # a real-time signal has no name
-        return f"signal {number}"
+            announce_crash_loop(self.events, failure, policy)

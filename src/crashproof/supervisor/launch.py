@@ -39,6 +39,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from crashproof._files import write_json_atomically
+from crashproof._rundir import RunDir
 from crashproof.checkpoint import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import (
@@ -56,7 +57,7 @@ from crashproof.supervisor._crashloop import CrashLoopPolicy
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
 from crashproof.supervisor._straggler import StragglerConfig
-from crashproof.telemetry import EVENTS_FILE, EventLog
+from crashproof.telemetry import EventLog
 from crashproof.telemetry.metrics import RunMetrics
 
 __all__ = [
@@ -126,7 +127,7 @@ def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> N
     ``RUN_DIR/notice.json``, where the trainers read it. (SIGTERM to this command is torch's to
     forward: its agent stops the trainers with SIGTERM and waits ``--preemption-grace``.)
     """
-    notice_file = os.path.join(run_dir, "notice.json")
+    notice_file = RunDir(run_dir).notice
     with contextlib.suppress(FileNotFoundError):  # a previous run's notice is not this one's
         os.remove(notice_file)
     os.environ[ENV_NOTICE_FILE] = notice_file
@@ -173,7 +174,7 @@ def _entrypoint(
 def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
     """Every rank's output in the run directory, and on the console, unless the user chose."""
     if args.log_dir is None:
-        args.log_dir = os.path.join(run_dir, "logs")
+        args.log_dir = RunDir(run_dir).logs
     if args.redirects == "0" and args.tee == "0":
         args.tee = "3"
     if not os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
@@ -228,9 +229,7 @@ def launch(args: argparse.Namespace) -> int:
         preemption_grace_s=args.preemption_grace,
         straggler=straggler,
     )
-    events = EventLog(
-        os.path.join(run_dir, EVENTS_FILE), node=os.uname().nodename, agent_pid=os.getpid()
-    )
+    events = EventLog(RunDir(run_dir).events, node=os.uname().nodename, agent_pid=os.getpid())
     return _launch(config, entrypoint, entry_args, start_method, supervisor, events, args)
 
 
@@ -252,7 +251,7 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
         return None
     url = _metrics_url(args, metrics)
     log.info("Prometheus metrics at %s", url)
-    with open(os.path.join(run_dir, "metrics_url"), "w") as f:
+    with open(RunDir(run_dir).metrics_url, "w") as f:
         f.write(f"{url}\n")
     return metrics
 
@@ -328,7 +327,7 @@ def _supervise(
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
-    replication_dir = os.path.join(supervisor.run_dir, "replication")
+    replication_dir = RunDir(supervisor.run_dir).replication
     replication = ReplicationHost(replication_dir, events)
     os.environ[ENV_AGENT_REPLICATION] = replication_dir
     metrics = _serve_metrics(args, supervisor.run_dir)

@@ -2,10 +2,12 @@
 
 Every process of a run records what it does in the event log (``_events``: ``events.jsonl`` in
 the run directory); the goodput ledger (``_ledger``, ``_attempts``, ``_records``) reads the log
-back and accounts every second of wall time; ``crashproof report`` renders the ledger as text,
-JSON and a self-contained HTML page (``_report``, ``_report_html``); ``crashproof plan`` and the
-adaptive save policy use the same economics (``_economics``, ``_planner``); ``metrics`` serves the
-log as Prometheus metrics (a public module of its own: only the agent loads prometheus_client).
+back and accounts every second of wall time, each failure classified by ``_failures`` (the one
+classifier: the metrics and ``crashproof chaos`` use it too); ``crashproof report`` renders the
+ledger as text, JSON and a self-contained HTML page (``_report``, ``_report_html``,
+``_report_timeline``); ``crashproof plan`` and the adaptive save policy use the same economics
+(``_economics``, ``_planner``); ``metrics`` serves the log as Prometheus metrics (a public module
+of its own: only the agent loads prometheus_client).
 
 Telemetry is a sink: every other part writes events into it, and it imports none of them.
 """
@@ -22,6 +24,7 @@ from crashproof.telemetry._events import (
     read_events,
     worker_event_log,
 )
+from crashproof.telemetry._failures import GROUP_FAILURES, failure_kind
 from crashproof.telemetry._ledger import (
     Breakdown,
     FailureRecord,
@@ -33,7 +36,6 @@ from crashproof.telemetry._ledger import (
 )
 from crashproof.telemetry._planner import Plan, plan
 from crashproof.telemetry._report import (
-    REPORT_FILE,
     format_summary,
     is_report_page,
     write_html_report,
@@ -42,7 +44,7 @@ from crashproof.telemetry._report import (
 __all__ = [
     "ENV_RUN_DIR",
     "EVENTS_FILE",
-    "REPORT_FILE",
+    "GROUP_FAILURES",
     "Breakdown",
     "EventLog",
     "EventTail",
@@ -54,6 +56,7 @@ __all__ = [
     "compute_ledger",
     "daly_interval",
     "emit",
+    "failure_kind",
     "format_summary",
     "is_report_page",
     "plan",

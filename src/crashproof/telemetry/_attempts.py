@@ -1,8 +1,9 @@
 """The ledger's reading of an event log: launches of ``crashproof run`` (sessions), the attempts
 of each (one per start of the trainers), and within an attempt the segments of training between
-restores, with when each step was finished and how each attempt ended.
+restores, with when each step was finished and when each attempt ended.
 
-Everything here estimates *when*; :mod:`crashproof.telemetry._ledger` books the time to parts.
+Everything here estimates *when*; why an attempt failed is :mod:`crashproof.telemetry._failures`'
+call, and :mod:`crashproof.telemetry._ledger` books the time to parts.
 """
 
 from __future__ import annotations
@@ -10,25 +11,20 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from crashproof.exitcodes import EXIT_PREEMPTED
+from crashproof.telemetry._failures import exit_failure, why_attempt_ended
+from crashproof.telemetry._fields import Event, int_field, number_field
 
 __all__ = [
     "Attempt",
-    "Event",
     "Segment",
     "Session",
     "conclude",
     "find_segments",
-    "int_field",
     "keep_segments",
-    "number_field",
     "split_attempts",
     "split_sessions",
 ]
-
-Event = dict[str, Any]
 
 _TRAINER_EVENTS = frozenset(
     {"restore", "progress", "checkpoint", "emergency_checkpoint", "numerics_rollback"}
@@ -36,22 +32,6 @@ _TRAINER_EVENTS = frozenset(
 
 
 # -- reading the log ---------------------------------------------------------------------------
-
-
-def number_field(event: Event, key: str) -> float | None:
-    value = event.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def int_field(event: Event, key: str) -> int | None:
-    value = event.get(key)
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value if isinstance(value, int) else None
 
 
 @dataclass(slots=True)
@@ -224,7 +204,7 @@ def find_segments(attempt: Attempt, lower: float, step_s: float | None) -> None:
                 event
             )
     _match_rollbacks(segments, events)
-    failing = [e for e in attempt.exits if (int_field(e, "exitcode") or 0) != 0]
+    failing = [e for e in attempt.exits if exit_failure(e)]
     exit_step = max((int_field(e, "step") or -1 for e in failing), default=-1)
     hang_step = max((int_field(e, "step") or -1 for e in attempt.hangs), default=-1)
     emergency = [e for e in events if e["event"] == "emergency_checkpoint"]
@@ -334,10 +314,14 @@ def conclude(attempt: Attempt, after: Attempt | None, session: Session, later: b
     """How and when an attempt ended; ``after`` is the next attempt of the session, ``later``
     whether another launch follows this session."""
     failing = sorted(
-        (e for e in attempt.exits if (int_field(e, "exitcode") or 0) != 0),
+        (e for e in attempt.exits if exit_failure(e)),
         key=lambda e: (not e.get("first"), e["ts"]),
     )
-    succeeded = [e["ts"] for e in attempt.exits if int_field(e, "exitcode") == 0]
+    succeeded = [
+        e["ts"]
+        for e in attempt.exits
+        if int_field(e, "exitcode") is not None and exit_failure(e) is None
+    ]
     notes = {e["event"]: e for e in reversed(attempt.notes)}  # the first of each kind
     restart = after.restart if after is not None else None
     preempted = [notes["preempted"]] if "preempted" in notes else []
@@ -356,37 +340,14 @@ def conclude(attempt: Attempt, after: Attempt | None, session: Session, later: b
     else:  # still running, or a log without exits: open until its last event
         attempt.end, attempt.state = session.end, "open"
     attempt.end = min(max(attempt.end, session.start), session.end)
-    if attempt.state != "failed":
-        return
-    first = failing[0] if failing else None
-    code = int_field(first, "exitcode") if first is not None else None
-    if "preempted" in notes or code == EXIT_PREEMPTED:
-        source = notes["preempted"].get("source") if "preempted" in notes else None
-        attempt.kind, attempt.reason = "preempted", f"preempted ({source or 'exit code 75'})"
-        attempt.rank = int_field(notes.get("preempted") or first or {}, "rank")
-    elif attempt.hangs:
-        worst = max(attempt.hangs, key=lambda h: number_field(h, "silent_s") or 0.0)
-        attempt.kind, attempt.rank = "hang", int_field(worst, "rank")
-        attempt.reason = (
-            f"hang: rank {attempt.rank} silent for {number_field(worst, 'silent_s') or 0.0:.1f} s "
-            f"in phase {worst.get('phase')}"
+    if attempt.state == "failed":
+        attempt.kind, attempt.reason, attempt.rank = why_attempt_ended(
+            failing=failing,
+            hangs=attempt.hangs,
+            notes=notes,
+            restart=restart,
+            run_outcome=session.outcome if after is None else None,
         )
-    elif first is not None:
-        attempt.kind = "killed" if first.get("signal") else "crash"
-        attempt.rank = int_field(first, "rank")
-        error = f": {first['error']}" if first.get("error") else ""
-        how = f"killed by {first['signal']}" if first.get("signal") else f"exit code {code}"
-        attempt.reason = how + error
-    elif restart is not None and restart.get("reason") == "membership change":
-        attempt.kind, attempt.reason = "membership change", "membership change"
-    elif session.outcome not in (None, "succeeded") and after is None:
-        attempt.kind, attempt.reason = "stopped", f"the run ended: {session.outcome}"
-    else:
-        attempt.kind, attempt.reason = "lost", "the supervisor stopped logging (killed?)"
-    if restart is not None and restart.get("reason") and attempt.kind in ("killed", "crash"):
-        attempt.reason = str(restart["reason"])
-    if "crash_loop" in notes:
-        attempt.reason += "; crash loop: the supervisor stopped"
 
 
 def keep_segments(segments: list[Segment], ended_badly: bool) -> None:

@@ -19,14 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from crashproof._rundir import ENV_RUN_DIR, EVENTS_FILE, RunDir
+
 __all__ = ["ENV_RUN_DIR", "EVENTS_FILE", "EventLog", "emit", "read_events", "worker_event_log"]
 
 log = logging.getLogger(__name__)
-
-ENV_RUN_DIR = "CRASHPROOF_RUN_DIR"
-"""Set by ``crashproof run`` for its trainers: the run directory they report into."""
-
-EVENTS_FILE = "events.jsonl"
 
 
 class EventLog:
@@ -69,12 +66,12 @@ def worker_event_log() -> EventLog | None:
     Opened once per process (a forked child opens its own).
     """
     global _worker_log, _worker_log_pid
-    run_dir = os.environ.get(ENV_RUN_DIR)
-    if not run_dir:
+    run_dir = RunDir.from_env()
+    if run_dir is None:
         return None
     if _worker_log is None or _worker_log_pid != os.getpid():
         _worker_log = EventLog(
-            os.path.join(run_dir, EVENTS_FILE),
+            run_dir.events,
             rank=int(os.environ.get("RANK", "0")),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             pid=os.getpid(),

@@ -8,8 +8,9 @@ parts are cut from one timeline in order, so they always add up to the wall time
 effective training time ratio, is productive over wall. ``docs/goodput.md`` explains each part
 and the assumptions behind it.
 
-This module owns the arithmetic. It does not render (:mod:`crashproof.telemetry._report`) and
-does not plan (:mod:`crashproof.telemetry._planner`); what the events mean is ``docs/events.md``.
+This module owns the arithmetic. It does not classify failures
+(:mod:`crashproof.telemetry._failures` does), render (:mod:`crashproof.telemetry._report`) or plan
+(:mod:`crashproof.telemetry._planner`); what the events mean is ``docs/events.md``.
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from crashproof.telemetry import EVENTS_FILE, read_events
+from crashproof._rundir import RunDir
+from crashproof.telemetry import read_events
 from crashproof.telemetry._attempts import (
     Attempt,
-    Event,
     Segment,
     Session,
     conclude,
     find_segments,
-    int_field,
     keep_segments,
-    number_field,
     split_attempts,
     split_sessions,
 )
+from crashproof.telemetry._fields import Event, int_field, number_field
 from crashproof.telemetry._records import Breakdown, FailureRecord, Ledger, Marker, TimelinePoint
 
 __all__ = [
@@ -344,7 +344,7 @@ def _markers(
 def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger:
     """The ledger of the run in ``run_dir`` (``crashproof run --run-dir``), from its
     ``events.jsonl``; raises FileNotFoundError naming the file when there is none."""
-    path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
+    path = RunDir(os.fspath(run_dir)).events
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no event log at {path}: pass the directory given to `crashproof run --run-dir`"

@@ -10,13 +10,11 @@ import os
 import stat
 
 from crashproof._files import write_atomically
+from crashproof.telemetry._durations import duration
 from crashproof.telemetry._ledger import Ledger
-from crashproof.telemetry._report_html import GENERATOR_MARK, PART_LABELS, duration, render_html
+from crashproof.telemetry._report_html import GENERATOR_MARK, PART_LABELS, render_html
 
-__all__ = ["REPORT_FILE", "format_summary", "is_report_page", "write_html_report"]
-
-REPORT_FILE = "report.html"
-"""The page's name in the run directory, where ``crashproof report`` writes it by default."""
+__all__ = ["format_summary", "is_report_page", "write_html_report"]
 
 
 def write_html_report(ledger: Ledger, path: str | os.PathLike[str]) -> str:

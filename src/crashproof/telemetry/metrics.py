@@ -10,7 +10,6 @@ needs no metrics server of its own. Names and alert rules: docs/metrics.md and
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +17,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from crashproof.telemetry._events import EVENTS_FILE, EventTail
+from crashproof._rundir import RunDir
+from crashproof.telemetry._events import EventTail
+from crashproof.telemetry._failures import failure_kind
 
-__all__ = ["RunMetrics", "failure_kind"]
+__all__ = ["RunMetrics", "failure_label"]
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +29,19 @@ _POLL_S = 1.0
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, float("inf"))
 
 
-def failure_kind(event: dict[str, Any]) -> str | None:
-    """The kind of failure an event reports (the ``kind`` label), or None for other events."""
-    name = event.get("event")
-    if name == "rank_exit" and event.get("first") and event.get("exitcode"):
-        return "killed" if int(event["exitcode"]) < 0 else "error"
-    if name == "hang":
-        return "hang"
-    if name == "numerics":  # every rank logs the verdict they agreed on: count it once
-        return "numerics" if event.get("rank", 0) == 0 else None
-    if name == "preempted":
-        return "preemption"
-    if name == "replication_failed":
-        return "storage"
-    return None
+_LABELS = {"crash": "error", "preempted": "preemption"}
+"""The ``kind`` label of each kind of failure where the words differ (docs/metrics.md)."""
+
+
+def failure_label(event: dict[str, Any]) -> str | None:
+    """The ``kind`` label of the failure an event reports (telemetry's one classifier,
+    :func:`crashproof.telemetry.failure_kind`), or None for other events."""
+    kind = failure_kind(event)
+    if kind == "preempted" and event.get("event") == "rank_exit":
+        # Counted as documented, as an `error` (a non-zero exit), besides the `preempted` event's
+        # `preemption` that follows it.
+        return "error"
+    return _LABELS.get(kind, kind) if kind is not None else None
 
 
 class RunMetrics:
@@ -58,7 +58,7 @@ class RunMetrics:
         ettr: Callable[[str], float | None] | None = None,
         ettr_interval_s: float = 15.0,
     ) -> None:
-        self.path = os.path.join(run_dir, EVENTS_FILE)
+        self.path = RunDir(run_dir).events
         self.registry = CollectorRegistry()
         r = self.registry
         self.step = Gauge("crashproof_step", "Last training step reported", registry=r)
@@ -154,7 +154,7 @@ class RunMetrics:
 
     def observe(self, event: dict[str, Any]) -> None:
         name, ts = event.get("event"), float(event.get("ts", 0.0))
-        kind = failure_kind(event)
+        kind = failure_label(event)
         if kind == "hang":  # one event per silent rank (its peers wait on it): one failure
             kind, self._hang_counted = (None if self._hang_counted else kind), True
         elif name in ("restart", "run_start"):
