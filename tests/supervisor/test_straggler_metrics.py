@@ -204,3 +204,14 @@ def test_the_example_alert_rules_use_metrics_the_run_serves(tmp_path: Path) -> N
     for alert in alerts:
         used = set(re.findall(r"crashproof_[a-z_]+", alert["expr"]))
         assert used and used <= served, (alert["alert"], used - served)
+
+
+def test_a_preemption_counts_once_as_a_preemption_not_as_an_error_per_rank() -> None:
+    from crashproof.telemetry.metrics import failure_label
+
+    # The first exit of an attempt is the one a failure is counted from.
+    exit_75 = {"event": "rank_exit", "rank": 0, "exitcode": 75, "signal": None, "first": True}
+    assert failure_label(exit_75) is None
+    assert failure_label({"event": "preempted", "source": "SIGTERM"}) == "preemption"
+    exit_1 = {"event": "rank_exit", "rank": 0, "exitcode": 1, "signal": None, "first": True}
+    assert failure_label(exit_1) == "error"

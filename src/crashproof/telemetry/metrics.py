@@ -38,9 +38,7 @@ def failure_label(event: dict[str, Any]) -> str | None:
     :func:`crashproof.telemetry.failure_kind`), or None for other events."""
     kind = failure_kind(event)
     if kind == "preempted" and event.get("event") == "rank_exit":
-        # Counted as documented, as an `error` (a non-zero exit), besides the `preempted` event's
-        # `preemption` that follows it.
-        return "error"
+        return None  # each rank's exit 75 is the run's one preemption, counted by its event
     return _LABELS.get(kind, kind) if kind is not None else None
 
 
