@@ -3,7 +3,7 @@
 Every step all-reduces gradients over gloo, so a rank that stops leaves its peers blocked in a
 collective (a real hang), and a rank that dies leaves them with a broken connection.
 
-    --fail-at STEP        exit 3 after STEP, on every attempt (a crash loop)
+    --fail-at STEP        exit 3 after STEP (once the save before it committed), on every attempt
     --fail-attempts K     ... only on the first K attempts
     --fail-every-attempt  fail STEP + 5 * attempt: progress each time (spends the budget)
     --peer-busy-s S       when a rank fails, the others work S seconds before their next collective
@@ -113,9 +113,9 @@ def main() -> int:
             and done == fail_at
             and (args.fail_attempts is None or attempt < args.fail_attempts)
         )
-        if failing and args.fail_every_attempt:
-            # Progress each time must be progress kept: the save before the failure commits
-            # first (under load an asynchronous save two steps old may still be in flight).
+        if failing:
+            # The failure comes after the last save committed, as the tests that restart from it
+            # assume (under load an asynchronous save two steps old may still be in flight).
             ckpt.wait()
         if failing and rank == args.fail_rank:
             print(f"rank {rank} fails after step {done}", file=sys.stderr, flush=True)
