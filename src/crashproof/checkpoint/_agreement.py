@@ -1,6 +1,6 @@
 """What the ranks of a job agree on from the training thread, so that none acts alone: saving
 after a step (:meth:`RankAgreement.after_step`), an emergency save when told to stop
-(:meth:`RankAgreement.emergency_save`), and work rank 0 does alone while the others wait
+(:meth:`RankAgreement.saves_before_stopping`), and work rank 0 does alone while the others wait
 (:meth:`RankAgreement.on_rank0`)."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class RankAgreement:
         self._calls_to_agreement = calls
         return (decision if same_everywhere else bool(rank0_decision)), bool(stop)
 
-    def emergency_save(
+    def saves_before_stopping(
         self,
         notice: Notice,
         step: int,

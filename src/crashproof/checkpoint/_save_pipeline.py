@@ -189,7 +189,7 @@ class SavePipeline:
         started = time.monotonic()
         with self._reporter.phase("save"):
             self.wait()
-        saved = agreement.emergency_save(
+        saved = agreement.saves_before_stopping(
             notice, step, started, self._stats, self.last_commit, self._shared.newest_valid
         )
         if saved:
