@@ -605,13 +605,13 @@ class PhaseTimer:
 
 def _crashproof_phases() -> list[tuple[Any, str, str]]:
     """Where to time a save. Private internals: this is a profile, not an API (adjust as needed)."""
-    from crashproof.checkpoint import _shard, _writer, manager
+    from crashproof.checkpoint import _retention_runner, _save_pipeline, _shard, _writer
     from crashproof.storage import _local
 
     return [
-        (manager, "take_snapshot", "snapshot (capture + encode tree)"),
-        (manager, "persist", "persist"),
-        (manager.CheckpointManager, "_apply_retention", "retention"),
+        (_save_pipeline, "take_snapshot", "snapshot (capture + encode tree)"),
+        (_save_pipeline, "persist", "persist"),
+        (_retention_runner.RetentionRunner, "apply", "retention"),
         (_writer, "write_shard", "shard file"),
         (_writer, "dumps", "JSON encode (index, manifest)"),
         (_writer, "write_all", "small file (index, manifest)"),

@@ -267,7 +267,7 @@ def test_only_rank_0_locks_and_every_rank_fails_when_it_cannot(
     finally:
         holder.kill()
         holder.wait()
-    rank1._closed = True  # never started anything
+    rank1._shared.closed = True  # never started anything
 
 
 def test_a_second_writer_on_an_object_store_is_detected_and_deletes_nothing() -> None:

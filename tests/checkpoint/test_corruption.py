@@ -37,6 +37,7 @@ from crashproof import (
 from crashproof.checkpoint import committed_steps, verify_checkpoint
 from crashproof.checkpoint._format import dumps, seal_manifest
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._restorer import Restorer
 from crashproof.policy import KeepEvery, KeepLast
 from crashproof.storage import LocalStorage
 
@@ -661,18 +662,18 @@ def _racing_reader(
     """A read-only manager whose first candidate read comes after ``writer`` committed ``steps``
     (and its retention removed what it lets go): the reader's listing is out of date."""
     reader = CheckpointManager(root, handle_signals=False, read_only=True)
-    load = CheckpointManager._load_candidate
+    load = Restorer._load_candidate
     raced: list[bool] = []
 
-    def late(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
-        if self is reader and not raced:
+    def late(self: Restorer, *args: Any, **kwargs: Any) -> Any:
+        if self is reader._restorer and not raced:
             raced.append(True)
             for step in steps:
                 writer.save(step, _fresh_state())
             writer.wait()
         return load(self, *args, **kwargs)
 
-    monkeypatch.setattr(CheckpointManager, "_load_candidate", late)
+    monkeypatch.setattr(Restorer, "_load_candidate", late)
     return reader
 
 

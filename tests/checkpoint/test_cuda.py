@@ -35,7 +35,7 @@ def test_async_save_of_cuda_tensors_holds_the_values_of_the_saved_step(tmp_path:
         for p in state.model.parameters():
             p.mul_(-3.0).add_(1.0)
     ckpt.close()
-    staging = ckpt._stagings[0]
+    staging = ckpt._pipeline._stagings[0]
     assert all(b.is_pinned() for b in staging._buffers.values() if b.numel() > 64)
     fresh = _cuda_state()
     assert cp.CheckpointManager(str(tmp_path)).restore(fresh) == 1

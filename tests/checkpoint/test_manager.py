@@ -100,7 +100,7 @@ def test_failure_of_an_async_save_is_raised_by_the_next_maybe_save() -> None:
     ckpt = cp.CheckpointManager("/ck", storage=storage, async_save=True, every=cp.EverySteps(1))
     storage.armed = OSError(errno.EIO, "Input/output error")
     ckpt.save(1, state)
-    for future, _ in ckpt._inflight:
+    for future, _ in ckpt._pipeline._inflight:
         future.exception()  # let the background write fail before the next call
     with pytest.raises(cp.CheckpointWriteError, match="Input/output error"):
         ckpt.maybe_save(2, state)
@@ -271,13 +271,15 @@ def test_staging_buffers_are_reused_across_saves() -> None:
     state = _state()
     ckpt = cp.CheckpointManager("/ck", storage=storage)
     ckpt.save(1, state)
-    assert ckpt._stagings
-    first = {name: buf.data_ptr() for name, buf in ckpt._stagings[0]._buffers.items()}
+    assert ckpt._pipeline._stagings
+    first = {name: buf.data_ptr() for name, buf in ckpt._pipeline._stagings[0]._buffers.items()}
     ckpt.save(2, state)
     ckpt.close()
-    assert {name: buf.data_ptr() for name, buf in ckpt._stagings[0]._buffers.items()} == first
+    assert {
+        name: buf.data_ptr() for name, buf in ckpt._pipeline._stagings[0]._buffers.items()
+    } == first
     assert (
-        ckpt._stagings[0].nbytes
+        ckpt._pipeline._stagings[0].nbytes
         == sum(t.numel() * t.element_size() for t in _tensors(state).values())
         + state.capture()["rng"]["torch"].numel()
     )
@@ -339,7 +341,7 @@ def test_double_buffering_snapshots_the_next_save_while_the_previous_is_written(
             for p in state.model.parameters():
                 p.add_(1.0)
     assert ckpt.stats.waited_busy == 0  # the second save did not wait for the first
-    assert len({id(s) for s in ckpt._stagings}) == 2
+    assert len({id(s) for s in ckpt._pipeline._stagings}) == 2
     threading.Timer(0.3, storage.release.set).start()
     assert ckpt.save(3, state)  # both buffers in use: this one waits for the oldest save
     assert ckpt.stats.waited_busy == 1

@@ -1,0 +1,99 @@
+"""What the collaborators of one :class:`~crashproof.CheckpointManager` share about its root:
+:class:`ManagerState` (the lock, the newest valid checkpoint, the delta base, the checkpoints
+known to be this run's), and :func:`open_for_writing`, which a writing manager runs first."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from dataclasses import dataclass, field
+
+from crashproof.checkpoint._catalog import committed_steps, leftover_dirs, recover_interrupted
+from crashproof.checkpoint._delta import DeltaBase
+from crashproof.checkpoint._group import Group
+from crashproof.checkpoint._lock import RootLock, lock_root
+from crashproof.errors import CheckpointWriteError, ConfigError
+from crashproof.storage import LocalStorage, Storage
+
+__all__ = ["ManagerState", "open_for_writing"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+
+@dataclass
+class ManagerState:
+    """One manager's mutable state, read and written by the save pipeline (training and writer
+    threads), retention, the restorer and tier coordination."""
+
+    root: str
+    storage: Storage
+    read_only: bool = False
+    closed: bool = False
+    lock: RootLock | None = None
+    """Rank 0's lock on a local root while writing; None on other ranks, object stores, readers."""
+    newest_valid: int | None = None
+    """The newest checkpoint known to verify: committed or restored by this manager."""
+    delta_base: DeltaBase | None = None
+    """The newest committed full checkpoint's tensors, to take deltas against. Only the writer
+    thread touches it, in save order, so every rank sees the same base for the same save."""
+    last_save_step: int = 0
+    last_save_s: float = field(default_factory=time.monotonic)
+    known: dict[int, float | None] = field(default_factory=dict)
+    """Where no lock can be held (object stores): the commit time of every checkpoint this manager
+    knows of (None: not looked at yet), to tell a second writer's checkpoints (docs/storage.md)."""
+    second_writer: str | None = None
+    """Why the next call into the manager fails: a second writer was seen."""
+    retention_off: bool = False
+    """Set for good once a second writer was seen."""
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ConfigError("this CheckpointManager is closed; create a new one")
+
+    def check_writer(self, what: str) -> None:
+        """Fail when the manager is closed, or may only read."""
+        self.check_open()
+        if self.read_only:
+            raise ConfigError(
+                f"CheckpointManager({self.root!r}, read_only=True) cannot {what}: it only restores "
+                "and lists; the run that writes the root saves, prunes and rolls back"
+            )
+
+    def check_lock(self) -> None:
+        """Fail when the lock is no longer ours (deleted, replaced or moved meanwhile)."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def open_for_writing(state: ManagerState, group: Group) -> None:
+    """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
+    left; every rank fails if it cannot (no collective left waiting)."""
+    storage, root = state.storage, state.root
+    error: Exception | None = None
+    if group.rank == 0:
+        try:
+            storage.make_dirs(root)
+            inner = getattr(storage, "inner", storage)  # a wrapper (chaos faults)
+            if isinstance(inner, LocalStorage):
+                state.lock = lock_root(root)
+            recover_interrupted(storage, root)
+            for leftover in leftover_dirs(storage, root):
+                log.info(
+                    "removing %s, left by a save that never committed", storage.describe(leftover)
+                )
+                storage.remove(leftover)
+            state.known = {s: None for s, _ in committed_steps(storage, root)}
+        except Exception as exc:
+            error = exc
+    if group.world_size > 1:
+        message = group.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if message is not None and error is None:
+            error = CheckpointWriteError(errno.EBUSY, f"rank 0 cannot write to {root}: {message}")
+    if error is not None:
+        state.release_lock()
+        raise error

@@ -1,0 +1,98 @@
+"""The keyword options of :class:`~crashproof.CheckpointManager`, documented and checked in one
+place: :class:`ManagerOptions`. The manager builds one from its keywords; a bad value fails there
+with :class:`~crashproof.ConfigError`, before anything is opened or started."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from crashproof.checkpoint._delta import Delta
+from crashproof.checkpoint._replication import Tier
+from crashproof.errors import ConfigError
+from crashproof.policy import RetentionPolicy, SavePolicy
+from crashproof.storage import Storage
+
+__all__ = ["ManagerOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerOptions:
+    """How a :class:`~crashproof.CheckpointManager` saves, keeps, replicates and restores."""
+
+    every: SavePolicy | None = None
+    """When :meth:`~crashproof.CheckpointManager.maybe_save` saves; None: ``EverySteps(1000)``."""
+    keep: RetentionPolicy | None = None
+    """Which checkpoints retention keeps; None: all. The newest valid checkpoint and one being
+    written are always kept."""
+    async_save: bool = True
+    """Return from :meth:`~crashproof.CheckpointManager.save` once the state is copied into host
+    buffers (reused across saves) and write it in the background; with False, ``save`` writes
+    straight from the live tensors and returns once the checkpoint is committed."""
+    on_busy: Literal["wait", "skip"] = "wait"
+    """When a save is due while the previous one is still being written: ``"wait"`` for it, or
+    ``"skip"`` the new one. Either is logged and counted in the manager's ``stats``."""
+    on_disk_full: Literal["continue", "raise"] = "continue"
+    """When a save fails because the disk is full: ``"continue"`` training (the failure is logged
+    and counted; earlier checkpoints stay) or ``"raise"``."""
+    staging_buffers: int = 1
+    """1 (host staging costs one copy of the state) or 2 (double buffering: the next save can be
+    snapshotted while the previous one is still being written, at the cost of a second copy; two
+    saves are then in flight, written one after the other). 2 needs ``async_save``."""
+    storage: Storage | None = None
+    """The storage backend; None: chosen from the root."""
+    timeout_s: float = 600.0
+    """How long ranks wait for each other during a save before giving up."""
+    handle_signals: bool = True
+    """Treat SIGTERM, SIGUSR1 (SLURM's ``--signal``) and a first SIGINT as a request to stop: at
+    the next ``maybe_save`` all ranks agree, save that step and raise
+    :class:`~crashproof.PreemptedExit` (exit code 75, "resumable"). Handlers installed before are
+    still called. Needs the main thread; restored by ``close``."""
+    check_finite: bool = True
+    """Refuse to commit a checkpoint whose parameters or optimizer state hold NaN or inf (checked
+    by the background writer: it costs training nothing); the refusal is raised as
+    :class:`~crashproof.NonFiniteStateError` at the next call, like any failed save."""
+    delta: Delta | None = None
+    """Save deltas between full checkpoints (:class:`~crashproof.Delta`): only how each tensor
+    changed since the newest full one, losslessly. Costs one more host copy of the state (the
+    base). None: every checkpoint is full."""
+    dedup_replicated: bool = True
+    """In a DDP job, write the replicated model and optimizer state once, spread over the ranks
+    (each writes about 1/W of it), instead of once per rank; every rank's copy is still
+    checksummed and a rank whose copy differs fails the save. Not with ``delta``."""
+    remote: str | Tier | Sequence[str | Tier] | None = None
+    """Durable tiers behind the local root: a URI (``"s3://bucket/run"``), a
+    :class:`~crashproof.Tier` (its own retention, options, backlog), or a list of them (e.g. two
+    regions). Each committed checkpoint is copied to every tier in the background, verified there,
+    and ``restore`` takes the newest valid checkpoint of any tier. Rank 0 copies (the root must be
+    one directory all ranks write into)."""
+    remote_timeout_s: float = 600.0
+    """How long ``close`` waits for the newest checkpoint to be durable in every tier before it
+    gives up, logging what is still pending (it stays on the local disk and the next manager with
+    the same tiers uploads it)."""
+    replicate: bool = True
+    """Copy checkpoints to the tiers (rank 0, or the agent). False for a process that only
+    restores from them (an evaluation job): it then never writes to a tier."""
+    read_only: bool = False
+    """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
+    prunes or rolls back, never removes or renames anything in the root (not even a save in
+    progress of the run that writes it), never writes to a tier, and restores a tier's checkpoint
+    straight from the tier."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"CheckpointManager(timeout_s={self.timeout_s}): must be positive")
+        if self.on_busy not in ("wait", "skip"):
+            raise ConfigError(f"CheckpointManager(on_busy={self.on_busy!r}): use 'wait' or 'skip'")
+        if self.on_disk_full not in ("continue", "raise"):
+            raise ConfigError(
+                f"CheckpointManager(on_disk_full={self.on_disk_full!r}): use 'continue' or 'raise'"
+            )
+        if self.staging_buffers not in (1, 2) or (
+            self.staging_buffers == 2 and not self.async_save
+        ):
+            raise ConfigError(
+                f"CheckpointManager(staging_buffers={self.staging_buffers}): use 1, or 2 with "
+                "async_save=True"
+            )

@@ -1,0 +1,387 @@
+"""A manager's restore and rollback: :class:`Restorer`.
+
+Candidates are the checkpoints of the local root and of every tier, newest first. Each is tried
+from each source (the local copy, then each tier's: downloaded into the local root by rank 0, or
+read in place by a read-only manager) until one verifies on every rank and fits the state; only
+then is anything written into the live tensors. A candidate that vanished while it was read makes
+the restore list the checkpoints again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import posixpath
+import time
+from typing import Any
+
+from crashproof.checkpoint._agreement import RankAgreement
+from crashproof.checkpoint._catalog import committed_steps
+from crashproof.checkpoint._format import checkpoint_dir_name
+from crashproof.checkpoint._group import Group
+from crashproof.checkpoint._manager_state import ManagerState
+from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
+from crashproof.checkpoint._reshard import source_rank
+from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
+from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
+from crashproof.checkpoint._tier_coordination import TierCoordinator
+from crashproof.checkpoint._transfer import download_checkpoint
+from crashproof.checkpoint._writer import exactness_environment, named_tensors
+from crashproof.errors import CorruptCheckpointError, StateMismatchError
+from crashproof.state import TrainState
+from crashproof.storage import Storage
+
+__all__ = ["Restorer"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+_RELISTS = 3
+"""How many times a restore lists the checkpoints again after one vanished while it was read
+(a writer's retention removed it after committing a newer one)."""
+
+Candidate = tuple[int, str, list[str | None]]
+"""A checkpoint to try: its step, its local path, and its sources (None: the local copy, else a
+tier's URI)."""
+
+
+class Restorer:
+    """Finds the newest checkpoint that verifies, across the root and its tiers, and loads it."""
+
+    def __init__(
+        self,
+        shared: ManagerState,
+        group: Group,
+        agreement: RankAgreement,
+        tiers: TierCoordinator,
+        *,
+        read_only: bool,
+    ) -> None:
+        self._shared = shared
+        self._group = group
+        self._agreement = agreement
+        self._tiers = tiers
+        self._read_only = read_only
+        self._restored_environment: dict[str, Any] = {}
+
+    def restore(
+        self, state: TrainState, step: int | None, *, below: int | None = None
+    ) -> tuple[int, str] | None:
+        """The step and path restored, or None when there was nothing valid to restore.
+
+        Of one step, the local copy is tried first and each remote copy after it. A candidate that
+        vanished while it was read (another process's retention removed it after committing a
+        newer one) makes the restore list the checkpoints again, up to ``_RELISTS`` times: a
+        reader must not fall back past a newer checkpoint, or to step 0.
+        """
+        root, storage = self._shared.root, self._shared.storage
+        skipped: list[str] = []
+        tried: set[tuple[int, str | None]] = set()
+        for listing in range(_RELISTS + 1):
+            candidates = self._agreement.on_rank0(self._candidates)
+            if below is not None:
+                candidates = [c for c in candidates if c[0] < below]
+            if step is not None:
+                candidates = [c for c in candidates if c[0] == step]
+                if not candidates and listing == 0:
+                    raise checkpoint_not_found(storage.describe(root), step)
+            vanished: list[int] = []
+            for candidate, path, sources in candidates:
+                for source in sources:
+                    if (candidate, source) in tried:
+                        continue
+                    tried.add((candidate, source))
+                    restored = self._try_source(state, candidate, path, source, skipped, vanished)
+                    if restored is not None:
+                        return restored
+                    if vanished:  # the listing is out of date: newer ones may be there now
+                        tried.discard((candidate, source))  # (and this one back, re-saved)
+                        break
+                if vanished:
+                    break
+            if not vanished:
+                break
+            log.warning(
+                "checkpoint step %d vanished while it was read; listing %s again", vanished[0], root
+            )
+        if step is not None:
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} in {root} is not valid: {skipped[0]}"
+            )
+        if skipped:
+            log.error(
+                "no valid checkpoint in %s (%d skipped); starting from step 0", root, len(skipped)
+            )
+        return None
+
+    def rollback(self, state: TrainState, before: int) -> tuple[int, str] | None:
+        """Restore the newest valid checkpoint of a step before ``before`` and, on rank 0, remove
+        every checkpoint after it (the tiers' copies are marked abandoned first)."""
+        restored = self.restore(state, None, below=before)
+        if restored is None or self._group.rank != 0:
+            return restored
+        step, storage, root = restored[0], self._shared.storage, self._shared.root
+        self._shared.check_lock()
+        if self._tiers.tiers:  # first, so the tiers' copies count as abandoned whatever happens
+            record_rollback(storage, root, step)
+        for later, later_path in committed_steps(storage, root):
+            if later > step:
+                log.warning("rollback: removing checkpoint step %d (after the anomaly)", later)
+                storage.remove(later_path)
+        self._tiers.notify()
+        return restored
+
+    def _candidates(self) -> list[Candidate]:
+        """Every checkpoint, newest first. A tier that cannot be listed is logged and left out; a
+        tier's copy that a rollback abandoned (see :mod:`crashproof.checkpoint._rollbacks`) is
+        never a candidate."""
+        local_storage, local_root = self._shared.storage, self._shared.root
+        local = dict(committed_steps(local_storage, local_root))
+        sources: dict[int, list[str | None]] = {s: [None] for s in local}
+        marks = read_marks(local_storage, local_root) if self._tiers.tiers else []
+        for tier in self._tiers.tiers:
+            try:
+                root, storage = tier.open()
+                for remote_step, remote_path in committed_steps(storage, root):
+                    if any(remote_step > m.after for m in marks):
+                        created = _created_unix(storage, remote_path)
+                        if abandoned(marks, remote_step, created):
+                            continue
+                    sources.setdefault(remote_step, []).append(tier.uri)
+            except Exception as exc:  # a dead tier must not stop a restore from the others
+                log.error("cannot list %s to restore from it: %s", tier.uri, exc)
+        return [
+            (s, local.get(s) or local_storage.join(local_root, checkpoint_dir_name(s)), sources[s])
+            for s in sorted(sources, reverse=True)
+        ]
+
+    def _try_source(
+        self,
+        state: TrainState,
+        candidate: int,
+        path: str,
+        source: str | None,
+        skipped: list[str],
+        vanished: list[int],
+    ) -> tuple[int, str] | None:
+        """Restore ``candidate`` from its local copy (``source`` None) or a tier's copy."""
+        storage, where = self._shared.storage, path
+        if source is not None and self._read_only:  # read in place: the root stays as is
+            try:
+                root, storage = self._tiers.open_tier(source)
+            except Exception as exc:
+                skipped.append(f"step {candidate} in {source}: {exc}")
+                return None
+            where = storage.join(root, checkpoint_dir_name(candidate))
+        elif source is not None:  # a remote copy: bring it here first
+            fetched = self._agreement.on_rank0(functools.partial(self._fetch, candidate, source))
+            if fetched:
+                skipped.append(f"step {candidate} in {source}: {fetched}")
+                return None
+        return self._try_restore(state, candidate, where, skipped, storage, vanished)
+
+    def _fetch(self, step: int, uri: str) -> str:
+        """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
+        ``uri`` into the local root; returns "" on success, else why not."""
+        local_storage, local_root = self._shared.storage, self._shared.root
+        started = time.perf_counter()
+        self._shared.known[step] = None  # ours to bring in: not a second writer's
+        try:
+            root, storage = self._tiers.open_tier(uri)
+            manifest = download_checkpoint(
+                storage,
+                storage.join(root, checkpoint_dir_name(step)),
+                local_storage,
+                local_root,
+                checkpoint_dir_name(step),
+            )
+            base = manifest.base_step
+            if base is not None and checkpoint_dir_name(base) not in local_storage.list(local_root):
+                self._shared.known[base] = None
+                download_checkpoint(
+                    storage,
+                    storage.join(root, checkpoint_dir_name(base)),
+                    local_storage,
+                    local_root,
+                    checkpoint_dir_name(base),
+                )
+        except Exception as exc:
+            log.warning("cannot restore checkpoint step %d from %s: %s", step, uri, exc)
+            return f"{type(exc).__name__}: {exc}"
+        log.info(
+            "downloaded checkpoint step %d from %s in %.2f s",
+            step,
+            uri,
+            time.perf_counter() - started,
+        )
+        return ""
+
+    def _try_restore(
+        self,
+        state: TrainState,
+        candidate: int,
+        path: str,
+        skipped: list[str],
+        storage: Storage,
+        vanished: list[int],
+    ) -> tuple[int, str] | None:
+        """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if
+        not, and ``candidate`` in ``vanished`` when it is no longer there on some rank.
+
+        Two phases: every rank verifies its part and checks (and trial-loads) everything with
+        real values, the live tensors' values aside, before any rank writes anything live; the
+        loading that follows has nothing left to refuse."""
+        started = time.perf_counter()
+        status, reader, reason = self._load_candidate(state, candidate, path, storage)
+        where = storage.describe(path)
+        try:
+            statuses = self._group.all_gather((status, reason))
+            mismatch = next((r for s, r in statuses if s == "mismatch"), None)
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
+            problems = [r for s, r in statuses if s != "ok"]
+            if problems:
+                log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
+                skipped.append(f"step {candidate}: {problems[0]}")
+                if any(s == "gone" for s, _ in statuses):
+                    vanished.append(candidate)
+                return None
+            assert reader is not None
+            tree = reader.finish(reader.sharded_values)
+        finally:
+            if reader is not None:
+                reader.close()
+        try:
+            state.restore(tree, where=where, checked=True)
+        except Exception as exc:
+            # Checked and trial-loaded before, so only an object that cannot be copied for a trial
+            # (or that loads differently the second time) gets here, with the live state partly
+            # written: never a bare error, and never a silent fallback over a half-loaded state.
+            raise CorruptCheckpointError(
+                f"{where}: loading step {candidate} failed after the live tensors were written "
+                f"({type(exc).__name__}: {exc}); the model, optimizer and other components may "
+                "now hold a mix of this checkpoint and their earlier state. Create them anew and "
+                "restore again, or restore an earlier step"
+            ) from exc
+        self._warn_if_inexact(candidate)
+        shared = self._shared
+        shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
+        shared.newest_valid = candidate
+        # Deltas are taken against what this manager committed; after a restore (or a rollback)
+        # the next save is full, or it could name a base that is later than it or gone.
+        shared.delta_base = None
+        log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
+        return int(candidate), storage.describe(path)
+
+    def _warn_if_inexact(self, step: int) -> None:
+        """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
+        env = self._restored_environment
+        now = exactness_environment()
+        if (env.get("cuda") or now["cuda"]) and not (
+            env.get("deterministic_algorithms") and now["deterministic_algorithms"]
+        ):
+            log.warning(
+                "resuming from step %d on CUDA without torch.use_deterministic_algorithms(True) in both "
+                "runs: the resumed run can match the uninterrupted one only statistically, not bit for "
+                "bit (see docs/exactness.md)",
+                step,
+            )
+        # Checkpoints from before this was recorded say nothing: only a recorded False counts.
+        saved_mkl = env.get("mkl_reproducible", True)
+        if now["mkl"] and not (saved_mkl and now["mkl_reproducible"]):
+            log.warning(
+                "resuming from step %d with MKL not set up for reproducible results in %s: set "
+                "MKL_CBWR=AUTO,STRICT and MKL_DYNAMIC=FALSE before Python starts (crashproof run "
+                "does) or runs may differ in the last bits (see docs/exactness.md)",
+                step,
+                "this run" if saved_mkl else "the run that saved it",
+            )
+
+    def _load_candidate(
+        self, state: TrainState, step: int, path: str, storage: Storage
+    ) -> tuple[str, RankRead | None, str]:
+        """Check and verify one candidate without touching the live state.
+
+        Returns ``("ok", reader, "")`` (the caller finishes the read into the live tensors),
+        ``("corrupt", None, why)``, ``("gone", None, why)`` (it vanished while it was read) or
+        ``("mismatch", None, why)``.
+        """
+        rank, world_size = self._group.rank, self._group.world_size
+        reader: RankRead | None = None
+        try:
+            manifest = read_manifest(storage, path)
+            if manifest.step != step:
+                raise CorruptCheckpointError(
+                    f"{storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
+                    "the directory was renamed or copied"
+                )
+            # Another world size: replicated state only, each rank reading a saved rank's part.
+            source = source_rank(
+                storage, path, manifest, rank, world_size, per_rank=state.per_rank_names()
+            )
+            if source != rank or manifest.world_size != world_size:
+                log.info(
+                    "checkpoint step %d was saved by %d ranks: rank %d restores saved rank %d's state",
+                    step,
+                    manifest.world_size,
+                    rank,
+                    source,
+                )
+                if state.data is not None and state.sampler is None and rank == 0:
+                    log.warning(
+                        "checkpoint step %d was saved by %d ranks and is restored on %d: the "
+                        "data loader's own state_dict() is per rank, so each rank resumes from a "
+                        "saved rank's position and samples may be repeated or skipped; a "
+                        "DataLoader over crashproof.ResumableSampler carries the global position",
+                        step,
+                        manifest.world_size,
+                        world_size,
+                    )
+            reader = RankRead(storage, path, manifest, source, into=state.live_tensors())
+            # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
+            # Nothing here writes into the live state: only finish() does, after all ranks agree.
+            reader.verify()
+            # Real values for every check that needs them (RNG states, optimizer state, trial
+            # loads of extras); only tensors read straight into live memory are stand-ins.
+            values = reader.check_tree()
+            if not isinstance(values, dict):
+                raise CorruptCheckpointError(
+                    f"{storage.describe(path)}: the state is not a mapping"
+                )
+            pieces = reader.sharded_entries()
+            # Every rank's pieces tile their tensors (metadata only) before anything is sized.
+            saved = CrashproofReader(path, storage=storage, manifest=manifest) if pieces else None
+            state.check(values, where=storage.describe(path))
+            if saved is not None:  # cut this rank's pieces out of the saved ones, into new memory
+                with state.restore_layout() as layout:
+                    _, live = named_tensors(layout)
+                    targets = restore_targets(pieces, dict(live), saved)
+                load_sharded(storage, path, manifest, targets, reader=saved)
+                reader.sharded_values = targets
+            self._restored_environment = manifest.environment
+            return "ok", reader, ""
+        except StateMismatchError as exc:
+            status, why = "mismatch", str(exc)
+        except (CorruptCheckpointError, OSError) as exc:
+            status, why = "corrupt", str(exc)
+            if not _still_there(storage, path):
+                status = "gone"  # removed while it was read: the listing is out of date
+        if reader is not None:
+            reader.close()
+        return status, None, why
+
+
+def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
+    try:
+        return read_manifest(storage, ckpt_dir).created_unix
+    except (CorruptCheckpointError, OSError):
+        return None
+
+
+def _still_there(storage: Storage, ckpt_dir: str) -> bool:
+    """Whether the checkpoint directory ``ckpt_dir`` is still in its root (a directory left
+    without its manifest is there: a corrupt checkpoint, not a removed one)."""
+    parent, name = posixpath.split(ckpt_dir.rstrip("/"))
+    try:
+        return name in storage.list(parent)
+    except Exception:  # cannot tell: list again, a bounded number of times
+        return False

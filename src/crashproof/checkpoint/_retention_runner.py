@@ -1,0 +1,146 @@
+"""Retention as a writing manager runs it, on rank 0: :class:`RetentionRunner`.
+
+The plan itself is :func:`~crashproof.checkpoint._catalog.retention_plan`'s; this module decides
+what is kept anyway (the checkpoint just saved, the newest valid one, the base of the next deltas,
+what a tier has not taken yet), stops for good when a second writer's checkpoints appear in a root
+no lock protects, and removes early what retention would remove after a save that found the disk
+full.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from crashproof.checkpoint._catalog import (
+    checkpoint_facts,
+    committed_steps,
+    leftover_dirs,
+    newest_verified,
+    prune_plan,
+    retention_plan,
+)
+from crashproof.checkpoint._manager_state import ManagerState
+from crashproof.checkpoint._tier_coordination import TierCoordinator
+from crashproof.checkpoint._writer import Snapshot
+from crashproof.policy import CheckpointFacts, RetentionPolicy
+
+__all__ = ["RetentionRunner"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+
+class RetentionRunner:
+    """Applies ``keep`` to the root of ``shared`` without ever removing what must stay."""
+
+    def __init__(self, shared: ManagerState, keep: RetentionPolicy, tiers: TierCoordinator) -> None:
+        self._shared = shared
+        self._keep = keep
+        self._tiers = tiers
+
+    def kept_anyway(self, keep_always: int) -> set[int]:
+        """What retention never removes now: ``keep_always``, the newest valid checkpoint, the
+        base of the next deltas, and what a tier has not taken yet."""
+        keep = {keep_always}
+        if self._shared.newest_valid is not None:
+            keep.add(self._shared.newest_valid)
+        if self._shared.delta_base is not None:  # the next deltas are taken against it
+            keep.add(self._shared.delta_base.step)
+        return keep | self._tiers.protected()  # not yet copied to a durable tier
+
+    def apply(self, *, keep_always: int) -> None:
+        """Remove what the retention policy does not keep (never the newest valid checkpoint).
+
+        Temporary directories are not touched here: another rank may already be writing the next
+        save's. Abandoned ones are removed when a manager starts.
+        """
+        shared = self._shared
+        try:
+            if shared.retention_off:
+                return
+            shared.check_lock()  # never remove from a root this writer no longer holds
+            keep = self.kept_anyway(keep_always)
+            found = committed_steps(shared.storage, shared.root)
+            facts = checkpoint_facts(shared.storage, found)
+            if shared.lock is None and self._second_writer_in(facts, keep_always):
+                return
+            plan = retention_plan(shared.storage, found, self._keep, keep_always=keep, facts=facts)
+            for step, path in plan:
+                log.info("retention: removing checkpoint step %d", step)
+                shared.storage.remove(path)
+        except Exception as exc:  # a failed clean-up must not fail the save that just committed
+            log.warning(
+                "retention in %s failed: %s; will retry after the next save", shared.root, exc
+            )
+
+    def prune(self, keep: RetentionPolicy, *, dry_run: bool) -> list[int]:
+        """Apply ``keep`` now (never to the newest checkpoint that verifies); returns the steps
+        removed, or that would be with ``dry_run``."""
+        self._shared.check_lock()
+        doomed = prune_plan(self._shared.storage, self._shared.root, keep)
+        if not dry_run:
+            for _, path in doomed:
+                self._shared.storage.remove(path)
+        return sorted(step for step, _ in doomed)
+
+    def after_tiers_stopped(self) -> None:
+        """At close: the tiers are stopped, what they spared may go now."""
+        if self._tiers.replicating and self._shared.newest_valid is not None:
+            self.apply(keep_always=self._shared.newest_valid)
+
+    def _second_writer_in(self, facts: list[CheckpointFacts], ours: int) -> bool:
+        """Whether ``facts`` show checkpoints this manager did not commit and did not find when
+        it started (where no lock keeps a second writer out: object stores). Then retention
+        stops for good (it would delete the other writer's checkpoints, or they ours) and the
+        next call into the manager raises."""
+        shared = self._shared
+        foreign = []
+        for fact in facts:
+            if fact.step == ours or shared.known.get(fact.step, 0.0) is None:
+                shared.known[fact.step] = fact.created_unix  # ours, or found at start: first look
+            elif fact.step not in shared.known or shared.known[fact.step] != fact.created_unix:
+                foreign.append(fact)  # new and not ours, or committed again, not by us
+        if not foreign:
+            return False
+        shared.retention_off = True
+        steps = ", ".join(str(f.step) for f in foreign)
+        shared.second_writer = (
+            f"checkpoints of steps {steps} in {shared.storage.describe(shared.root)} were committed "
+            "by another writer while this manager writes the root: two writers on one root "
+            "delete each other's checkpoints and restore mixes their runs. Retention is off for "
+            "this manager. Give each run its own root; a job that only reads uses "
+            "CheckpointManager(..., read_only=True) (docs/storage.md)"
+        )
+        log.error("%s", shared.second_writer)
+        return True
+
+    def remove_early(self, snapshot: Snapshot) -> list[int]:
+        """Rank 0, the disk being full: remove now what retention would once ``snapshot``
+        commits; returns the steps."""
+        shared = self._shared
+        if shared.retention_off:
+            return []
+        keep = self.kept_anyway(snapshot.step)
+        if shared.newest_valid is None:  # nothing restored nor saved yet: find it, by checksums
+            newest = newest_verified(shared.storage, shared.root)
+            if newest is not None:
+                keep.add(newest)
+        if snapshot.delta is not None:
+            keep.add(snapshot.delta[1].step)
+        found = committed_steps(shared.storage, shared.root)
+        facts = [f for f in checkpoint_facts(shared.storage, found) if f.step != snapshot.step]
+        facts.append(CheckpointFacts(snapshot.step, time.time(), snapshot.metadata))
+        plan = retention_plan(shared.storage, found, self._keep, keep_always=keep, facts=facts)
+        for step, path in plan:
+            log.warning(
+                "disk full: retention removes checkpoint step %d before step %d commits",
+                step,
+                snapshot.step,
+            )
+            shared.storage.remove(path)
+        if shared.lock is not None:  # the lock holder's own leftovers: trash of removals
+            for leftover in leftover_dirs(shared.storage, shared.root):
+                if os.path.basename(leftover).startswith(".trash-"):
+                    shared.storage.remove(leftover)
+        return [step for step, _ in plan]

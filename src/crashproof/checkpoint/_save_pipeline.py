@@ -1,0 +1,414 @@
+"""A manager's saves, from the training loop to the commit: :class:`SavePipeline`.
+
+The training thread takes the snapshot (:func:`~crashproof.checkpoint._writer.take_snapshot`) and
+hands it to one background writer thread, which persists it
+(:func:`~crashproof.checkpoint._writer.persist`) and then runs retention; a synchronous save is
+the same save, waited on. The pipeline owns the saves in flight and their staging buffers, collects
+their outcomes (counted in :class:`~crashproof.checkpoint._stats.SaveStats`, raised at the next
+call), and handles a full disk: what retention would remove after the save goes early, and the save
+is tried once more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import time
+import uuid
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from crashproof.checkpoint._agreement import RankAgreement
+from crashproof.checkpoint._delta import keep_as_base
+from crashproof.checkpoint._format import MAX_STEP
+from crashproof.checkpoint._group import Group
+from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._manager_state import ManagerState
+from crashproof.checkpoint._metadata import checked_metadata
+from crashproof.checkpoint._options import ManagerOptions
+from crashproof.checkpoint._retention_runner import RetentionRunner
+from crashproof.checkpoint._staging import StagingArea
+from crashproof.checkpoint._stats import SaveStats
+from crashproof.checkpoint._tier_coordination import TierCoordinator
+from crashproof.checkpoint._writer import (
+    CommitResult,
+    Snapshot,
+    assign_owners,
+    new_tmp_name,
+    persist,
+    take_snapshot,
+)
+from crashproof.errors import CheckpointWriteError, ConfigError, NonFiniteStateError
+from crashproof.link import Notice, SupervisedReporter, Unsupervised
+from crashproof.policy import SaveContext
+from crashproof.state import TrainState
+
+__all__ = ["SavePipeline", "check_step"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A full disk, or a full quota (the usual "disk full" of a shared cluster file system)."""
+
+Replicated = list[tuple[str, int, str, tuple[int, ...]]]
+"""A rank's replicated tensors (DDP's model and optimizer): name, bytes, dtype, shape."""
+
+
+def check_step(step: int) -> None:
+    if not 0 <= step <= MAX_STEP:  # a manifest of a larger step would be unreadable
+        raise ConfigError(f"step {step}: checkpoint steps are integers from 0 to 2**62")
+
+
+class SavePipeline:
+    """The saves of one manager: started on the training thread, written on the writer thread.
+
+    Two groups: the training thread's collectives (``group``: decisions) and the writer's
+    (``persist_group``: commit) must never interleave on one group, or ranks would pair them
+    wrongly."""
+
+    def __init__(
+        self,
+        shared: ManagerState,
+        options: ManagerOptions,
+        *,
+        group: Group,
+        persist_group: Group,
+        stats: SaveStats,
+        reporter: SupervisedReporter | Unsupervised,
+        retention: RetentionRunner,
+        tiers: TierCoordinator,
+    ) -> None:
+        self._shared = shared
+        self._options = options
+        self._group = group
+        self._persist_group = persist_group
+        self._stats = stats
+        self._reporter = reporter
+        self._retention = retention
+        self._tiers = tiers
+        n = options.staging_buffers
+        self._stagings = [StagingArea() for _ in range(n)] if options.async_save else []
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
+        # Saves not yet collected, oldest first, with the staging area each one reads from.
+        self._inflight: deque[tuple[Future[CommitResult], int]] = deque()
+        self._tmp_token: str | None = None  # in every save's temporary name, the same on all ranks
+        self.last_commit: CommitResult | None = None
+
+    def unfinished(self) -> str:
+        """What became of the saves not yet collected (for a manager never closed): " (...)"."""
+        outcomes = []
+        for future, _ in self._inflight:
+            if not future.done():
+                outcomes.append("a save was still being written")
+            elif (error := future.exception()) is not None:
+                outcomes.append(f"the last save failed: {error}")
+        return f" ({'; '.join(outcomes)})" if outcomes else ""
+
+    def save_context(self, step: int) -> SaveContext:
+        """What a save policy decides from, after ``step``."""
+        return SaveContext(
+            step,
+            time.monotonic(),
+            self._shared.last_save_step,
+            self._shared.last_save_s,
+            last_blocking_s=self._stats.last_blocking_s if self._stats.saves_started else None,
+            last_persist_s=self._stats.last_persist_s if self._stats.saves_committed else None,
+        )
+
+    # -- the training thread -----------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, metadata: dict[str, Any] | None) -> bool:
+        """Snapshot ``state`` and hand it to the writer; returns whether a save started."""
+        check_step(step)
+        metadata = checked_metadata(metadata, step)  # refused here, naming the key
+        self._shared.check_lock()  # still ours: not deleted, replaced or moved meanwhile
+        self.raise_pending()
+        started = time.perf_counter()
+        free = self._free_staging(step, started)
+        if free is None:
+            return False
+        staging = self._stagings[free] if self._stagings else None
+        tree = state.capture()
+        snapshot = take_snapshot(
+            step,
+            tree,
+            staging=staging,
+            metadata=metadata,
+            must_be_finite=(
+                state.must_be_finite(tree, step=step) if self._options.check_finite else frozenset()
+            ),
+        )
+        delta = self._options.delta
+        # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
+        # is always saved whole: a delta's base must be the same rank's piece, which a restore
+        # on another world size would not have.
+        may_be_delta = (
+            delta is not None
+            and self._stats.saves_started % delta.full_every != 0
+            and not snapshot.sharded
+        )
+        if delta is not None and snapshot.sharded and self._stats.saves_started == 0:
+            log.warning(
+                "CheckpointManager(delta=...): the model is sharded (DTensor, FSDP2), and sharded "
+                "state is always saved in full, so every checkpoint of %s is a full one",
+                self._shared.root,
+            )
+        replicated: Replicated | None = None
+        if self._options.dedup_replicated and self._group.world_size > 1 and delta is None:
+            replicated = _replicated_tensors(snapshot.tensors, state)
+        if self._tmp_token is None:  # agreed once; each save's name adds its number
+            self._tmp_token = str(self._group.broadcast(uuid.uuid4().hex[:8]))
+        tmp_name = new_tmp_name(step, f"{self._tmp_token}-{self._stats.saves_started}")
+        blocking_s = time.perf_counter() - started
+        future = self._executor.submit(
+            self._persist, snapshot, tmp_name, blocking_s, may_be_delta, replicated
+        )
+        self._inflight.append((future, free))
+        self._stats.saves_started += 1
+        self._shared.last_save_step, self._shared.last_save_s = step, time.monotonic()
+        if not self._options.async_save:
+            self.wait_commit()
+        self._stats.last_blocking_s = time.perf_counter() - started
+        return True
+
+    def save_before_stopping(
+        self,
+        notice: Notice,
+        step: int,
+        state: TrainState,
+        metadata: dict[str, Any] | None,
+        agreement: RankAgreement,
+    ) -> bool:
+        """The emergency checkpoint of ``step``, committed, if the ranks agree to save it;
+        returns whether it was saved. A save in flight is finished first (never abandoned
+        half-written)."""
+        started = time.monotonic()
+        with self._reporter.phase("save"):
+            self.wait()
+        saved = agreement.saves_before_stopping(
+            notice, step, started, self._stats, self.last_commit, self._shared.newest_valid
+        )
+        if saved:
+            with self._reporter.phase("save"):
+                self.save(step, state, metadata)
+                self.wait_commit()
+            log.warning(
+                "stop requested (%s): emergency checkpoint of step %d committed in %.2f s",
+                notice.source,
+                step,
+                time.monotonic() - started,
+            )
+        return saved
+
+    def _free_staging(self, step: int, started: float) -> int | None:
+        """The staging slot the save of ``step`` may use, once a save in flight has freed one;
+        None when the save is skipped instead (``on_busy="skip"``: on every rank, or none)."""
+        capacity = max(1, len(self._stagings))
+        busy = sum(not future.done() for future, _ in self._inflight) >= capacity
+        skip = self._options.on_busy == "skip"
+        if self._group.world_size > 1 and skip:
+            busy = any(self._group.all_gather(busy))
+        if busy and skip:
+            self._stats.skipped_busy += 1
+            log.warning(
+                "skipping the checkpoint of step %d: the previous save is still being written (on_busy='skip')",
+                step,
+            )
+            return None
+        while len(self._inflight) >= capacity:  # wait for the oldest save, freeing its buffers
+            self._collect(self._inflight.popleft()[0])
+        if busy:
+            self._stats.waited_busy += 1
+            self._stats.waited_busy_s += time.perf_counter() - started
+            log.info(
+                "the checkpoint of step %d waited %.2f s for the previous save",
+                step,
+                time.perf_counter() - started,
+            )
+        return min(set(range(capacity)) - {slot for _, slot in self._inflight})
+
+    def wait(self) -> CommitResult | None:
+        """Collect every save in flight, then let retention after it finish."""
+        result = self.wait_commit()
+        if not self._shared.closed:
+            self._executor.submit(lambda: None).result()  # the queue is drained: retention done
+        return result
+
+    def wait_commit(self) -> CommitResult | None:
+        """Collect every save in flight, oldest first; returns the newest commit."""
+        result = None
+        while self._inflight:
+            result = self._collect(self._inflight.popleft()[0]) or result
+        return result
+
+    def _collect(self, future: Future[CommitResult]) -> CommitResult | None:
+        """The outcome of one save: counted, logged, and raised unless the disk is merely full."""
+        try:
+            try:
+                result = future.result()
+            except (CheckpointWriteError, NonFiniteStateError):
+                raise
+            except Exception as exc:
+                raise CheckpointWriteError(
+                    f"saving a checkpoint in {self._shared.root} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        except NonFiniteStateError:
+            self._stats.failures += 1
+            raise
+        except CheckpointWriteError as exc:
+            self._stats.failures += 1
+            if exc.errno in _DISK_FULL:
+                self._stats.disk_full += 1
+                if self._options.on_disk_full == "continue":
+                    log.error(
+                        "%s; training goes on (on_disk_full='continue'): free space on the disk",
+                        exc,
+                    )
+                    return None
+            raise
+        self.last_commit = result
+        self._stats.saves_committed += 1
+        self._stats.bytes_written += result.bytes_written
+        self._stats.last_persist_s = result.persist_s
+        return result
+
+    def raise_pending(self) -> None:
+        """Surface a background failure on the next call into the manager."""
+        while self._inflight and self._inflight[0][0].done():
+            self._collect(self._inflight.popleft()[0])
+        message, self._shared.second_writer = self._shared.second_writer, None
+        if message is not None:
+            raise CheckpointWriteError(errno.EBUSY, message)
+
+    def queue_retention(self) -> None:
+        """A tier took a checkpoint: local retention may now remove what it spared for it."""
+        newest = self._shared.newest_valid
+        if newest is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the writer thread is shut down: close() runs it
+            self._executor.submit(self._retention.apply, keep_always=newest)
+
+    def stop(self) -> None:
+        """Let the writer thread finish what it was given, and end it."""
+        self._executor.shutdown(wait=True)
+
+    # -- the writer thread -------------------------------------------------------------------
+
+    def _persist(
+        self,
+        snapshot: Snapshot,
+        tmp_name: str,
+        blocking_s: float,
+        may_be_delta: bool,
+        replicated: Replicated | None,
+    ) -> CommitResult:
+        shared, delta = self._shared, self._options.delta
+        if replicated is not None:  # the same on every rank: they all take part in agreeing
+            snapshot.owners = self._replicated_owners(replicated)
+        if may_be_delta and delta is not None and shared.delta_base is not None:
+            snapshot.delta = (delta, shared.delta_base)
+        try:
+            try:
+                result = persist(
+                    shared.storage, shared.root, snapshot, self._persist_group, tmp_name
+                )
+            except CheckpointWriteError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                # Every rank has this same outcome (rank 0 broadcast it): all retry, once.
+                self._make_room(snapshot, exc)
+                result = persist(
+                    shared.storage, shared.root, snapshot, self._persist_group, f"{tmp_name}-retry"
+                )
+        except BaseException:
+            if snapshot.delta is None:
+                shared.delta_base = None  # the full save failed: the next save is a full one
+            raise
+        shared.known.pop(snapshot.step, None)  # ours: its commit time is learnt at retention
+        if delta is not None and result.kind == "full" and not snapshot.sharded:
+            # (Sharded state is never delta-encoded: a copy kept as a base would only cost memory.)
+            shared.delta_base = keep_as_base(snapshot, result.checksums, shared.delta_base)
+        self._reporter.committed(
+            snapshot.step,
+            result.path,
+            blocking_s,
+            result.persist_s,
+            result.checkpoint_bytes
+            if result.checkpoint_bytes is not None
+            else result.bytes_written,
+        )
+        shared.newest_valid = max(shared.newest_valid or 0, snapshot.step)
+        log.info(
+            "checkpoint step %d committed: %.1f MB in %.2f s",
+            snapshot.step,
+            result.bytes_written / 1e6,
+            result.persist_s,
+        )
+        self._tiers.notify()
+        if self._group.rank == 0:
+            # Queued behind this save on the same thread, so a synchronous save returns as soon as
+            # it is committed, and the next save starts only after the clean-up.
+            self._executor.submit(self._retention.apply, keep_always=snapshot.step)
+        return result
+
+    def _replicated_owners(self, named: Replicated) -> dict[str, int]:
+        """Which rank writes each replicated tensor: every rank must list the same names, shapes
+        and dtypes, agreed in one small all-gather, or nothing is deduplicated. Whether the values
+        agree is checked by the writer, by checksum. Runs on the writer thread, over its own
+        group: an all-gather waits for the slowest rank, which the training loop must not."""
+        signature = digest(json.dumps(named).encode())
+        agreed = len(set(self._persist_group.all_gather(signature))) == 1
+        if not named or not agreed:
+            return {}
+        return assign_owners([(n, size) for n, size, _, _ in named], self._group.world_size)
+
+    def _make_room(self, snapshot: Snapshot, failure: CheckpointWriteError) -> None:
+        """The disk is full: remove now what retention would remove once ``snapshot`` commits
+        (never the newest valid checkpoint, nor a base a kept delta needs), on rank 0, while the
+        other ranks wait; the caller then retries the save once."""
+        removed: list[int] = []
+        if self._group.rank == 0:
+            try:
+                removed = self._retention.remove_early(snapshot)
+            except Exception as exc:
+                log.warning("disk full: making room in %s failed: %s", self._shared.root, exc)
+        if self._group.world_size > 1:
+            removed = self._persist_group.broadcast(removed)
+        self._stats.disk_full_retries += 1
+        self._stats.removed_for_space += len(removed)
+        log.warning(
+            "disk full saving checkpoint step %d (%s); removed %s now, as retention would after "
+            "this commit, and retrying the save once",
+            snapshot.step,
+            failure,
+            f"checkpoint steps {sorted(removed)}" if removed else "nothing (retention keeps all)",
+        )
+
+
+def warn_if_never_closed(ref: weakref.ref[SavePipeline]) -> None:
+    """At interpreter exit, say so loudly when a writing manager was never closed: its last save
+    may not have committed (a script that ends without ``close()``, or destroys the process
+    group before it, loses the save in flight), and nothing else would tell."""
+    pipeline = ref()
+    if pipeline is not None and not pipeline._shared.closed:
+        log.error(
+            "CheckpointManager(%s) was not closed before the process ended%s: call ckpt.close() "
+            "at the end of training (before torch.distributed.destroy_process_group()), or use "
+            "it as a context manager, so that the last checkpoint is committed",
+            pipeline._shared.root,
+            pipeline.unfinished(),
+        )
+
+
+def _replicated_tensors(tensors: list[tuple[str, Any]], state: TrainState) -> Replicated:
+    """This rank's replicated tensors (DDP's model and optimizer): name, bytes, dtype, shape."""
+    replicated = state.replicated_names(n for n, _ in tensors)
+    return [
+        (n, t.numel() * t.element_size(), str(t.dtype), tuple(t.shape))
+        for n, t in tensors
+        if n in replicated
+    ]
