@@ -7,8 +7,6 @@ Run from the repository root, on a committed tree (the move is one ``git diff`` 
     ruff check --fix src tests benchmarks examples && ruff format src tests benchmarks examples
     mypy && lint-imports && pytest
 
-What it does, in order:
-
 1. ``git mv`` each module of :data:`MOVES` to its new home (a module this tree lacks is skipped).
    Modules not listed (``manager.py`` and its collaborators, ``_group.py``) stay at the top of
    ``checkpoint/``: only their imports change.
@@ -237,12 +235,13 @@ class Report:
     changed: set[Path] = field(default_factory=set)
 
 
-def _names(names: list[tuple[str, str]]) -> str:
-    return ", ".join(n if n == local else f"{n} as {local}" for n, local in names)
-
-
 def _import_lines(groups: dict[str, list[tuple[str, str]]], indent: str) -> list[str]:
-    return [f"{indent}from {module} import {_names(names)}" for module, names in groups.items()]
+    """One ``from module import name as local, ...`` per module."""
+    return [
+        f"{indent}from {module} import "
+        + ", ".join(n if n == local else f"{n} as {local}" for n, local in names)
+        for module, names in groups.items()
+    ]
 
 
 def target_for(importer: Path, home: str, name: str, report: Report, what: str) -> str:
@@ -383,18 +382,14 @@ def rewrite_mentions(path: Path, text: str, resolver: Resolver, report: Report) 
     if path.is_relative_to(PACKAGE_DIR):
         # Sphinx references relative to the module: absolute now (the module moved, or the one
         # it names did; a moved module's references to those that stay are absolute too).
+        named = [*MOVES]
+        if path.parent != PACKAGE_DIR:
+            named += [p.stem for p in PACKAGE_DIR.glob("*.py") if p.stem != "__init__"]
         text = re.sub(
-            rf"(`~?)\.({olds})(?=[`.])",
-            lambda m: m[1] + OLD[f"{PACKAGE}.{m[2]}"],
+            rf"(`~?)\.({_alternation(named)})(?=[`.])",
+            lambda m: m[1] + OLD.get(f"{PACKAGE}.{m[2]}", f"{PACKAGE}.{m[2]}"),
             text,
         )
-        if path.parent != PACKAGE_DIR:
-            staying = [p.stem for p in PACKAGE_DIR.glob("*.py") if p.stem != "__init__"]
-            text = re.sub(
-                rf"(`~?)\.({_alternation(staying)})(?=[`.])",
-                lambda m: f"{m[1]}{PACKAGE}.{m[2]}",
-                text,
-            )
         text = re.sub(
             rf"``({olds})``",
             lambda m: "``" + MOVES[m[1]].rpartition(".")[2] + "``",
@@ -416,9 +411,14 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
 
 
-def files_in_scope() -> list[Path]:
+def text_files() -> Iterable[tuple[Path, str]]:
+    """Every text file in scope, with its text: tracked, or new and not ignored."""
     listed = git("ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *SCOPE)
-    return sorted({Path(p) for p in listed.split("\0") if p and Path(p).is_file()})
+    for path in sorted({Path(p) for p in listed.split("\0") if p and Path(p).is_file()}):
+        try:
+            yield path, path.read_text()
+        except UnicodeDecodeError:
+            continue
 
 
 def init_text(sub: str, exports: dict[str, str]) -> str:
@@ -462,11 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         git("mv", str(source), str(target))
 
     resolver, report = Resolver(), Report()
-    for path in files_in_scope():
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            continue
+    for path, text in text_files():
         if not path.is_relative_to(PACKAGE_DIR) and not re.search(r"\bcheckpoint[./]", text):
             continue
         if path.suffix == ".py":
@@ -486,15 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"moved {len(moves)} modules; rewrote {len(report.changed)} files")
     for sub, exports in report.exports.items():
         print(f"  {PACKAGE}.{sub}: exports {len(exports)} names")
-    leftovers = []
-    for path in files_in_scope():
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            continue
-        for number, line in enumerate(text.splitlines(), 1):
-            if LEFTOVER.search(line):
-                leftovers.append(f"{path}:{number}: {line.strip()}")
+    leftovers = [
+        f"{path}:{number}: {line.strip()}"
+        for path, text in text_files()
+        for number, line in enumerate(text.splitlines(), 1)
+        if LEFTOVER.search(line)
+    ]
     for line in [*report.warnings, *(f"old name left: {x}" for x in leftovers)]:
         print(f"warning: {line}")
     print("next: ruff check --fix, ruff format, mypy, lint-imports, pytest")
