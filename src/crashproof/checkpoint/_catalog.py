@@ -14,9 +14,10 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
-from crashproof.checkpoint._lock import LOCK_NAME
-from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
+from crashproof.checkpoint._lock_file import LOCK_NAME
+from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
+from crashproof.checkpoint._read_manifest import read_manifest
+from crashproof.checkpoint._reader import verify_checkpoint
 from crashproof.checkpoint._rollbacks import ROLLBACKS_FILE
 from crashproof.checkpoint._writer import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError

@@ -33,8 +33,8 @@ import zstandard
 
 from crashproof.checkpoint._dtypes import dtype_name
 from crashproof.checkpoint._finite import FiniteCheck
-from crashproof.checkpoint._format import DeltaEntry
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._rank_index import DeltaEntry
 from crashproof.checkpoint._shard import tensor_bytes
 from crashproof.errors import ConfigError, CorruptCheckpointError
 

@@ -13,11 +13,11 @@ the indexes' checksums) and its sharded tensors (FSDP2, DTensor) whole, put toge
 rank's pieces (see :mod:`crashproof.checkpoint._sharded`); state split between ranks by hand is
 refused (see :mod:`crashproof.checkpoint._reshard`).
 
-An export never deletes what it did not write (:func:`check_target`): every output is written
-beside its target under a fresh name and renamed into place once complete; an existing target is
-replaced only when it is empty, or when it carries the mark of an earlier export (the
-:data:`MARKER` file in a DCP directory, :data:`MARK_KEY` in a safetensors header or index) and
-``force`` is given; the checkpoint root, its ancestors and the current directory never are.
+An export never deletes what it did not write: every output is written beside its target under a
+fresh name and renamed into place once complete; an existing target is replaced only when it is
+empty, or when it carries the mark of an earlier export and ``force`` is given; the checkpoint
+root, its ancestors and the current directory never are (the checks, and the marks, are
+:mod:`crashproof.checkpoint._export_target`'s).
 """
 
 from __future__ import annotations
@@ -26,23 +26,34 @@ import contextlib
 import json
 import os
 import shutil
-import stat
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, BinaryIO, Literal
+from typing import Any
 
 import torch
 
-from crashproof._files import check_parent, fresh_name, write_atomically
+from crashproof._files import fresh_name, write_atomically
 from crashproof._version import __version__
 from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
-from crashproof.checkpoint._reader import RankRead, read_manifest
+from crashproof.checkpoint._export_target import (
+    MARK_KEY,
+    MARKER,
+    check_target,
+    file_mark,
+    files_under,
+    listed_shards,
+    protected_roots,
+    remove_earlier,
+)
+from crashproof.checkpoint._read_manifest import read_manifest
+from crashproof.checkpoint._reader import RankRead
 from crashproof.checkpoint._reshard import source_rank
 from crashproof.checkpoint._shard import write_shard
 from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
+# The marks and check_target are re-exported for the importers that still name this module.
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "MARKER",
@@ -55,18 +66,7 @@ __all__ = [
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """Above this, a safetensors export is split (Hugging Face's default shard size, 5 GB)."""
-
-MARKER = ".crashproof-export.json"
-"""In a DCP export's directory: which export wrote it and the files it wrote (``--force`` replaces
-such a directory only while it holds nothing else)."""
-
-MARK_KEY = "crashproof_export"
-"""In a safetensors export's ``__metadata__`` and its index's ``metadata``: which export wrote it."""
-
 _DCP_PARTS = ("model", "optimizer", "scheduler", "scaler")
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
-
-Kind = Literal["file", "dir"]
 
 
 def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
@@ -106,164 +106,6 @@ def _model_tensors(storage: Storage, ckpt_dir: str) -> tuple[dict[str, torch.Ten
     return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}, int(tree["step"])
 
 
-# -- where an export may write ---------------------------------------------------------------------
-
-
-def check_target(
-    out: str, *, kind: Kind, force: bool = False, protected: Sequence[str] = ()
-) -> None:
-    """Refuse (:class:`ConfigError`, naming ``out``) an output path an export must not write.
-
-    Never the current directory, a directory it lies in, or any of ``protected`` (the checkpoint
-    root), a directory one of them lies in, or a path inside one of them; never under a file;
-    never a link. An existing target must be empty, or an earlier export of the same kind
-    (:data:`MARKER` / :data:`MARK_KEY`) replaced with ``force``.
-    """
-    if not out:
-        raise ConfigError("-o '': give the path to write the export to")
-    real = os.path.realpath(out)
-    for place, what in [(os.getcwd(), "the current directory")] + [
-        (p, f"the checkpoint root {p}") for p in protected
-    ]:
-        there = os.path.realpath(place)
-        if real == there:
-            raise ConfigError(f"-o {out}: that is {what}; export into a new path")
-        if _inside(there, real):
-            raise ConfigError(f"-o {out}: that directory holds {what}; export into a new path")
-        if what != "the current directory" and _inside(real, there):
-            raise ConfigError(
-                f"-o {out}: that is inside {what}, where only checkpoints belong; "
-                "export to a path outside it"
-            )
-    check_parent(out)
-    if not os.path.lexists(out):
-        return
-    if os.path.islink(out):
-        raise ConfigError(
-            f"-o {out}: is a symbolic link; an export replaces only what it wrote itself: "
-            "remove the link or choose another path"
-        )
-    if kind == "dir":
-        _check_dir_target(out, force)
-    else:
-        _check_file_target(out, force)
-
-
-def _inside(path: str, directory: str) -> bool:
-    """``path`` lies strictly inside ``directory`` (both resolved)."""
-    return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
-def _check_dir_target(out: str, force: bool) -> None:
-    if not os.path.isdir(out):
-        raise ConfigError(
-            f"-o {out}: exists and is not a directory; a DCP export writes a directory: "
-            "choose a new path"
-        )
-    present = _files_under(out)
-    if not present:
-        return
-    mark = _dcp_mark(out)
-    if mark is None:
-        raise ConfigError(
-            f"-o {out}: the directory is not empty and was not written by crashproof export "
-            f"(no {MARKER}); an export never replaces what it did not write: choose a new or "
-            "empty directory"
-        )
-    extra = sorted(set(present) - set(mark.get("files", [])) - {MARKER})
-    if extra:
-        raise ConfigError(
-            f"-o {out}: holds an earlier export, but also {os.path.join(out, extra[0])}, which "
-            "the export did not write; move it away or choose another directory"
-        )
-    if not force:
-        raise ConfigError(
-            f"-o {out}: holds an earlier export (step {mark.get('step')}); "
-            "give --force to replace it"
-        )
-
-
-def _check_file_target(out: str, force: bool) -> None:
-    if os.path.isdir(out):
-        raise ConfigError(
-            f"-o {out}: is a directory; a safetensors export writes a file: "
-            f"give a file path such as {os.path.join(out, 'model.safetensors')}"
-        )
-    if not os.path.isfile(out):
-        raise ConfigError(f"-o {out}: exists and is not a regular file; choose another path")
-    if os.path.getsize(out) == 0:
-        return
-    mark = _file_mark(out)
-    if mark is None:
-        raise ConfigError(
-            f"-o {out}: the file exists and was not written by crashproof export; an export "
-            "never replaces what it did not write: choose a new path"
-        )
-    if not force:
-        raise ConfigError(f"-o {out}: holds an earlier export ({mark}); give --force to replace it")
-
-
-def _files_under(directory: str) -> list[str]:
-    """Every entry under ``directory`` (relative paths; directories too, links not followed)."""
-    found = []
-    for parent, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            found.append(os.path.relpath(os.path.join(parent, name), directory))
-    return found
-
-
-def _dcp_mark(directory: str) -> dict[str, Any] | None:
-    path = os.path.join(directory, MARKER)
-    if os.path.islink(path) or not os.path.isfile(path):
-        return None
-    try:
-        with _open_regular(path) as f:
-            mark = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return mark if isinstance(mark, dict) and mark.get("command") == "export" else None
-
-
-def _file_mark(path: str) -> str | None:
-    """The :data:`MARK_KEY` of a safetensors file or index written by an export, else None."""
-    try:
-        with _open_regular(path) as f:
-            if f.read(1) == b"{":  # an index (JSON); a safetensors file starts with its length
-                f.seek(0)
-                doc = json.loads(f.read(_MAX_HEADER))
-                meta = doc.get("metadata") if isinstance(doc, dict) else None
-            else:
-                f.seek(0)
-                length = int.from_bytes(f.read(8), "little")
-                if not 0 < length <= _MAX_HEADER:
-                    return None
-                header = json.loads(f.read(length))
-                meta = header.get("__metadata__") if isinstance(header, dict) else None
-    except (OSError, ValueError):
-        return None
-    mark = meta.get(MARK_KEY) if isinstance(meta, dict) else None
-    return mark if isinstance(mark, str) else None
-
-
-def _open_regular(path: str) -> BinaryIO:
-    """``path`` opened for reading if it is a regular file (never blocks on a FIFO, never follows
-    a link); OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path}: not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def _protected(storage: Storage, ckpt_dir: str) -> list[str]:
-    """The local checkpoint root ``ckpt_dir`` lies in (nothing for an object store)."""
-    where = storage.describe(ckpt_dir)
-    return [] if "://" in where else [os.path.dirname(where.rstrip("/"))]
-
-
-# -- writers ---------------------------------------------------------------------------------------
-
-
 def export_safetensors(
     storage: Storage,
     ckpt_dir: str,
@@ -280,7 +122,7 @@ def export_safetensors(
     raised with ``filename`` set to ``out_path`` (see :func:`_writing`)."""
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes}: must be positive")
-    protected = _protected(storage, ckpt_dir)
+    protected = protected_roots(storage, ckpt_dir)
     check_target(out_path, kind="file", force=force, protected=protected)
     tensors, step = _model_tensors(storage, ckpt_dir)
     for name, tensor in tensors.items():
@@ -293,18 +135,18 @@ def export_safetensors(
     stem = out_path[: -len(".safetensors")] if out_path.endswith(".safetensors") else out_path
     index_path = f"{stem}.safetensors.index.json"
     if len(shards) == 1:
-        if _file_mark(index_path) is not None:  # a sharded export here: replaced with --force
+        if file_mark(index_path) is not None:  # a sharded export here: replaced with --force
             check_target(index_path, kind="file", force=force, protected=protected)
-        earlier = _listed_shards(index_path)
+        earlier = listed_shards(index_path)
         with _writing(out_path):
             os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
             _write_safetensors(out_path, shards[0], mark)
-            _remove_earlier(index_path, earlier - {os.path.abspath(out_path)})
+            remove_earlier(index_path, earlier - {os.path.abspath(out_path)})
         return tensors, [out_path]
     names = [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     for name in [*names, index_path]:  # every file checked before the first is written
         check_target(name, kind="file", force=force, protected=protected)
-    earlier = _listed_shards(index_path)
+    earlier = listed_shards(index_path)
     with _writing(out_path):
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         for name, shard in zip(names, shards, strict=True):
@@ -320,34 +162,8 @@ def export_safetensors(
         write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
         # A single-file export at out_path (check_target let it through: marked, --force) and
         # the shards of a sharded one that this one did not overwrite.
-        _remove_earlier(out_path, earlier - {os.path.abspath(n) for n in names})
+        remove_earlier(out_path, earlier - {os.path.abspath(n) for n in names})
     return tensors, [*names, index_path]
-
-
-def _remove_earlier(first: str, shards: set[str]) -> None:
-    """Remove ``first``, then each of ``shards``, each only if it is a regular file an export
-    marked (never a link): the files of the export a forced one replaced, that it did not
-    overwrite; left alone they would sit beside the new export as if current."""
-    for old in [os.path.abspath(first), *sorted(shards)]:
-        if not os.path.islink(old) and os.path.isfile(old) and _file_mark(old) is not None:
-            os.remove(old)
-
-
-def _listed_shards(index_path: str) -> set[str]:
-    """The files an earlier export's index names (absolute paths; none without an index)."""
-    if _file_mark(index_path) is None:
-        return set()
-    try:
-        with _open_regular(index_path) as f:
-            weight_map = json.loads(f.read(_MAX_HEADER)).get("weight_map", {})
-    except (OSError, ValueError, AttributeError):
-        return set()
-    head = os.path.dirname(os.path.abspath(index_path))
-    return {
-        os.path.join(head, name)
-        for name in weight_map.values()
-        if isinstance(name, str) and name == os.path.basename(name)  # never outside the directory
-    }
 
 
 def export_dcp(
@@ -357,7 +173,7 @@ def export_dcp(
     ``torch.distributed.checkpoint`` directory ``out_dir``; returns what was written. ``out_dir``
     must be new or empty, or an earlier export replaced with ``force`` (see
     :func:`check_target`). Runs in this process alone (no process group needed)."""
-    protected = _protected(storage, ckpt_dir)
+    protected = protected_roots(storage, ckpt_dir)
     check_target(out_dir, kind="dir", force=force, protected=protected)
     tree = saved_state(storage, ckpt_dir)
     state: dict[str, Any] = {k: tree[k] for k in _DCP_PARTS if k in tree}
@@ -395,7 +211,7 @@ def _write_dcp(
             "step": step,
             "source": source,
             "crashproof": __version__,
-            "files": sorted(_files_under(tmp)),
+            "files": sorted(files_under(tmp)),
         }
         write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())
         _swap_in(tmp, out_dir, force=force, protected=protected)

@@ -29,14 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from crashproof._files import read_json_object, write_json_atomically
-from crashproof.checkpoint._replication import (
-    LocalCheckpoints,
-    Tier,
-    TierReplicator,
-    TierStatus,
-    plan_backlog,
-)
+from crashproof.checkpoint._backlog import LocalCheckpoints, plan_backlog
+from crashproof.checkpoint._replication import TierReplicator
 from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
+from crashproof.checkpoint._tier import Tier, TierStatus
 from crashproof.policy import CheckpointFacts, RetentionPolicy, policy_from_spec, policy_to_spec
 from crashproof.storage import storage_for
 from crashproof.telemetry import EventLog

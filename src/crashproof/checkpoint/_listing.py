@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from crashproof.checkpoint._catalog import CheckpointInfo, describe_checkpoint
-from crashproof.checkpoint._reader import read_manifest, verify_checkpoint
+from crashproof.checkpoint._read_manifest import read_manifest
+from crashproof.checkpoint._reader import verify_checkpoint
 from crashproof.errors import CrashproofError
 from crashproof.storage import Storage
 

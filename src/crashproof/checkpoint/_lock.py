@@ -24,32 +24,53 @@ tell whether that process still runs. Delete the file once sure it does not.
 Object stores have no lock this library can take portably: there, one writer per root is the
 user's duty, and :class:`CheckpointManager` detects a second writer from checkpoints it did not
 commit appearing under its root (docs/storage.md).
+
+This module takes, checks and releases the lock; who a holder is and whether it still runs is
+:mod:`crashproof.checkpoint._lock_holder`'s, and the lock file's handling
+:mod:`crashproof.checkpoint._lock_file`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any
 
+from crashproof.checkpoint._lock_file import (
+    LOCK_NAME,
+    MAX_LOCK_BYTES,
+    OPEN_FLAGS,
+    describe_found,
+    identity,
+    lstat_lock_file,
+    open_lock_file,
+    read_holder_at,
+    write_holder,
+)
+from crashproof.checkpoint._lock_holder import Holder, is_alive, process_start
+from crashproof.checkpoint._lock_holder import proc_stat as _proc_stat
+from crashproof.checkpoint._lock_holder import process_start as _process_start
 from crashproof.errors import CheckpointWriteError, RootLockedError
 
-__all__ = ["LOCK_NAME", "Holder", "RootLock", "lock_root"]
+# LOCK_NAME, Holder and the process probes the tests use are re-exported for the importers that
+# still name this module.
+__all__ = [
+    "LOCK_NAME",
+    "Holder",
+    "RootLock",
+    "_proc_stat",
+    "_process_start",
+    "lock_root",
+    "read_holder",
+]
 
 log = logging.getLogger("crashproof.checkpoint")
 
-LOCK_NAME = ".crashproof.lock"
-"""The lock file in a checkpoint root."""
-_MAX_LOCK_BYTES = 64 * 1024
 _EXITING_WAIT_S = 10.0
 """How long a lock held by a process of this host that is no longer running (killed, its
 threads still exiting) is waited for."""
@@ -60,82 +81,8 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Who holds (or held) a root's lock, as its lock file says."""
-
-    host: str
-    pid: int
-    process_start: str
-    """The process's start time as the kernel counts it (with the boot id): tells a reused pid
-    from the holder. Empty where unknown."""
-    since_unix: float
-
-    def describe(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_unix))
-        return f"pid {self.pid} on host {self.host} (since {since})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "pid": self.pid,
-            "process_start": self.process_start,
-            "since_unix": self.since_unix,
-        }
-
-    @staticmethod
-    def parse(data: bytes) -> Holder | None:
-        try:
-            obj = json.loads(data)
-            return Holder(
-                str(obj["host"]),
-                int(obj["pid"]),
-                str(obj.get("process_start", "")),
-                float(obj["since_unix"]),
-            )
-        except (ValueError, KeyError, TypeError):
-            return None
-
-
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (Linux); None elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from the last ")".
-    return stat[stat.rindex(b")") + 2 :].split()
-
-
-def _process_start(pid: int) -> str:
-    """``<boot id>:<start ticks>`` of ``pid`` (Linux), "" where the system does not say."""
-    fields = _proc_stat(pid)
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read().strip().decode()
-    except OSError:
-        return ""
-    return "" if fields is None else f"{boot}:{int(fields[19])}"
-
-
-def _alive(holder: Holder) -> bool:
-    """Whether ``holder``, a process of this host, still runs (not a reused pid)."""
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: it exists
-    fields = _proc_stat(holder.pid)
-    if fields is not None and fields[0] in (b"Z", b"X"):
-        return False  # exited, not yet reaped by its parent: its locks are gone
-    now = _process_start(holder.pid)
-    return not (holder.process_start and now and now != holder.process_start)
-
-
 def _me() -> Holder:
-    return Holder(socket.gethostname(), os.getpid(), _process_start(os.getpid()), time.time())
+    return Holder(socket.gethostname(), os.getpid(), process_start(os.getpid()), time.time())
 
 
 _held: weakref.WeakSet[RootLock] = weakref.WeakSet()
@@ -155,9 +102,6 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-"""How the lock file is opened: never through a link, and nothing at that name may block us."""
 
 
 class RootLock:
@@ -203,10 +147,10 @@ class RootLock:
             now: os.stat_result | None = os.stat(self.root)
         except OSError:
             now = None
-        if now is None or _ident(now) != _ident(locked):
+        if now is None or identity(now) != identity(locked):
             raise _root_moved(self.root, dir_fd, gone=now is None)
-        found = _lstat_at(dir_fd)
-        if found is not None and _ident(found) == _ident(os.fstat(fd)):
+        found = lstat_lock_file(dir_fd)
+        if found is not None and identity(found) == identity(os.fstat(fd)):
             return
         if found is None:
             log.error(
@@ -221,7 +165,7 @@ class RootLock:
             try:
                 new = _recreate(dir_fd, self.holder, self.root)
             except FileExistsError:  # made by someone else between our look and our create
-                found = _lstat_at(dir_fd)
+                found = lstat_lock_file(dir_fd)
             else:
                 self._fd = new
                 os.close(fd)
@@ -229,7 +173,7 @@ class RootLock:
         raise RootLockedError(
             errno.EBUSY,
             f"{self.path} was replaced while this process held the lock of {self.root}: it now "
-            f"{_describe_found(dir_fd, found)}. Another writer may be using this root, and two "
+            f"{describe_found(dir_fd, found)}. Another writer may be using this root, and two "
             "writers delete each other's checkpoints: this one stops saving and removing there. "
             "Stop the other writer (or remove that file if it is no one's) and restart this run",
         )
@@ -251,8 +195,8 @@ class RootLock:
             # Delete while still holding it, so no one takes a lock on a file about to vanish;
             # through the directory locked, which may have been moved since.
             with contextlib.suppress(OSError):
-                found = _lstat_at(dir_fd)
-                if found is not None and _ident(found) == _ident(os.fstat(fd)):
+                found = lstat_lock_file(dir_fd)
+                if found is not None and identity(found) == identity(os.fstat(fd)):
                     os.unlink(LOCK_NAME, dir_fd=dir_fd)
         os.close(fd)  # closing the last descriptor of each lets go of its flock
         os.close(dir_fd)
@@ -269,7 +213,7 @@ def read_holder(root: str) -> Holder | None:
     except OSError:
         return None
     try:
-        return _read_holder_at(dir_fd)
+        return read_holder_at(dir_fd)
     finally:
         os.close(dir_fd)
 
@@ -300,7 +244,7 @@ def _lock_dir(root: str, path: str, dir_fd: int, me: Holder) -> bool:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            holder = _read_holder_at(dir_fd)
+            holder = read_holder_at(dir_fd)
             if not _exiting(holder, me, exiting_until):
                 raise _locked(root, path, holder) from None
             time.sleep(0.05)
@@ -313,24 +257,24 @@ def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
     """Take the lock file's flock and write ``me`` into it; its descriptor."""
     exiting_until = time.monotonic() + _EXITING_WAIT_S
     for _ in range(1000):  # the holder may delete the file between our open and our flock
-        fd = _open_lock_file(path, dir_fd)
+        fd = open_lock_file(path, dir_fd)
         try:
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
+                    holder = Holder.parse(os.pread(fd, MAX_LOCK_BYTES, 0))
                     if _exiting(holder, me, exiting_until):
                         os.close(fd)
                         time.sleep(0.05)
                         continue
                     raise _locked(root, path, holder) from None
             mine = os.fstat(fd)
-            found = _lstat_at(dir_fd)
-            if found is None or _ident(found) != _ident(mine):
+            found = lstat_lock_file(dir_fd)
+            if found is None or identity(found) != identity(mine):
                 os.close(fd)  # deleted (and perhaps made again) meanwhile: lock the new one
                 continue
-            previous = Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
+            previous = Holder.parse(os.pread(fd, MAX_LOCK_BYTES, 0))
             if previous is not None:
                 _check_stale(root, path, previous, me)
             if mine.st_nlink != 1:
@@ -345,7 +289,7 @@ def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
                 os.unlink(LOCK_NAME, dir_fd=dir_fd)
                 os.close(fd)
                 continue
-            _write_holder(fd, me, root)
+            write_holder(fd, me, root)
             return fd
         except BaseException:
             os.close(fd)
@@ -353,75 +297,17 @@ def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
     raise RootLockedError(errno.EBUSY, f"{path}: could not take the lock (it keeps changing)")
 
 
-def _open_lock_file(path: str, dir_fd: int) -> int:
-    """Open (or create) the lock file, refusing anything but a regular file at its name before
-    opening it, so that no FIFO, device or socket is opened, read or waited on."""
-    found = _lstat_at(dir_fd)
-    if found is not None and not stat.S_ISREG(found.st_mode):
-        raise _not_a_lock_file(path, found.st_mode)
-    try:
-        fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644, dir_fd=dir_fd)
-    except OSError as exc:  # replaced meanwhile by a link (ELOOP), a directory (EISDIR), ...
-        found = _lstat_at(dir_fd)
-        if found is not None and not stat.S_ISREG(found.st_mode):
-            raise _not_a_lock_file(path, found.st_mode) from exc
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _not_a_lock_file(path, mode)
-    return fd
-
-
 def _recreate(dir_fd: int, holder: Holder, root: str) -> int:
     """A new lock file for ``holder``, who holds the root; FileExistsError if one is there."""
-    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644, dir_fd=dir_fd)
+    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644, dir_fd=dir_fd)
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _write_holder(fd, holder, root)
+        write_holder(fd, holder, root)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _write_holder(fd: int, holder: Holder, root: str) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder.to_json() | {"root": root}).encode(), 0)
-    os.fsync(fd)
-
-
-def _ident(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _lstat_at(dir_fd: int) -> os.stat_result | None:
-    """What is at the lock file's name in the locked directory (links not followed), if any."""
-    try:
-        return os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-
-
-def _read_holder_at(dir_fd: int) -> Holder | None:
-    """Who the lock file names; None when it is missing, unreadable or not a regular file (which
-    is never opened: a FIFO would block, a device might act on being opened)."""
-    found = _lstat_at(dir_fd)
-    if found is None or not stat.S_ISREG(found.st_mode):
-        return None
-    try:
-        fd = os.open(LOCK_NAME, os.O_RDONLY | _OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return Holder.parse(os.pread(fd, _MAX_LOCK_BYTES, 0))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _exiting(holder: Holder | None, me: Holder, until: float) -> bool:
@@ -430,41 +316,9 @@ def _exiting(holder: Holder | None, me: Holder, until: float) -> bool:
     return (
         holder is not None
         and holder.host == me.host
-        and not _alive(holder)
+        and not is_alive(holder)
         and time.monotonic() < until
     )
-
-
-_KINDS = (
-    (stat.S_ISFIFO, "FIFO"),
-    (stat.S_ISSOCK, "socket"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISLNK, "symbolic link"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "special file")
-
-
-def _not_a_lock_file(path: str, mode: int) -> CheckpointWriteError:
-    return CheckpointWriteError(
-        errno.EEXIST,
-        f"{path} is a {_kind(mode)}, not a lock file (crashproof writes a regular file there): "
-        "it was not opened, read or changed, and this root cannot be locked for writing. Remove "
-        f"it (rm {path}) if nothing of yours needs it, or give this run another root",
-    )
-
-
-def _describe_found(dir_fd: int, found: os.stat_result | None) -> str:
-    if found is None:
-        return "is missing"
-    if not stat.S_ISREG(found.st_mode):
-        return f"is a {_kind(found.st_mode)}"
-    holder = _read_holder_at(dir_fd)
-    return "names no one" if holder is None else f"names {holder.describe()}"
 
 
 def _root_moved(root: str, dir_fd: int, *, gone: bool) -> CheckpointWriteError:
@@ -494,7 +348,7 @@ def _check_stale(root: str, path: str, previous: Holder, me: Holder) -> None:
         )
     if previous.pid == me.pid and previous.process_start == me.process_start:
         return  # this process's own earlier manager, dropped without close()
-    if _alive(previous):
+    if is_alive(previous):
         raise _locked(root, path, previous)
     log.warning(
         "taking over the lock of %s: it was held by %s, which is no longer running",

@@ -2,7 +2,9 @@
 
 Every read is bounded by what the manifest promises and the manifest is bounded by a size limit,
 so corrupt or hostile input ends in :class:`CorruptCheckpointError`, never in a huge allocation,
-an out-of-bounds read or code execution.
+an out-of-bounds read or code execution. This module owns the reading of a rank's tensors and
+state (:class:`RankRead`), which restore and :func:`verify_checkpoint` share; the manifest and the
+ranks' indexes are read by :mod:`crashproof.checkpoint._read_manifest`.
 """
 
 from __future__ import annotations
@@ -15,115 +17,32 @@ import torch
 
 from crashproof.checkpoint._delta import apply_delta
 from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
-from crashproof.checkpoint._format import (
-    MANIFEST_NAME,
-    MAX_INDEX_BYTES,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
-    Manifest,
-    RankIndex,
-    TensorEntry,
-    checkpoint_dir_name,
-    index_name,
-    parse_manifest,
-    parse_rank_index,
-    shard_name,
-    sharded_pieces,
+from crashproof.checkpoint._format import Manifest
+from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._names import checkpoint_dir_name, index_name
+from crashproof.checkpoint._pieces import sharded_pieces
+from crashproof.checkpoint._rank_index import RankIndex, TensorEntry
+from crashproof.checkpoint._read_manifest import (
+    checkpoint_not_found,
+    read_manifest,
+    read_manifest_bytes,
+    read_rank_index,
 )
-from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
 from crashproof.checkpoint._shard import ShardRead
 from crashproof.checkpoint._tree import decode_tree
-from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
-from crashproof.storage import ReadStream, Storage, read_all
+from crashproof.errors import CorruptCheckpointError
+from crashproof.storage import ReadStream, Storage
 
+# The manifest's and indexes' readers: re-exported for the importers that still name this module.
 __all__ = [
     "RankRead",
+    "checkpoint_not_found",
     "load_rank_state",
     "read_manifest",
     "read_manifest_bytes",
     "read_rank_index",
     "verify_checkpoint",
 ]
-
-
-def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
-    """The parsed manifest; :class:`CorruptCheckpointError` when it is missing or invalid."""
-    return read_manifest_bytes(storage, ckpt_dir)[1]
-
-
-def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifest]:
-    """The manifest's bytes as stored (to copy it unchanged) and parsed."""
-    path = storage.join(ckpt_dir, MANIFEST_NAME)
-    where = storage.describe(path)
-    try:
-        data = read_all(storage, path, limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"{where}: missing; the checkpoint was never committed"
-        ) from None
-    except (OSError, EOFError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{where}: cannot be read: {exc}") from None
-    manifest = parse_manifest(data, where)
-    if manifest.hash_algorithm != HASH_ALGORITHM:
-        raise CorruptCheckpointError(
-            f"{where}: checksums use {manifest.hash_algorithm!r}, expected {HASH_ALGORITHM!r}"
-        )
-    return data, manifest
-
-
-def _file_entry(manifest: Manifest, name: str, where: str) -> FileEntry:
-    try:
-        return manifest.files[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"{where}: the manifest does not list {name}") from None
-
-
-def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> RankIndex:
-    """The verified, parsed index of ``rank``."""
-    name = index_name(rank)
-    where = storage.describe(storage.join(ckpt_dir, name))
-    entry = _file_entry(manifest, name, storage.describe(ckpt_dir))
-    if entry.size > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(
-            f"{where}: listed as {entry.size} bytes, above the {MAX_INDEX_BYTES} limit"
-        )
-    try:
-        data = read_all(storage, storage.join(ckpt_dir, name), limit=entry.size)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: missing") from None
-    except (OSError, EOFError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
-    if len(data) != entry.size or digest(data) != entry.checksum:
-        raise CorruptCheckpointError(
-            f"{where}: {len(data)} bytes with checksum {digest(data)}, the manifest lists "
-            f"{entry.size} bytes with checksum {entry.checksum}"
-        )
-    sizes = {n: e.size for n, e in manifest.files.items()}
-    index = parse_rank_index(data, where, file_sizes=sizes)
-    if index.rank != rank or index.step != manifest.step:
-        raise CorruptCheckpointError(
-            f"{where}: holds rank {index.rank} step {index.step}, expected rank {rank} step {manifest.step}"
-        )
-    if index.shard_file != shard_name(rank):
-        raise CorruptCheckpointError(
-            f"{where}: names shard {index.shard_file!r}, expected {shard_name(rank)!r} (each "
-            "rank's tensors are in its own shard)"
-        )
-    for tensor in index.tensors:
-        if tensor.file is not None and _shard_rank(tensor.file) is None:
-            raise CorruptCheckpointError(
-                f"{where}: tensor {tensor.name!r} is in {tensor.file!r}, which is no rank's shard "
-                "(a tensor is in its rank's shard, or in the shard of the rank that wrote it for all)"
-            )
-    return index
-
-
-def _shard_rank(name: str) -> int | None:
-    """The rank whose shard file ``name`` is, or None (the manifest lists only ranks' files)."""
-    digits = name.removeprefix("rank_").removesuffix(".safetensors")
-    if not digits.isdigit() or shard_name(int(digits)) != name:
-        return None
-    return int(digits)
 
 
 class RankRead:
@@ -514,7 +433,7 @@ def verify_checkpoint(
     the manifest.
 
     The very checks a restore makes on its rank's part (:class:`RankRead`'s, then, where there
-    are sharded tensors, :func:`~._format.sharded_pieces` across the ranks, as ``load_sharded``
+    are sharded tensors, :func:`~._pieces.sharded_pieces` across the ranks, as ``load_sharded``
     does), made for every rank: since the manifest lists each rank's index and shard and nothing
     else, that checks every file. ``on_bytes(n)`` is called as bytes are hashed (progress bars).
     """
@@ -533,8 +452,3 @@ def verify_checkpoint(
     ):
         sharded_pieces(indexes, storage.describe(ckpt_dir))
     return manifest
-
-
-def checkpoint_not_found(root: str, step: int | None) -> CheckpointNotFoundError:
-    what = f"no checkpoint of step {step}" if step is not None else "no committed checkpoint"
-    return CheckpointNotFoundError(f"{what} in {root}; `crashproof ls {root}` lists what there is")

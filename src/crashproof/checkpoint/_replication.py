@@ -14,40 +14,35 @@ While a tier is failing its backlog is bounded: only the newest ``max_backlog`` 
 checkpoints are kept for it (the manager spares them locally), older ones are dropped and
 reported. Every upload, failure, recovery and drop is logged and, under ``crashproof run``,
 recorded as an event.
+
+What a tier is (:class:`Tier`) lives in :mod:`crashproof.checkpoint._tier`; the plan of what to
+upload next, in :mod:`crashproof.checkpoint._backlog`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
+from crashproof.checkpoint._backlog import LocalCheckpoint, LocalCheckpoints, plan_backlog
 from crashproof.checkpoint._catalog import committed_steps
-from crashproof.checkpoint._format import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    checkpoint_dir_name,
-    parse_manifest,
-)
+from crashproof.checkpoint._fields import MAX_MANIFEST_BYTES
+from crashproof.checkpoint._format import parse_manifest
 from crashproof.checkpoint._hashing import digest
+from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name
 from crashproof.checkpoint._reader import verify_checkpoint
 from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
+from crashproof.checkpoint._tier import Replica, Tier, TierStatus, open_tiers
 from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
-from crashproof.errors import ConfigError, CorruptCheckpointError
-from crashproof.policy import (
-    CheckpointFacts,
-    RetentionPolicy,
-    policy_from_spec,
-    policy_to_spec,
-    retained,
-)
-from crashproof.storage import Storage, read_all, storage_for
+from crashproof.errors import CorruptCheckpointError
+from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
+from crashproof.storage import Storage, read_all
 
+# Tier, its status, the backlog's plan: re-exported for the importers that still name this module.
 __all__ = [
     "LocalCheckpoints",
     "Replica",
@@ -67,205 +62,6 @@ POLL_S = 5.0
 """A round at least this often even without a commit: picks up checkpoints of earlier runs."""
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
-
-
-@dataclass(frozen=True)
-class Tier:
-    """A durable copy of the checkpoints: an object-store prefix (``s3://bucket/run``), another
-    filesystem, or any fsspec URI.
-
-    Args:
-        uri: where the checkpoints go; one ``step_<N>`` prefix each, as in the local root.
-        keep: the tier's own retention (default: the manager's ``keep``). The newest valid
-            checkpoint of the tier is never removed, nor a full checkpoint a kept delta needs.
-        storage_options: for the fsspec filesystem (endpoint, credentials, timeouts, ...).
-        max_backlog: while the tier is slow or down, at most this many checkpoints wait for it
-            (the newest ones); older pending checkpoints are dropped for this tier and reported.
-        verify: read every upload back and check every checksum before counting it durable.
-        parallel: files uploaded at once (large files also go up in parallel parts).
-    """
-
-    uri: str
-    keep: RetentionPolicy | None = None
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    max_backlog: int = 4
-    verify: bool = True
-    parallel: int = 4
-
-    def __post_init__(self) -> None:
-        if self.max_backlog < 1:
-            raise ConfigError(f"Tier({self.uri!r}, max_backlog={self.max_backlog}): at least 1")
-        if self.parallel < 1:
-            raise ConfigError(f"Tier({self.uri!r}, parallel={self.parallel}): at least 1")
-
-    def to_json(self) -> dict[str, Any] | None:
-        """The tier for another process (the agent); None when its retention policy or options
-        cannot be described in JSON (a policy class of the user's own)."""
-        keep = None if self.keep is None else policy_to_spec(self.keep)
-        if self.keep is not None and keep is None:
-            return None
-        try:
-            options = json.loads(json.dumps(dict(self.storage_options)))
-        except (TypeError, ValueError):
-            return None
-        return {
-            "uri": self.uri,
-            "keep": keep,
-            "storage_options": options,
-            "max_backlog": self.max_backlog,
-            "verify": self.verify,
-            "parallel": self.parallel,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Tier:
-        keep = data.get("keep")
-        return cls(
-            uri=str(data["uri"]),
-            keep=None if keep is None else policy_from_spec(keep),
-            storage_options=dict(data.get("storage_options") or {}),
-            max_backlog=int(data.get("max_backlog", 4)),
-            verify=bool(data.get("verify", True)),
-            parallel=int(data.get("parallel", 4)),
-        )
-
-    def open(self) -> tuple[str, Storage]:
-        """The tier's root and storage."""
-        return storage_for(self.uri, self.storage_options)
-
-
-@dataclass(frozen=True)
-class TierStatus:
-    """Where a tier stands, as :meth:`TierReplicator.status` reports it."""
-
-    uri: str
-    newest_durable: int | None
-    """The newest step whose checkpoint is complete (and verified) in the tier."""
-    pending: list[int]
-    """Local checkpoints waiting for the tier, newest first."""
-    uploading: tuple[int, float] | None
-    """The checkpoint being uploaded and since when (Unix time): a long one means a slow or
-    hung store."""
-    failing_since: float | None
-    """Unix time of the first failure of the current outage; None while the tier works."""
-    last_error: str
-    uploaded: int
-    bytes_uploaded: int
-    dropped: list[int]
-    """Checkpoints given up for this tier while it was down (the backlog was full)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "uri": self.uri,
-            "newest_durable": self.newest_durable,
-            "pending": self.pending,
-            "uploading": None
-            if self.uploading is None
-            else {"step": self.uploading[0], "since": self.uploading[1]},
-            "failing_since": self.failing_since,
-            "last_error": self.last_error,
-            "uploaded": self.uploaded,
-            "bytes_uploaded": self.bytes_uploaded,
-            "dropped": self.dropped,
-        }
-
-
-class Replica(Protocol):
-    """One tier's replication as the manager drives it: in this process (:class:`TierReplicator`)
-    or by the agent of ``crashproof run`` (``AgentTier``)."""
-
-    tier: Tier
-
-    def notify(self) -> None: ...
-    def protected(self) -> set[int]: ...
-    def status(self) -> TierStatus: ...
-    def wait_durable(self, timeout_s: float) -> bool: ...
-    def stop(self, timeout_s: float = 5.0) -> None: ...
-
-
-@dataclass
-class _Local:
-    """A local checkpoint as a round sees it."""
-
-    path: str
-    manifest: bytes
-    facts: CheckpointFacts
-    base_step: int | None
-
-
-class LocalCheckpoints:
-    """The committed checkpoints of a local root with their manifests, as replication sees them.
-
-    Manifests are re-read at every scan (they are small): a step removed by a rollback and saved
-    again has a new manifest under the same name. Parsing is cached by the bytes' digest. Safe to
-    share between threads."""
-
-    def __init__(self, storage: Storage, root: str) -> None:
-        self.storage, self.root = storage, root
-        self._parsed: dict[str, tuple[CheckpointFacts, int | None]] = {}
-        self._lock = threading.Lock()
-
-    def scan(self) -> dict[int, _Local]:
-        with self._lock:
-            found: dict[int, _Local] = {}
-            parsed: dict[str, tuple[CheckpointFacts, int | None]] = {}
-            for step, path in committed_steps(self.storage, self.root):
-                manifest_path = self.storage.join(path, MANIFEST_NAME)
-                try:
-                    data = read_all(self.storage, manifest_path, limit=MAX_MANIFEST_BYTES)
-                    key = digest(data)
-                    if key not in self._parsed:
-                        m = parse_manifest(data, self.storage.describe(manifest_path))
-                        self._parsed[key] = (
-                            CheckpointFacts(step, m.created_unix, m.metadata),
-                            m.base_step,
-                        )
-                except (OSError, ValueError, CorruptCheckpointError):
-                    continue  # being written, removed, or corrupt: not ours to copy now
-                parsed[key] = self._parsed[key]
-                facts, base = parsed[key]
-                found[step] = _Local(path, data, facts, base)
-            self._parsed = parsed
-            return found
-
-
-def plan_backlog(
-    local: Mapping[int, _Local],
-    durable: Mapping[int, str],
-    remote_facts: Mapping[int, CheckpointFacts],
-    keep: RetentionPolicy,
-    max_backlog: int,
-    given_up: Collection[int] = (),
-) -> tuple[list[int], list[int]]:
-    """``(todo, dropped)``: the local checkpoints a tier lacks and wants, most urgent first (the
-    newest, then those the tier's retention keeps, a delta's base before the delta), at most
-    ``max_backlog`` of them; and the older ones beyond that bound.
-
-    ``durable`` maps the tier's steps to their manifest's digest (a local checkpoint with a
-    different manifest, e.g. one saved again after a rollback, is missing from the tier).
-    ``given_up``: steps that can never be copied (corrupt here), left out.
-    """
-    missing = {
-        s for s, e in local.items() if durable.get(s) != digest(e.manifest) and s not in given_up
-    }
-    if not missing:
-        return [], []
-    facts = {s: e.facts for s, e in local.items()} | {
-        s: f for s, f in remote_facts.items() if s not in local
-    }
-    wanted = retained(keep, list(facts.values())) & missing
-    newest = max(local)
-    if newest in missing:
-        wanted.add(newest)
-    ordered = sorted(wanted, reverse=True)
-    todo: list[int] = []
-    for step in ordered[:max_backlog]:
-        base = local[step].base_step
-        if base is not None and base in missing and base not in todo:
-            todo.append(base)  # a delta is only restorable next to its base
-        if step not in todo:
-            todo.append(step)
-    return todo, [s for s in ordered[max_backlog:] if s not in todo]
 
 
 class TierReplicator:
@@ -480,7 +276,7 @@ class TierReplicator:
             self._remote_facts.pop(step, None)
             self._remote_bases.pop(step, None)
 
-    def _plan(self, local: dict[int, _Local]) -> list[int]:
+    def _plan(self, local: dict[int, LocalCheckpoint]) -> list[int]:
         """What to upload now, most urgent first (see :func:`plan_backlog`); reports drops."""
         todo, dropped = self._backlog(local)
         newly_dropped = [s for s in dropped if s not in self._dropped]
@@ -496,7 +292,7 @@ class TierReplicator:
             self._dropped = sorted(set(self._dropped) | set(newly_dropped))[-100:]
         return todo
 
-    def _backlog(self, local: dict[int, _Local]) -> tuple[list[int], list[int]]:
+    def _backlog(self, local: dict[int, LocalCheckpoint]) -> tuple[list[int], list[int]]:
         with self._cond:
             durable = dict(self._durable or {})
             remote_facts = dict(self._remote_facts)
@@ -505,7 +301,7 @@ class TierReplicator:
             local, durable, remote_facts, self._keep, self.tier.max_backlog, given_up
         )
 
-    def _upload(self, step: int, local: dict[int, _Local]) -> None:
+    def _upload(self, step: int, local: dict[int, LocalCheckpoint]) -> None:
         entry = local[step]
         remote_dir = self._remote.join(self._remote_root, checkpoint_dir_name(step))
         started = time.perf_counter()
@@ -553,7 +349,7 @@ class TierReplicator:
         )
         self._on_durable()
 
-    def _give_up_if_corrupt_here(self, step: int, entry: _Local) -> None:
+    def _give_up_if_corrupt_here(self, step: int, entry: LocalCheckpoint) -> None:
         """The copy did not verify: if the local checkpoint itself does not, no retry can help."""
         try:
             verify_checkpoint(self._local, entry.path)
@@ -634,17 +430,3 @@ class TierReplicator:
             self._failing_since = None
             self._last_error = ""
         self._failures = 0
-
-
-def open_tiers(
-    remote: str | Tier | Sequence[str | Tier] | None,
-) -> list[Tier]:
-    """The manager's ``remote=`` argument as a list of tiers."""
-    if remote is None:
-        return []
-    items = [remote] if isinstance(remote, str | Tier) else list(remote)
-    tiers = [t if isinstance(t, Tier) else Tier(t) for t in items]
-    uris = [t.uri for t in tiers]
-    if len(set(uris)) != len(uris):
-        raise ConfigError(f"remote={uris}: a tier is listed twice")
-    return tiers

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from crashproof.checkpoint._format import Manifest
-from crashproof.checkpoint._reader import read_rank_index
+from crashproof.checkpoint._read_manifest import read_rank_index
 from crashproof.errors import StateMismatchError
 from crashproof.storage import Storage
 

@@ -1,11 +1,11 @@
 """Sharded state (DTensors) read on any number of ranks, through ``torch.distributed.checkpoint``.
 
 Each rank saved its own piece of every DTensor, with the piece's place in the whole tensor (see
-:mod:`._dtensor`). :class:`CrashproofReader` is a ``torch.distributed.checkpoint`` storage reader
-over a crashproof checkpoint: it describes those pieces as DCP metadata, and DCP's load planner
-works out which parts of which saved pieces each live piece needs, whatever the saved and the
-current world sizes and placements. The bytes come from crashproof's own files through its own
-reader: every piece read is checked against its checksum, nothing is unpickled.
+:mod:`crashproof.state._dtensor`). :class:`CrashproofReader` is a ``torch.distributed.checkpoint``
+storage reader over a crashproof checkpoint: it describes those pieces as DCP metadata, and DCP's
+load planner works out which parts of which saved pieces each live piece needs, whatever the
+saved and the current world sizes and placements. The bytes come from crashproof's own files
+through its own reader: every piece read is checked against its checksum, nothing is unpickled.
 
 Used by :class:`~crashproof.CheckpointManager` to restore FSDP2 models and their optimizers, and
 usable directly::
@@ -39,8 +39,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from crashproof.checkpoint._dtypes import dtype_from_name
-from crashproof.checkpoint._format import Manifest, Piece, TensorEntry, shard_name, sharded_pieces
-from crashproof.checkpoint._reader import read_manifest, read_rank_index
+from crashproof.checkpoint._format import Manifest
+from crashproof.checkpoint._names import shard_name
+from crashproof.checkpoint._pieces import Piece, sharded_pieces
+from crashproof.checkpoint._rank_index import TensorEntry
+from crashproof.checkpoint._read_manifest import read_manifest, read_rank_index
 from crashproof.checkpoint._shard import ShardRead
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import empty_like_piece, is_dtensor

@@ -27,22 +27,13 @@ import torch
 
 from crashproof._version import __version__
 from crashproof.checkpoint._delta import Delta, DeltaBase, encode_delta
+from crashproof.checkpoint._fields import dumps
 from crashproof.checkpoint._finite import FiniteCheck
-from crashproof.checkpoint._format import (
-    MANIFEST_NAME,
-    DeltaEntry,
-    FileEntry,
-    Manifest,
-    RankIndex,
-    TensorEntry,
-    checkpoint_dir_name,
-    dumps,
-    index_name,
-    seal_manifest,
-    shard_name,
-)
+from crashproof.checkpoint._format import FileEntry, Manifest, seal_manifest
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
+from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name, index_name, shard_name
+from crashproof.checkpoint._rank_index import DeltaEntry, RankIndex, TensorEntry
 from crashproof.checkpoint._shard import tensor_bytes, write_shard
 from crashproof.checkpoint._staging import StagingArea
 from crashproof.checkpoint._tree import JSONValue, encode_tree
