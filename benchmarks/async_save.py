@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async
 
 import crashproof
-from crashproof.checkpoint._shard import write_shard
+from crashproof.checkpoint.format._shard_file import write_shard
 from save_speed import (
     DEFAULT_DIR,
     MB,

@@ -35,15 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _support import free_port
-from crashproof.checkpoint._format import (
-    FileEntry,
-    Manifest,
-    dumps,
-    index_name,
-    parse_manifest,
-    shard_name,
-)
 from crashproof.checkpoint._group import default_group
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._manifest import FileEntry, Manifest, parse_manifest
+from crashproof.checkpoint.format._names import index_name, shard_name
 
 CHECKSUM = "0123456789abcdef0123456789abcdef"  # an xxh3-128 hex digest's length
 

@@ -39,7 +39,9 @@ import zstandard
 from torch import nn
 
 import crashproof as cp
-from crashproof.checkpoint._delta import (
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._shard_file import tensor_bytes
+from crashproof.checkpoint.save._delta import (
     DeltaBase,
     _pack_planes,
     _planes,
@@ -48,9 +50,7 @@ from crashproof.checkpoint._delta import (
     apply_delta,
     encode_delta,
 )
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._shard import tensor_bytes
-from crashproof.checkpoint._writer import take_snapshot
+from crashproof.checkpoint.save._writer import take_snapshot
 from save_speed import Shape, TinyLM
 
 MB = 1e6

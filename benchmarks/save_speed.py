@@ -605,7 +605,9 @@ class PhaseTimer:
 
 def _crashproof_phases() -> list[tuple[Any, str, str]]:
     """Where to time a save. Private internals: this is a profile, not an API (adjust as needed)."""
-    from crashproof.checkpoint import _retention_runner, _save_pipeline, _shard, _writer
+    from crashproof.checkpoint import _retention_runner, _save_pipeline
+    from crashproof.checkpoint.format import _shard_file
+    from crashproof.checkpoint.save import _writer
     from crashproof.storage import _local
 
     return [
@@ -615,7 +617,7 @@ def _crashproof_phases() -> list[tuple[Any, str, str]]:
         (_writer, "write_shard", "shard file"),
         (_writer, "dumps", "JSON encode (index, manifest)"),
         (_writer, "write_all", "small file (index, manifest)"),
-        (_shard, "_header", "safetensors header"),
+        (_shard_file, "_header", "safetensors header"),
         (_local._LocalWriteStream, "write", "os.write"),
         (_local._LocalWriteStream, "commit", "fsync + close"),
         (_local.LocalStorage, "publish", "publish"),

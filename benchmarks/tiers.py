@@ -43,9 +43,9 @@ import torch
 
 import crashproof as cp
 from _support import start_moto_server
-from crashproof.checkpoint._format import MANIFEST_NAME
-from crashproof.checkpoint._reader import read_manifest_bytes
-from crashproof.checkpoint._transfer import download_checkpoint, upload_checkpoint
+from crashproof.checkpoint.format._names import MANIFEST_NAME
+from crashproof.checkpoint.restore._read_manifest import read_manifest_bytes
+from crashproof.checkpoint.tiers._transfer import download_checkpoint, upload_checkpoint
 from crashproof.storage import LocalStorage, storage_for
 
 MB = 1e6

@@ -28,11 +28,13 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.checkpoint import verify_checkpoint
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps, seal_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._reader import read_manifest
-from crashproof.checkpoint._shard import shard_checksum
-from crashproof.checkpoint._sharded import CrashproofReader, load_sharded
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import seal_manifest
+from crashproof.checkpoint.format._names import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint.format._shard_file import shard_checksum
+from crashproof.checkpoint.restore._dcp_reader import CrashproofReader, load_sharded
+from crashproof.checkpoint.restore._read_manifest import read_manifest
 from crashproof.storage import LocalStorage
 
 STEP = 2

@@ -559,7 +559,7 @@ def test_an_export_whose_output_cannot_be_written_is_74_naming_o(
             "save", {0: (OSError(err_no, os.strerror(err_no)), StackSummary())}
         )
 
-    monkeypatch.setattr("crashproof.checkpoint._export.write_shard", failing_shard)
+    monkeypatch.setattr("crashproof.checkpoint.export._export.write_shard", failing_shard)
     monkeypatch.setattr("torch.distributed.checkpoint.state_dict_saver.save", failing_save)
     for fmt, out in (("safetensors", tmp_path / "w.safetensors"), ("dcp", tmp_path / "dcp")):
         argv = ["export", str(good_root), "--format", fmt, "-o", str(out)]

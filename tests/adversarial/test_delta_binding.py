@@ -26,9 +26,11 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.checkpoint import verify_checkpoint
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name, dumps, seal_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._shard import shard_checksum
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import seal_manifest
+from crashproof.checkpoint.format._names import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint.format._shard_file import shard_checksum
 from crashproof.storage import LocalStorage
 
 SHARD, INDEX = "rank_00000.safetensors", "rank_00000.json"
@@ -304,12 +306,12 @@ def test_a_delta_that_does_not_fit_its_base_tensor_is_refused_before_any_read(
     delta.update(change)
     _reseal(ckpt, index)
     # Refused from metadata alone: no tensor byte of the delta or its base is read.
-    from crashproof.checkpoint import _shard
+    from crashproof.checkpoint.format import _shard_file
 
     def no_read(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a tensor was read before the delta was found not to fit")
 
-    monkeypatch.setattr(_shard.ShardRead, "verify", no_read)
+    monkeypatch.setattr(_shard_file.ShardRead, "verify", no_read)
     _refused_untouched(tmp_path, 2, "is a delta of a")
 
 

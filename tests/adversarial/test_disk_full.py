@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import crashproof as cp
-from crashproof.checkpoint._format import checkpoint_dir_name
+from crashproof.checkpoint.format._names import checkpoint_dir_name
 from crashproof.storage import MemoryStorage
 from crashproof.storage._memory import _MemoryWriteStream
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import crashproof
-from crashproof.checkpoint._export import MARKER
+from crashproof.checkpoint.export._target import MARKER
 from crashproof.cli import main
 
 

@@ -24,7 +24,7 @@ import torch
 
 import crashproof as cp
 from crashproof.checkpoint import committed_steps, describe_checkpoint, verify_checkpoint
-from crashproof.checkpoint._format import checkpoint_dir_name, parse_step_dir
+from crashproof.checkpoint.format._names import checkpoint_dir_name, parse_step_dir
 from crashproof.storage import LocalStorage, storage_for
 
 

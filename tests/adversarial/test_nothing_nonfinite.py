@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from crashproof import CheckpointManager, ConfigError, NonFiniteStateError, TrainState
-from crashproof.checkpoint._metadata import checked_metadata
+from crashproof.checkpoint.format._user_metadata import checked_metadata
 
 NAN, INF = float("nan"), float("inf")
 

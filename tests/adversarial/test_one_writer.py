@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import crashproof as cp
-from crashproof.checkpoint import _lock
-from crashproof.checkpoint._lock import LOCK_NAME
+from crashproof.checkpoint.root import _lock, _lock_holder
+from crashproof.checkpoint.root._lock_file import LOCK_NAME
 from crashproof.errors import CheckpointWriteError, ConfigError, RootLockedError
 from crashproof.storage import MemoryStorage
 
@@ -73,7 +73,7 @@ def test_the_lock_file_names_host_pid_and_start_time(tmp_path: Path) -> None:
         data = json.loads((tmp_path / LOCK_NAME).read_text())
     assert data["host"] == socket.gethostname()
     assert data["pid"] == os.getpid()
-    assert data["process_start"] == _lock._process_start(os.getpid()) != ""
+    assert data["process_start"] == _lock_holder.process_start(os.getpid()) != ""
     assert abs(data["since_unix"] - time.time()) < 60
 
 
@@ -205,7 +205,7 @@ def test_a_live_process_named_in_an_unlocked_lock_file_is_not_taken_over(tmp_pat
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.2)
-        start = _lock._process_start(sleeper.pid)
+        start = _lock_holder.process_start(sleeper.pid)
         (tmp_path / LOCK_NAME).write_text(
             json.dumps(
                 {
@@ -292,7 +292,8 @@ def test_a_second_writer_on_an_object_store_is_detected_and_deletes_nothing() ->
 def test_the_agents_replication_never_removes_anything_from_the_local_root(
     tmp_path: Path,
 ) -> None:
-    from crashproof.checkpoint._replication import Tier, TierReplicator
+    from crashproof.checkpoint.tiers._replicator import TierReplicator
+    from crashproof.checkpoint.tiers._tier import Tier
 
     local = tmp_path / "local"
     with _manager(local) as writer:
@@ -358,7 +359,7 @@ def test_a_killed_writer_not_yet_reaped_does_not_keep_the_root_locked(tmp_path: 
     holder = _holder(tmp_path, "hold")
     holder.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while (fields := _lock._proc_stat(holder.pid)) is not None and fields[0] != b"Z":
+    while (fields := _lock_holder.proc_stat(holder.pid)) is not None and fields[0] != b"Z":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     try:
@@ -413,7 +414,7 @@ def test_a_deleted_lock_file_does_not_admit_a_second_writer(
     naming a dead process (what a second writer takes over)."""
     # A lock held by a process the file calls dead is waited for (it may be exiting) before the
     # refusal: 10 s in production, shortened here; the refusal is what is tested.
-    monkeypatch.setattr("crashproof.checkpoint._lock._EXITING_WAIT_S", 0.5)
+    monkeypatch.setattr("crashproof.checkpoint.root._lock._EXITING_WAIT_S", 0.5)
     holder = _saving_holder(tmp_path)
     try:
         (tmp_path / LOCK_NAME).unlink()

@@ -27,8 +27,8 @@ import torch
 
 import crashproof as cp
 from crashproof.checkpoint import describe_checkpoint
-from crashproof.checkpoint._catalog import recover_interrupted
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint.format._names import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint.root._catalog import recover_interrupted
 from crashproof.storage import FsspecStorage, LocalStorage, MemoryStorage
 from crashproof.storage._local import PUBLISH_POINTS
 

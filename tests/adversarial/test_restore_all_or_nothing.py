@@ -32,9 +32,10 @@ from crashproof import (
     StateMismatchError,
     TrainState,
 )
-from crashproof.checkpoint._format import dumps, seal_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._shard import shard_checksum
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import seal_manifest
+from crashproof.checkpoint.format._shard_file import shard_checksum
 
 INDEX = "rank_00000.json"
 
@@ -471,13 +472,13 @@ def test_a_malformed_tree_raises_corrupt_and_changes_nothing(
 
 def _plain(value: Any) -> Any:
     """The tree as the JSON the index holds, tensors as markers (so edits use index paths)."""
-    from crashproof.checkpoint._tree import encode_tree
+    from crashproof.checkpoint.format._state_tree import encode_tree
 
     return encode_tree(value, [])
 
 
 def _decode(encoded: Any, original: dict[str, Any]) -> Any:
-    from crashproof.checkpoint._tree import decode_tree, encode_tree
+    from crashproof.checkpoint.format._state_tree import decode_tree, encode_tree
 
     tensors: list[tuple[str, torch.Tensor]] = []
     encode_tree(original, tensors)

@@ -232,7 +232,7 @@ def test_final_checkpoints_compare_equal_by_value_and_a_changed_tensor_is_named(
 
 def _tensor_names(ckpt: Path) -> list[str]:
     from crashproof.checkpoint import read_manifest
-    from crashproof.checkpoint._reader import read_rank_index
+    from crashproof.checkpoint.restore._read_manifest import read_rank_index
 
     storage = LocalStorage()
     manifest = read_manifest(storage, str(ckpt))

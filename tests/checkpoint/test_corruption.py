@@ -35,9 +35,10 @@ from crashproof import (
     UnsafeCheckpointError,
 )
 from crashproof.checkpoint import committed_steps, verify_checkpoint
-from crashproof.checkpoint._format import dumps, seal_manifest
-from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._restorer import Restorer
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import seal_manifest
 from crashproof.policy import KeepEvery, KeepLast
 from crashproof.storage import LocalStorage
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import crashproof as cp
-from crashproof.checkpoint._format import MANIFEST_NAME, checkpoint_dir_name
+from crashproof.checkpoint.format._names import MANIFEST_NAME, checkpoint_dir_name
 
 
 def _model() -> nn.Module:
@@ -198,9 +198,9 @@ def test_bad_configuration_is_refused() -> None:
     ],
 )
 def test_a_hostile_delta_blob_is_refused_cleanly(damage: object) -> None:
-    from crashproof.checkpoint._delta import DeltaBase, apply_delta, encode_delta
-    from crashproof.checkpoint._hashing import digest
-    from crashproof.checkpoint._shard import tensor_bytes
+    from crashproof.checkpoint.format._hashing import digest
+    from crashproof.checkpoint.format._shard_file import tensor_bytes
+    from crashproof.checkpoint.save._delta import DeltaBase, apply_delta, encode_delta
 
     base = torch.randn(4096)
     now = base * (1 + 1e-3 * torch.randn(4096))

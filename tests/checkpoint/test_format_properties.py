@@ -23,24 +23,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from crashproof.checkpoint._dtypes import dtype_from_name
-from crashproof.checkpoint._format import (
-    FORMAT_NAME,
-    MAX_NDIM,
-    MAX_WORLD_SIZE,
-    FileEntry,
-    Manifest,
-    RankIndex,
-    TensorEntry,
-    dumps,
-    index_name,
-    parse_manifest,
-    parse_rank_index,
-    shard_name,
-)
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._shard import read_shard, tensor_bytes, write_shard
-from crashproof.checkpoint._tree import _TAGS, decode_tree, encode_tree
+from crashproof.checkpoint.format._dtypes import dtype_from_name
+from crashproof.checkpoint.format._fields import MAX_NDIM, MAX_WORLD_SIZE, dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import FileEntry, Manifest, parse_manifest
+from crashproof.checkpoint.format._names import FORMAT_NAME, index_name, shard_name
+from crashproof.checkpoint.format._rank_index import RankIndex, TensorEntry, parse_rank_index
+from crashproof.checkpoint.format._shard_file import read_shard, tensor_bytes, write_shard
+from crashproof.checkpoint.format._state_tree import _TAGS, decode_tree, encode_tree
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError
 from crashproof.storage import MemoryStorage
 

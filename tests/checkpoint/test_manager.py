@@ -288,7 +288,7 @@ def test_staging_buffers_are_reused_across_saves() -> None:
 def test_async_save_refuses_when_host_memory_is_short(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from crashproof.checkpoint import _staging
+    from crashproof.checkpoint.save import _staging
 
     monkeypatch.setattr(_staging, "available_memory_bytes", lambda: 1024)
     ckpt = cp.CheckpointManager(str(tmp_path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crashproof.checkpoint._format import TensorEntry, _parse_tensor
+from crashproof.checkpoint.format._rank_index import TensorEntry, _parse_tensor
 from crashproof.errors import CorruptCheckpointError
 
 

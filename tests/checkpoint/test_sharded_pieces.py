@@ -17,10 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import crashproof as cp
-from crashproof.checkpoint._format import dumps, seal_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._reader import read_manifest
-from crashproof.checkpoint._sharded import CrashproofReader, load_sharded
+from crashproof.checkpoint.format._fields import dumps
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._manifest import seal_manifest
+from crashproof.checkpoint.restore._dcp_reader import CrashproofReader, load_sharded
+from crashproof.checkpoint.restore._read_manifest import read_manifest
 from crashproof.storage import LocalStorage
 from tests.conftest import free_port
 

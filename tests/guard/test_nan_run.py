@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from crashproof.checkpoint._catalog import committed_steps
-from crashproof.checkpoint._reader import load_rank_state, read_manifest
+from crashproof.checkpoint.restore._rank_read import load_rank_state
+from crashproof.checkpoint.restore._read_manifest import read_manifest
+from crashproof.checkpoint.root._catalog import committed_steps
 from crashproof.storage import LocalStorage
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES, step_records

@@ -286,7 +286,7 @@ def test_s3_storage_leaves_the_global_python_rng_alone() -> None:
 def test_a_checkpoint_a_rollback_abandoned_is_never_restored_from_a_tier(tmp_path: Path) -> None:
     # The tier still holds steps 3 and 4 (say the rollback's removal failed: the tier was down),
     # but the local root remembers the rollback: a restore must not resume into them.
-    from crashproof.checkpoint._rollbacks import record_rollback
+    from crashproof.checkpoint.root._rollbacks import record_rollback
 
     bucket, local = _bucket(), tmp_path / "local"
     model, optimizer, state = _state()

@@ -1,29 +1,37 @@
-"""Checkpoints: the format, the save pipeline, restore with fallback, retention."""
+"""Checkpoints: the format, the save pipeline, restore with fallback, retention, tiers, export.
+
+``manager.CheckpointManager`` is the front door; its options are :class:`ManagerOptions`. The
+manager's collaborators sit beside it (``_save_pipeline``, ``_restorer``, ``_retention_runner``,
+``_agreement``, ``_tier_coordination``, sharing ``_manager_state``); the machinery they drive is in
+subpackages by flow: ``format`` (on disk), ``save``, ``restore``, ``root`` (the lock and what is in
+a root), ``tiers`` and ``export``. docs/architecture.md has the map.
+"""
 
 from __future__ import annotations
 
-from crashproof.checkpoint._catalog import (
-    CheckpointInfo,
-    committed_steps,
-    describe_checkpoint,
-    prune_plan,
-)
-from crashproof.checkpoint._delta import Delta
-from crashproof.checkpoint._export import check_target, export_dcp, export_safetensors
-from crashproof.checkpoint._format import RankIndex, parse_step_dir
 from crashproof.checkpoint._group import Group, default_group
-from crashproof.checkpoint._hosted import ENV_AGENT_REPLICATION, ReplicationHost
-from crashproof.checkpoint._listing import list_checkpoints, located, unreadable
-from crashproof.checkpoint._lock import lock_root
-from crashproof.checkpoint._reader import (
+from crashproof.checkpoint._options import ManagerOptions
+from crashproof.checkpoint.export import check_target, export_dcp, export_safetensors
+from crashproof.checkpoint.format import RankIndex, parse_step_dir
+from crashproof.checkpoint.manager import CheckpointManager
+from crashproof.checkpoint.restore import (
     load_rank_state,
     read_manifest,
     read_rank_index,
     verify_checkpoint,
 )
-from crashproof.checkpoint._replication import Tier, TierStatus
-from crashproof.checkpoint._writer import CommitResult
-from crashproof.checkpoint.manager import CheckpointManager
+from crashproof.checkpoint.root import (
+    CheckpointInfo,
+    committed_steps,
+    describe_checkpoint,
+    list_checkpoints,
+    located,
+    lock_root,
+    prune_plan,
+    unreadable,
+)
+from crashproof.checkpoint.save import CommitResult, Delta
+from crashproof.checkpoint.tiers import ENV_AGENT_REPLICATION, ReplicationHost, Tier, TierStatus
 
 __all__ = [
     "ENV_AGENT_REPLICATION",
@@ -32,6 +40,7 @@ __all__ = [
     "CommitResult",
     "Delta",
     "Group",
+    "ManagerOptions",
     "RankIndex",
     "ReplicationHost",
     "Tier",

@@ -13,8 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar, cast
 
 from crashproof.checkpoint._group import Group
-from crashproof.checkpoint._stats import SaveStats
-from crashproof.checkpoint._writer import CommitResult
+from crashproof.checkpoint.save import CommitResult, SaveStats
 from crashproof.errors import CheckpointWriteError
 from crashproof.link import Notice
 

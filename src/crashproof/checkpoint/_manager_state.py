@@ -9,10 +9,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from crashproof.checkpoint._catalog import committed_steps, leftover_dirs, recover_interrupted
-from crashproof.checkpoint._delta import DeltaBase
 from crashproof.checkpoint._group import Group
-from crashproof.checkpoint._lock import RootLock, lock_root
+from crashproof.checkpoint.root import (
+    RootLock,
+    committed_steps,
+    leftover_dirs,
+    lock_root,
+    recover_interrupted,
+)
+from crashproof.checkpoint.save import DeltaBase
 from crashproof.errors import CheckpointWriteError, ConfigError
 from crashproof.storage import LocalStorage, Storage
 

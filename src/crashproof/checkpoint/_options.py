@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from crashproof.checkpoint._delta import Delta
-from crashproof.checkpoint._replication import Tier
+from crashproof.checkpoint.save import Delta
+from crashproof.checkpoint.tiers import Tier
 from crashproof.errors import ConfigError
 from crashproof.policy import RetentionPolicy, SavePolicy
 from crashproof.storage import Storage

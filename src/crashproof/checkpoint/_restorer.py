@@ -16,17 +16,22 @@ import time
 from typing import Any
 
 from crashproof.checkpoint._agreement import RankAgreement
-from crashproof.checkpoint._catalog import committed_steps
-from crashproof.checkpoint._format import checkpoint_dir_name
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._manager_state import ManagerState
-from crashproof.checkpoint._reader import RankRead, checkpoint_not_found, read_manifest
-from crashproof.checkpoint._reshard import source_rank
-from crashproof.checkpoint._rollbacks import abandoned, read_marks, record_rollback
-from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
 from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint._transfer import download_checkpoint
-from crashproof.checkpoint._writer import exactness_environment, named_tensors
+from crashproof.checkpoint.format import checkpoint_dir_name
+from crashproof.checkpoint.restore import (
+    CrashproofReader,
+    RankRead,
+    checkpoint_not_found,
+    load_sharded,
+    read_manifest,
+    restore_targets,
+    source_rank,
+)
+from crashproof.checkpoint.root import abandoned, committed_steps, read_marks, record_rollback
+from crashproof.checkpoint.save import exactness_environment, named_tensors
+from crashproof.checkpoint.tiers import download_checkpoint
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import TrainState
 from crashproof.storage import Storage
@@ -132,7 +137,7 @@ class Restorer:
 
     def _candidates(self) -> list[Candidate]:
         """Every checkpoint, newest first. A tier that cannot be listed is logged and left out; a
-        tier's copy that a rollback abandoned (see :mod:`crashproof.checkpoint._rollbacks`) is
+        tier's copy that a rollback abandoned (see :mod:`crashproof.checkpoint.root._rollbacks`) is
         never a candidate."""
         local_storage, local_root = self._shared.storage, self._shared.root
         local = dict(committed_steps(local_storage, local_root))

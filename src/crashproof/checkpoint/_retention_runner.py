@@ -1,6 +1,6 @@
 """Retention as a writing manager runs it, on rank 0: :class:`RetentionRunner`.
 
-The plan itself is :func:`~crashproof.checkpoint._catalog.retention_plan`'s; this module decides
+The plan itself is :func:`~crashproof.checkpoint.root._catalog.retention_plan`'s; this module decides
 what is kept anyway (the checkpoint just saved, the newest valid one, the base of the next deltas,
 what a tier has not taken yet), stops for good when a second writer's checkpoints appear in a root
 no lock protects, and removes early what retention would remove after a save that found the disk
@@ -13,7 +13,9 @@ import logging
 import os
 import time
 
-from crashproof.checkpoint._catalog import (
+from crashproof.checkpoint._manager_state import ManagerState
+from crashproof.checkpoint._tier_coordination import TierCoordinator
+from crashproof.checkpoint.root import (
     checkpoint_facts,
     committed_steps,
     leftover_dirs,
@@ -21,9 +23,7 @@ from crashproof.checkpoint._catalog import (
     prune_plan,
     retention_plan,
 )
-from crashproof.checkpoint._manager_state import ManagerState
-from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint._writer import Snapshot
+from crashproof.checkpoint.save import Snapshot
 from crashproof.policy import CheckpointFacts, RetentionPolicy
 
 __all__ = ["RetentionRunner"]

@@ -1,10 +1,10 @@
 """A manager's saves, from the training loop to the commit: :class:`SavePipeline`.
 
-The training thread takes the snapshot (:func:`~crashproof.checkpoint._writer.take_snapshot`) and
+The training thread takes the snapshot (:func:`~crashproof.checkpoint.save._writer.take_snapshot`) and
 hands it to one background writer thread, which persists it
-(:func:`~crashproof.checkpoint._writer.persist`) and then runs retention; a synchronous save is
+(:func:`~crashproof.checkpoint.save._writer.persist`) and then runs retention; a synchronous save is
 the same save, waited on. The pipeline owns the saves in flight and their staging buffers, collects
-their outcomes (counted in :class:`~crashproof.checkpoint._stats.SaveStats`, raised at the next
+their outcomes (counted in :class:`~crashproof.checkpoint.save._stats.SaveStats`, raised at the next
 call), and handles a full disk: what retention would remove after the save goes early, and the save
 is tried once more.
 """
@@ -23,21 +23,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from crashproof.checkpoint._agreement import RankAgreement
-from crashproof.checkpoint._delta import keep_as_base
-from crashproof.checkpoint._format import MAX_STEP
 from crashproof.checkpoint._group import Group
-from crashproof.checkpoint._hashing import digest
 from crashproof.checkpoint._manager_state import ManagerState
-from crashproof.checkpoint._metadata import checked_metadata
 from crashproof.checkpoint._options import ManagerOptions
 from crashproof.checkpoint._retention_runner import RetentionRunner
-from crashproof.checkpoint._staging import StagingArea
-from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint._writer import (
+from crashproof.checkpoint.format import MAX_STEP, checked_metadata, digest
+from crashproof.checkpoint.save import (
     CommitResult,
+    SaveStats,
     Snapshot,
+    StagingArea,
     assign_owners,
+    keep_as_base,
     new_tmp_name,
     persist,
     take_snapshot,

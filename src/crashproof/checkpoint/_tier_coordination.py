@@ -2,7 +2,7 @@
 
 It opens the tiers, starts rank 0's replication to them (hosted by the agent of ``crashproof run``
 when there is one, so uploads outlive the trainer, else on threads of this process:
-:mod:`crashproof.checkpoint._hosted`, :mod:`crashproof.checkpoint._replication`), tells the
+:mod:`crashproof.checkpoint.tiers._agent_replication`, :mod:`crashproof.checkpoint.tiers._replicator`), tells the
 replicas of each commit, says what local retention must spare for them, waits for durability at
 close and reports where each tier stands.
 """
@@ -14,14 +14,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from crashproof.checkpoint._hosted import agent_tiers
 from crashproof.checkpoint._manager_state import ManagerState
-from crashproof.checkpoint._replication import (
+from crashproof.checkpoint.tiers import (
     LocalCheckpoints,
     Replica,
     Tier,
     TierReplicator,
     TierStatus,
+    agent_tiers,
     open_tiers,
 )
 from crashproof.link import Notice

@@ -2,7 +2,7 @@
 
 It owns one checkpoint root and decides *when* (the save policy), *what survives* (the retention
 policy) and *which checkpoint to trust* on restore (the newest one that verifies). Its
-collaborators do the work: :mod:`._save_pipeline` (saves, over :mod:`._writer`),
+collaborators do the work: :mod:`._save_pipeline` (saves, over :mod:`crashproof.checkpoint.save._writer`),
 :mod:`._retention_runner`, :mod:`._agreement` (between ranks), :mod:`._restorer` (restore,
 rollback) and :mod:`._tier_coordination` (durable tiers); they share :mod:`._manager_state`.
 """
@@ -19,19 +19,17 @@ from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._agreement import RankAgreement
-from crashproof.checkpoint._catalog import CheckpointInfo, committed_steps, describe_checkpoint
-from crashproof.checkpoint._delta import Delta
 from crashproof.checkpoint._group import default_group
 from crashproof.checkpoint._manager_state import ManagerState, open_for_writing
-from crashproof.checkpoint._metadata import checked_metadata
 from crashproof.checkpoint._options import ManagerOptions
-from crashproof.checkpoint._replication import Tier, TierStatus
 from crashproof.checkpoint._restorer import Restorer
 from crashproof.checkpoint._retention_runner import RetentionRunner
 from crashproof.checkpoint._save_pipeline import SavePipeline, check_step, warn_if_never_closed
-from crashproof.checkpoint._stats import SaveStats
 from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint._writer import CommitResult
+from crashproof.checkpoint.format import checked_metadata
+from crashproof.checkpoint.root import CheckpointInfo, committed_steps, describe_checkpoint
+from crashproof.checkpoint.save import CommitResult, Delta, SaveStats
+from crashproof.checkpoint.tiers import Tier, TierStatus
 from crashproof.link import Notice, PreemptedExit, PreemptionListener, trainer_reporter
 from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SavePolicy
 from crashproof.state import TrainState
@@ -44,7 +42,7 @@ class CheckpointManager:
     """Save, retain and restore the checkpoints of one run under ``root``.
 
     ``root`` holds one ``step_<N>`` directory per checkpoint. Each keyword option is documented
-    on the field of the same name of :class:`~crashproof.checkpoint._options.ManagerOptions`:
+    on the field of the same name of :class:`~crashproof.checkpoint.ManagerOptions`:
     ``every`` and ``keep`` are the save and retention policies (default ``EverySteps(1000)``,
     keep all), ``async_save`` writes in the background, ``remote`` names durable tiers every
     checkpoint is copied to, ``handle_signals`` turns SIGTERM, SIGUSR1 and a first SIGINT into an

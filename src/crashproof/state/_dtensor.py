@@ -2,7 +2,7 @@
 
 A DTensor is a whole tensor spread over ranks; a rank saves only the piece it holds, with the
 piece's place in the whole (the same chunk description ``torch.distributed.checkpoint`` uses), so
-a restore on any number of ranks can cut the pieces it needs (see :mod:`crashproof.checkpoint._sharded`).
+a restore on any number of ranks can cut the pieces it needs (see :mod:`crashproof.checkpoint.restore._dcp_reader`).
 """
 
 from __future__ import annotations

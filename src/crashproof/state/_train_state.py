@@ -199,7 +199,7 @@ class TrainState:
 
         The model's parameters and buffers, and those of ``extra`` modules (an EMA model): the
         restore then needs no second copy of them in memory. Not DTensors: their pieces are cut
-        from the saved ones by :mod:`crashproof.checkpoint._sharded`. Not a module's extra state
+        from the saved ones by :mod:`crashproof.checkpoint.restore._dcp_reader`. Not a module's extra state
         (``get_extra_state`` returns a new value, no live memory). Tensors sharing memory (tied
         weights) are all listed; the reader writes such memory once.
         """

@@ -13,7 +13,7 @@ no atomic rename, so:
 - re-publishing a directory removes the old copy's marker first, then the old copy, then
   copies the new one (marker last), then deletes the temporary directory: at every instant one
   complete copy exists, under the final name or the temporary one, and start-up recovery
-  (:func:`crashproof.checkpoint._catalog.recover_interrupted`) finishes an interrupted publish;
+  (:func:`crashproof.checkpoint.root._catalog.recover_interrupted`) finishes an interrupted publish;
 - a file is durable once ``commit`` returns: the object store has acknowledged the upload
   (multipart for large files: fsspec's buffered writer).
 

@@ -8,7 +8,7 @@ open or the first read), then checked to be a regular file before a byte is read
 :meth:`LocalStorage.publish` replaces a directory so that a complete copy of it is under its final
 name at every instant: on Linux the new directory and the old one swap names in one
 ``renameat2(RENAME_EXCHANGE)``; where the filesystem cannot, the old one is first renamed to
-``.replaced-<name>-<random>``, which start-up recovery (:mod:`crashproof.checkpoint._catalog`)
+``.replaced-<name>-<random>``, which start-up recovery (:mod:`crashproof.checkpoint.root._catalog`)
 puts back if a crash came before the new one took its place.
 
 Chaos seam: ``CRASHPROOF_CHAOS_PUBLISH_KILL=<point>`` makes the process SIGKILL itself at that

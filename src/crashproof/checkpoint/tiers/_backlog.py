@@ -1,7 +1,7 @@
 """Which local checkpoints a tier lacks and wants, most urgent first.
 
-One plan for the replicator that uploads (:mod:`crashproof.checkpoint._replication`) and for a
-trainer whose tiers the agent replicates (:mod:`crashproof.checkpoint._hosted`): both then spare
+One plan for the replicator that uploads (:mod:`crashproof.checkpoint.tiers._replicator`) and for a
+trainer whose tiers the agent replicates (:mod:`crashproof.checkpoint.tiers._agent_replication`): both then spare
 the same checkpoints from local retention.
 """
 
@@ -11,11 +11,8 @@ import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from crashproof.checkpoint._catalog import committed_steps
-from crashproof.checkpoint._fields import MAX_MANIFEST_BYTES
-from crashproof.checkpoint._format import parse_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._names import MANIFEST_NAME
+from crashproof.checkpoint.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, digest, parse_manifest
+from crashproof.checkpoint.root import committed_steps
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
 from crashproof.storage import Storage, read_all

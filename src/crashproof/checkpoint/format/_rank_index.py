@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from crashproof.checkpoint._dtypes import dtype_from_name
-from crashproof.checkpoint._fields import (
+from crashproof.checkpoint.format._dtypes import dtype_from_name
+from crashproof.checkpoint.format._fields import (
     MAX_ELEMENTS,
     MAX_NDIM,
     MAX_WORLD_SIZE,
@@ -23,13 +23,13 @@ from crashproof.checkpoint._fields import (
     load_json,
     require_field,
 )
-from crashproof.checkpoint._names import FORMAT_VERSION
+from crashproof.checkpoint.format._names import FORMAT_VERSION
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["ENCODINGS", "DeltaEntry", "RankIndex", "TensorEntry", "parse_rank_index"]
 
 ENCODINGS = ("same", "xor-zstd")
-"""How a delta checkpoint stores a tensor against its base (see :mod:`._delta`)."""
+"""How a delta checkpoint stores a tensor against its base (see :mod:`crashproof.checkpoint.save._delta`)."""
 
 
 @dataclass(frozen=True, slots=True)

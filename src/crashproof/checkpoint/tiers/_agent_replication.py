@@ -3,7 +3,7 @@
 Under ``crashproof run`` a checkpoint manager with durable tiers does not copy in its own process
 (a crash or a restart of the trainers would cut an upload short). Rank 0 describes the job in
 ``RUN_DIR/replication/<key>.json`` (the local root, the tiers, their retention) and the agent's
-:class:`ReplicationHost` runs the same :class:`~crashproof.checkpoint._replication.TierReplicator`
+:class:`ReplicationHost` runs the same :class:`~crashproof.checkpoint.tiers._replicator.TierReplicator`
 threads the manager would, for as long as the agent lives. They talk through files:
 
 - ``<key>.json``: the job, written once by the trainer;
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from crashproof._files import read_json_object, write_json_atomically
-from crashproof.checkpoint._backlog import LocalCheckpoints, plan_backlog
-from crashproof.checkpoint._replication import TierReplicator
-from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
-from crashproof.checkpoint._tier import Tier, TierStatus
+from crashproof.checkpoint.root import abandoned_steps, read_marks
+from crashproof.checkpoint.tiers._backlog import LocalCheckpoints, plan_backlog
+from crashproof.checkpoint.tiers._replicator import TierReplicator
+from crashproof.checkpoint.tiers._tier import Tier, TierStatus
 from crashproof.policy import CheckpointFacts, RetentionPolicy, policy_from_spec, policy_to_spec
 from crashproof.storage import storage_for
 from crashproof.telemetry import EventLog

@@ -3,7 +3,7 @@ background, one thread per tier.
 
 Each :class:`TierReplicator` keeps its tier in step with the local root by repeated rounds, each
 doing one thing, most urgent first: remove what a rollback abandoned (its marks are kept in the
-local root: :mod:`crashproof.checkpoint._rollbacks`), upload the newest checkpoint the tier lacks,
+local root: :mod:`crashproof.checkpoint.root._rollbacks`), upload the newest checkpoint the tier lacks,
 upload older ones the tier's retention would keep (at most ``max_backlog`` pending); the tier's
 retention runs after every upload. Rounds start when a save commits (:meth:`notify`) and every
 few seconds anyway, so work left by an earlier process is picked up too.
@@ -15,8 +15,8 @@ checkpoints are kept for it (the manager spares them locally), older ones are dr
 reported. Every upload, failure, recovery and drop is logged and, under ``crashproof run``,
 recorded as an event.
 
-What a tier is (:class:`Tier`) lives in :mod:`crashproof.checkpoint._tier`; the plan of what to
-upload next, in :mod:`crashproof.checkpoint._backlog`.
+What a tier is (:class:`Tier`) lives in :mod:`crashproof.checkpoint.tiers._tier`; the plan of what to
+upload next, in :mod:`crashproof.checkpoint.tiers._backlog`.
 """
 
 from __future__ import annotations
@@ -28,29 +28,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from crashproof.checkpoint._backlog import LocalCheckpoint, LocalCheckpoints, plan_backlog
-from crashproof.checkpoint._catalog import committed_steps
-from crashproof.checkpoint._fields import MAX_MANIFEST_BYTES
-from crashproof.checkpoint._format import parse_manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name
-from crashproof.checkpoint._reader import verify_checkpoint
-from crashproof.checkpoint._rollbacks import abandoned_steps, read_marks
-from crashproof.checkpoint._tier import Replica, Tier, TierStatus, open_tiers
-from crashproof.checkpoint._transfer import remove_checkpoint, upload_checkpoint
+from crashproof.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    checkpoint_dir_name,
+    digest,
+    parse_manifest,
+)
+from crashproof.checkpoint.restore import verify_checkpoint
+from crashproof.checkpoint.root import abandoned_steps, committed_steps, read_marks
+from crashproof.checkpoint.tiers._backlog import LocalCheckpoint, LocalCheckpoints, plan_backlog
+from crashproof.checkpoint.tiers._tier import Tier, TierStatus
+from crashproof.checkpoint.tiers._transfer import remove_checkpoint, upload_checkpoint
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
 from crashproof.storage import Storage, read_all
 
-# Tier, its status, the backlog's plan: re-exported for the importers that still name this module.
 __all__ = [
-    "LocalCheckpoints",
-    "Replica",
-    "Tier",
     "TierReplicator",
-    "TierStatus",
-    "open_tiers",
-    "plan_backlog",
 ]
 
 log = logging.getLogger("crashproof.replication")

@@ -5,14 +5,14 @@ A checkpoint is a directory ``step_<N>`` under the root holding, per rank ``r``:
 - ``rank_<r>.safetensors``: the raw bytes of every tensor of that rank, laid out as a valid
   safetensors file (8-byte header length, JSON header, data), so standard tools can read it;
 - ``rank_<r>.json``: the rank's index: each tensor's dtype, shape, byte range and checksum, and
-  the state tree (JSON, with tensors referenced by index; :mod:`crashproof.checkpoint._rank_index`);
+  the state tree (JSON, with tensors referenced by index; :mod:`crashproof.checkpoint.format._rank_index`);
 
 and, written last, ``manifest.json``: every file with its size and checksum, the step, world size,
 kind, format, library and torch versions, sealed by its own checksum. A directory without a valid
 manifest is not a checkpoint. This module owns the manifest: its fields, its seal, its parsing.
-The names are in :mod:`crashproof.checkpoint._names`, the checks every field read goes through and
-the format's limits in :mod:`crashproof.checkpoint._fields`, the sharded tensors' pieces in
-:mod:`crashproof.checkpoint._pieces`. See ``docs/format.md`` for the user-facing description.
+The names are in :mod:`crashproof.checkpoint.format._names`, the checks every field read goes through and
+the format's limits in :mod:`crashproof.checkpoint.format._fields`, the sharded tensors' pieces in
+:mod:`crashproof.checkpoint.format._pieces`. See ``docs/format.md`` for the user-facing description.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from crashproof.checkpoint._fields import (
-    MAX_INDEX_BYTES,
-    MAX_MANIFEST_BYTES,
-    MAX_NDIM,
-    MAX_STEP,
+from crashproof.checkpoint.format._fields import (
     MAX_WORLD_SIZE,
     check_plain_name,
     count_field,
@@ -34,57 +30,21 @@ from crashproof.checkpoint._fields import (
     load_json,
     require_field,
 )
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._names import (
+from crashproof.checkpoint.format._hashing import digest
+from crashproof.checkpoint.format._names import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    MANIFEST_NAME,
-    checkpoint_dir_name,
     index_name,
-    parse_step_dir,
     shard_name,
-)
-from crashproof.checkpoint._pieces import Piece, sharded_pieces
-from crashproof.checkpoint._rank_index import (
-    ENCODINGS,
-    DeltaEntry,
-    RankIndex,
-    TensorEntry,
-    _parse_tensor,
-    parse_rank_index,
 )
 from crashproof.errors import CorruptCheckpointError
 
-# Besides the manifest's own names: the format's other names, re-exported for the importers that
-# still name this module.
 __all__ = [
-    "ENCODINGS",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "MANIFEST_CHECKSUM",
-    "MANIFEST_NAME",
-    "MAX_INDEX_BYTES",
-    "MAX_MANIFEST_BYTES",
-    "MAX_NDIM",
-    "MAX_STEP",
-    "MAX_WORLD_SIZE",
-    "DeltaEntry",
     "FileEntry",
     "Manifest",
-    "Piece",
-    "RankIndex",
-    "TensorEntry",
-    "_parse_tensor",
-    "check_plain_name",
-    "checkpoint_dir_name",
-    "dumps",
-    "index_name",
     "parse_manifest",
-    "parse_rank_index",
-    "parse_step_dir",
     "seal_manifest",
-    "shard_name",
-    "sharded_pieces",
 ]
 
 CHECKSUM_SCHEMES = ("bytes", "tensors")

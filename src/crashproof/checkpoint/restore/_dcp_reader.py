@@ -38,13 +38,16 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from crashproof.checkpoint._dtypes import dtype_from_name
-from crashproof.checkpoint._format import Manifest
-from crashproof.checkpoint._names import shard_name
-from crashproof.checkpoint._pieces import Piece, sharded_pieces
-from crashproof.checkpoint._rank_index import TensorEntry
-from crashproof.checkpoint._read_manifest import read_manifest, read_rank_index
-from crashproof.checkpoint._shard import ShardRead
+from crashproof.checkpoint.format import (
+    Manifest,
+    Piece,
+    ShardRead,
+    TensorEntry,
+    dtype_from_name,
+    shard_name,
+    sharded_pieces,
+)
+from crashproof.checkpoint.restore._read_manifest import read_manifest, read_rank_index
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for

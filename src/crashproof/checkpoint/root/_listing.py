@@ -2,16 +2,16 @@
 
 Two levels, named so that neither claims more than it checked:
 
-- ``valid``: the cheap checks of :func:`~crashproof.checkpoint._catalog.describe_checkpoint`
+- ``valid``: the cheap checks of :func:`~crashproof.checkpoint.root._catalog.describe_checkpoint`
   (the manifest parses, every file it lists is present with its listed size); no data is read.
 - ``verified``: every checksum, as ``crashproof verify`` and a restore check them
-  (:func:`~crashproof.checkpoint._reader.verify_checkpoint`): ``True`` or ``False`` when checked,
+  (:func:`~crashproof.checkpoint.restore._rank_read.verify_checkpoint`): ``True`` or ``False`` when checked,
   ``None`` when not (``ls`` without ``--verify``).
 
 A file the storage refuses to read (permissions, an I/O error) says nothing about the
 checkpoint: :func:`unreadable` tells such an error from corruption, and ``verify`` raises it
 (naming the file, :func:`located`) instead of calling the checkpoint unverified. This module
-only combines the checks; they live in ``_catalog`` and ``_reader``.
+only combines the checks; they live in ``_catalog`` and ``_rank_read``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from crashproof.checkpoint._catalog import CheckpointInfo, describe_checkpoint
-from crashproof.checkpoint._read_manifest import read_manifest
-from crashproof.checkpoint._reader import verify_checkpoint
+from crashproof.checkpoint.restore import read_manifest, verify_checkpoint
+from crashproof.checkpoint.root._catalog import CheckpointInfo, describe_checkpoint
 from crashproof.errors import CrashproofError
 from crashproof.storage import Storage
 

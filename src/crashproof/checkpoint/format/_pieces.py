@@ -1,7 +1,7 @@
 """The saved pieces of sharded tensors (DTensors: FSDP2, tensor parallel), checked across ranks.
 
 Each rank's index lists its own piece of every sharded tensor with the piece's place in the whole
-tensor (:class:`~crashproof.checkpoint._rank_index.TensorEntry`); :func:`sharded_pieces` puts the
+tensor (:class:`~crashproof.checkpoint.format._rank_index.TensorEntry`); :func:`sharded_pieces` puts the
 ranks' lists together and checks that the pieces tile each whole tensor. Metadata only.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from crashproof.checkpoint._rank_index import RankIndex, TensorEntry
+from crashproof.checkpoint.format._rank_index import RankIndex, TensorEntry
 from crashproof.errors import CorruptCheckpointError
 
 __all__ = ["Piece", "sharded_pieces"]

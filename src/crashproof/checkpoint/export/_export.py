@@ -10,14 +10,14 @@
 The state comes from the checkpoint itself, every byte verified first. A checkpoint saved by
 several ranks exports its replicated state (DDP: every rank holds the same tensors, checked from
 the indexes' checksums) and its sharded tensors (FSDP2, DTensor) whole, put together from every
-rank's pieces (see :mod:`crashproof.checkpoint._sharded`); state split between ranks by hand is
-refused (see :mod:`crashproof.checkpoint._reshard`).
+rank's pieces (see :mod:`crashproof.checkpoint.restore._dcp_reader`); state split between ranks by hand is
+refused (see :mod:`crashproof.checkpoint.restore._rank_mapping`).
 
 An export never deletes what it did not write: every output is written beside its target under a
 fresh name and renamed into place once complete; an existing target is replaced only when it is
 empty, or when it carries the mark of an earlier export and ``force`` is given; the checkpoint
 root, its ancestors and the current directory never are (the checks, and the marks, are
-:mod:`crashproof.checkpoint._export_target`'s).
+:mod:`crashproof.checkpoint.export._target`'s).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import torch
 
 from crashproof._files import fresh_name, write_atomically
 from crashproof._version import __version__
-from crashproof.checkpoint._dtypes import dtype_name, safetensors_code
-from crashproof.checkpoint._export_target import (
+from crashproof.checkpoint.export._target import (
     MARK_KEY,
     MARKER,
     check_target,
@@ -45,20 +44,20 @@ from crashproof.checkpoint._export_target import (
     protected_roots,
     remove_earlier,
 )
-from crashproof.checkpoint._read_manifest import read_manifest
-from crashproof.checkpoint._reader import RankRead
-from crashproof.checkpoint._reshard import source_rank
-from crashproof.checkpoint._shard import write_shard
-from crashproof.checkpoint._sharded import CrashproofReader, load_sharded, restore_targets
+from crashproof.checkpoint.format import dtype_name, safetensors_code, write_shard
+from crashproof.checkpoint.restore import (
+    CrashproofReader,
+    RankRead,
+    load_sharded,
+    read_manifest,
+    restore_targets,
+    source_rank,
+)
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
-# The marks and check_target are re-exported for the importers that still name this module.
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "MARKER",
-    "MARK_KEY",
-    "check_target",
     "export_dcp",
     "export_safetensors",
     "model_tensors",

@@ -2,7 +2,7 @@
 
 The shard is a valid safetensors file (a JSON header, then the tensors' bytes back to back), so
 ``safetensors.safe_open`` can read a crashproof shard; crashproof itself reads through the rank index
-(see :mod:`crashproof.checkpoint._rank_index`), which also holds each tensor's checksum.
+(see :mod:`crashproof.checkpoint.format._rank_index`), which also holds each tensor's checksum.
 
 Every tensor's bytes are hashed once; the shard's own checksum is derived from its header and the
 tensors' checksums (scheme ``"tensors"`` in the manifest), so it covers every byte of the file.
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name, safetensors_code
-from crashproof.checkpoint._format import FileEntry
-from crashproof.checkpoint._hashing import digest, new_hasher
-from crashproof.checkpoint._rank_index import TensorEntry
+from crashproof.checkpoint.format._dtypes import dtype_from_name, dtype_name, safetensors_code
+from crashproof.checkpoint.format._hashing import digest, new_hasher
+from crashproof.checkpoint.format._manifest import FileEntry
+from crashproof.checkpoint.format._rank_index import TensorEntry
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 

@@ -4,7 +4,7 @@ Every read is bounded by what the manifest promises and the manifest is bounded 
 so corrupt or hostile input ends in :class:`CorruptCheckpointError`, never in a huge allocation,
 an out-of-bounds read or code execution. This module owns the reading of a rank's tensors and
 state (:class:`RankRead`), which restore and :func:`verify_checkpoint` share; the manifest and the
-ranks' indexes are read by :mod:`crashproof.checkpoint._read_manifest`.
+ranks' indexes are read by :mod:`crashproof.checkpoint.restore._read_manifest`.
 """
 
 from __future__ import annotations
@@ -15,32 +15,31 @@ from typing import Any
 
 import torch
 
-from crashproof.checkpoint._delta import apply_delta
-from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
-from crashproof.checkpoint._format import Manifest
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._names import checkpoint_dir_name, index_name
-from crashproof.checkpoint._pieces import sharded_pieces
-from crashproof.checkpoint._rank_index import RankIndex, TensorEntry
-from crashproof.checkpoint._read_manifest import (
-    checkpoint_not_found,
+from crashproof.checkpoint.format import (
+    Manifest,
+    RankIndex,
+    ShardRead,
+    TensorEntry,
+    checkpoint_dir_name,
+    decode_tree,
+    digest,
+    dtype_from_name,
+    dtype_name,
+    index_name,
+    sharded_pieces,
+)
+from crashproof.checkpoint.restore._read_manifest import (
     read_manifest,
     read_manifest_bytes,
     read_rank_index,
 )
-from crashproof.checkpoint._shard import ShardRead
-from crashproof.checkpoint._tree import decode_tree
+from crashproof.checkpoint.save import apply_delta
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 
-# The manifest's and indexes' readers: re-exported for the importers that still name this module.
 __all__ = [
     "RankRead",
-    "checkpoint_not_found",
     "load_rank_state",
-    "read_manifest",
-    "read_manifest_bytes",
-    "read_rank_index",
     "verify_checkpoint",
 ]
 
@@ -201,10 +200,10 @@ class RankRead:
         return self._index
 
     sharded_values: Mapping[str, torch.Tensor] | None = None
-    """The sharded tensors restored for this rank (by :mod:`._sharded`), for :meth:`finish`."""
+    """The sharded tensors restored for this rank (by :mod:`crashproof.checkpoint.restore._dcp_reader`), for :meth:`finish`."""
 
     def sharded_entries(self) -> dict[str, TensorEntry]:
-        """This rank's pieces of sharded tensors, by name (see :mod:`._sharded`)."""
+        """This rank's pieces of sharded tensors, by name (see :mod:`crashproof.checkpoint.restore._dcp_reader`)."""
         return {e.name: e for e in self._index.tensors if e.global_shape is not None}
 
     def meta_tree(self) -> Any:
@@ -433,7 +432,7 @@ def verify_checkpoint(
     the manifest.
 
     The very checks a restore makes on its rank's part (:class:`RankRead`'s, then, where there
-    are sharded tensors, :func:`~._pieces.sharded_pieces` across the ranks, as ``load_sharded``
+    are sharded tensors, :func:`~crashproof.checkpoint.format._pieces.sharded_pieces` across the ranks, as ``load_sharded``
     does), made for every rank: since the manifest lists each rank's index and shard and nothing
     else, that checks every file. ``on_bytes(n)`` is called as bytes are hashed (progress bars).
     """

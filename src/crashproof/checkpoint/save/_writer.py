@@ -26,17 +26,29 @@ from typing import Any
 import torch
 
 from crashproof._version import __version__
-from crashproof.checkpoint._delta import Delta, DeltaBase, encode_delta
-from crashproof.checkpoint._fields import dumps
-from crashproof.checkpoint._finite import FiniteCheck
-from crashproof.checkpoint._format import FileEntry, Manifest, seal_manifest
 from crashproof.checkpoint._group import Group
-from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
-from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name, index_name, shard_name
-from crashproof.checkpoint._rank_index import DeltaEntry, RankIndex, TensorEntry
-from crashproof.checkpoint._shard import tensor_bytes, write_shard
-from crashproof.checkpoint._staging import StagingArea
-from crashproof.checkpoint._tree import JSONValue, encode_tree
+from crashproof.checkpoint.format import (
+    HASH_ALGORITHM,
+    MANIFEST_NAME,
+    DeltaEntry,
+    FileEntry,
+    JSONValue,
+    Manifest,
+    RankIndex,
+    TensorEntry,
+    checkpoint_dir_name,
+    digest,
+    dumps,
+    encode_tree,
+    index_name,
+    seal_manifest,
+    shard_name,
+    tensor_bytes,
+    write_shard,
+)
+from crashproof.checkpoint.save._delta import Delta, DeltaBase, encode_delta
+from crashproof.checkpoint.save._finite import FiniteCheck
+from crashproof.checkpoint.save._staging import StagingArea
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
 from crashproof.state import is_dtensor, local_piece, mkl_reproducible
 from crashproof.storage import Storage, write_all
@@ -73,7 +85,7 @@ class Snapshot:
     must_be_finite: frozenset[str] = frozenset()
     """Names of tensors that may hold no NaN or inf: the save is refused if one does."""
     delta: tuple[Delta, DeltaBase] | None = None
-    """Save as a delta against this base (see :mod:`._delta`); None: a full checkpoint."""
+    """Save as a delta against this base (see :mod:`crashproof.checkpoint.save._delta`); None: a full checkpoint."""
     owners: Mapping[str, int] = field(default_factory=dict)
     """Tensors every rank holds identically (replicated), by name: the rank that writes each.
     The others reference it in their index instead of writing it again (see :func:`assign_owners`)."""
@@ -83,7 +95,7 @@ class Snapshot:
     committed_manifest: str | None = None
     """Set by :func:`persist` on the coordinator once committed: the checksum of the
     ``manifest.json`` it wrote (deltas taken against this checkpoint record it, see
-    :class:`~._delta.DeltaBase`). None on the other ranks and before the commit."""
+    :class:`~crashproof.checkpoint.save._delta.DeltaBase`). None on the other ranks and before the commit."""
 
     @property
     def nbytes(self) -> int:

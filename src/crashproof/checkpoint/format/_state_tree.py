@@ -18,7 +18,7 @@ torch.dtype               ``{"$dtype": "float32"}``
 numpy scalar              ``{"$npscalar": "<dtype>", "value": ...}``
 numpy array               ``{"$ndarray": i}`` (stored through the tensor table)
 DTensor (FSDP2, TP)       ``{"$dtensor": i}``: this rank's piece in the tensor table, its place
-                          in the whole tensor in the index (see :mod:`._sharded`)
+                          in the whole tensor in the index (see :mod:`crashproof.checkpoint.restore._dcp_reader`)
 ========================  =============================================
 
 Anything else raises :class:`UnsupportedStateError` naming the path of the offending value, so a
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crashproof.checkpoint._dtypes import dtype_from_name, dtype_name
+from crashproof.checkpoint.format._dtypes import dtype_from_name, dtype_name
 from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
 from crashproof.state import is_dtensor
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crashproof.checkpoint._shard import tensor_bytes
+from crashproof.checkpoint.format import tensor_bytes
 from crashproof.errors import NonFiniteStateError
 
 __all__ = ["FiniteCheck"]

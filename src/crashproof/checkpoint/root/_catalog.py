@@ -5,7 +5,7 @@ Only the canonical name ``checkpoint_dir_name(step)`` is a checkpoint directory;
 crashproof itself puts in a root are known; anything else (another spelling of a step, a stray
 file) is ignored with one warning per name. Reading never removes or renames anything: only
 :func:`recover_interrupted` and the removals a writer makes do, and only the writer holding the
-root's lock calls them (:mod:`crashproof.checkpoint._lock`).
+root's lock calls them (:mod:`crashproof.checkpoint.root._lock`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from crashproof.checkpoint._lock_file import LOCK_NAME
-from crashproof.checkpoint._names import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
-from crashproof.checkpoint._read_manifest import read_manifest
-from crashproof.checkpoint._reader import verify_checkpoint
-from crashproof.checkpoint._rollbacks import ROLLBACKS_FILE
-from crashproof.checkpoint._writer import TMP_PREFIX
+from crashproof.checkpoint.format import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
+from crashproof.checkpoint.restore import read_manifest, verify_checkpoint
+from crashproof.checkpoint.root._lock_file import LOCK_NAME
+from crashproof.checkpoint.root._rollbacks import ROLLBACKS_FILE
+from crashproof.checkpoint.save import TMP_PREFIX
 from crashproof.errors import CorruptCheckpointError
 from crashproof.policy import CheckpointFacts, RetentionPolicy, retained
 from crashproof.storage import REPLACED_PREFIX, TRASH_PREFIX, Storage

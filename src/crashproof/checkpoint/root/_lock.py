@@ -26,8 +26,8 @@ user's duty, and :class:`CheckpointManager` detects a second writer from checkpo
 commit appearing under its root (docs/storage.md).
 
 This module takes, checks and releases the lock; who a holder is and whether it still runs is
-:mod:`crashproof.checkpoint._lock_holder`'s, and the lock file's handling
-:mod:`crashproof.checkpoint._lock_file`'s.
+:mod:`crashproof.checkpoint.root._lock_holder`'s, and the lock file's handling
+:mod:`crashproof.checkpoint.root._lock_file`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 
-from crashproof.checkpoint._lock_file import (
+from crashproof.checkpoint.root._lock_file import (
     LOCK_NAME,
     MAX_LOCK_BYTES,
     OPEN_FLAGS,
@@ -52,19 +52,11 @@ from crashproof.checkpoint._lock_file import (
     read_holder_at,
     write_holder,
 )
-from crashproof.checkpoint._lock_holder import Holder, is_alive, process_start
-from crashproof.checkpoint._lock_holder import proc_stat as _proc_stat
-from crashproof.checkpoint._lock_holder import process_start as _process_start
+from crashproof.checkpoint.root._lock_holder import Holder, is_alive, process_start
 from crashproof.errors import CheckpointWriteError, RootLockedError
 
-# LOCK_NAME, Holder and the process probes the tests use are re-exported for the importers that
-# still name this module.
 __all__ = [
-    "LOCK_NAME",
-    "Holder",
     "RootLock",
-    "_proc_stat",
-    "_process_start",
     "lock_root",
     "read_holder",
 ]

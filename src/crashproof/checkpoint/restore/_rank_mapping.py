@@ -4,7 +4,7 @@ Replicated state (DDP, or any job whose ranks hold the same tensors) restores on
 every saved rank has all of it, so new rank ``r`` reads saved rank ``r % W``. Whether the state
 *is* replicated is not assumed: the ranks' indexes list every tensor's checksum, and they must
 agree for every tensor but the RNG states (which differ per rank by design) and the pieces of
-sharded tensors (DTensors: FSDP2, tensor parallel), which :mod:`._sharded` redistributes from
+sharded tensors (DTensors: FSDP2, tensor parallel), which :mod:`crashproof.checkpoint.restore._dcp_reader` redistributes from
 their recorded placements. Other state that differs between ranks (sharded by hand, e.g. a
 ``ZeroRedundancyOptimizer``) is refused with a clear error: nothing says how it is split.
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from crashproof.checkpoint._format import Manifest
-from crashproof.checkpoint._read_manifest import read_rank_index
+from crashproof.checkpoint.format import Manifest
+from crashproof.checkpoint.restore._read_manifest import read_rank_index
 from crashproof.errors import StateMismatchError
 from crashproof.storage import Storage
 

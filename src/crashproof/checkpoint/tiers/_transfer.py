@@ -14,11 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from crashproof.checkpoint._format import Manifest, parse_manifest
-from crashproof.checkpoint._names import MANIFEST_NAME
-from crashproof.checkpoint._read_manifest import read_manifest_bytes
-from crashproof.checkpoint._reader import verify_checkpoint
-from crashproof.checkpoint._writer import new_tmp_name
+from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, parse_manifest
+from crashproof.checkpoint.restore import read_manifest_bytes, verify_checkpoint
+from crashproof.checkpoint.save import new_tmp_name
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import LocalStorage, ReadStream, Storage, write_all
 

@@ -31,11 +31,8 @@ import numpy as np
 import torch
 import zstandard
 
-from crashproof.checkpoint._dtypes import dtype_name
-from crashproof.checkpoint._finite import FiniteCheck
-from crashproof.checkpoint._hashing import digest
-from crashproof.checkpoint._rank_index import DeltaEntry
-from crashproof.checkpoint._shard import tensor_bytes
+from crashproof.checkpoint.format import DeltaEntry, digest, dtype_name, tensor_bytes
+from crashproof.checkpoint.save._finite import FiniteCheck
 from crashproof.errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["Delta", "DeltaBase", "apply_delta", "encode_delta", "keep_as_base"]
@@ -86,7 +83,7 @@ def keep_as_base(
     """A host copy of a committed full snapshot's tensors, reusing ``previous``'s buffers where
     names, shapes and dtypes match (a full save every few saves must not churn memory).
 
-    ``snapshot`` is the :class:`~._writer.Snapshot` that was committed: its
+    ``snapshot`` is the :class:`~crashproof.checkpoint.save._writer.Snapshot` that was committed: its
     ``committed_manifest`` binds the deltas to be taken against it to this very checkpoint."""
     old = previous.tensors if previous is not None else {}
     tensors: dict[str, torch.Tensor] = {}

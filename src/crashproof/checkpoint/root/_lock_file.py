@@ -3,7 +3,7 @@
 Nothing but a regular file is ever opened, read or written there: a FIFO (which would block), a
 socket, a device (which might act on being opened), a directory or a symbolic link is refused
 without being opened, and every open refuses to follow a link. The file holds its holder as JSON
-(:class:`~crashproof.checkpoint._lock_holder.Holder`, and the root).
+(:class:`~crashproof.checkpoint.root._lock_holder.Holder`, and the root).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import os
 import stat
 
-from crashproof.checkpoint._lock_holder import Holder
+from crashproof.checkpoint.root._lock_holder import Holder
 from crashproof.errors import CheckpointWriteError
 
 __all__ = [

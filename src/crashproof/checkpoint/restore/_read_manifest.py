@@ -1,17 +1,26 @@
 """Read a checkpoint's manifest, and a rank's index checked against the manifest.
 
-The manifest is read within a size limit and parsed by :mod:`crashproof.checkpoint._format`; a
+The manifest is read within a size limit and parsed by :mod:`crashproof.checkpoint.format._manifest`; a
 rank's index only as the manifest lists it (its size, its checksum) before it is parsed, and it
 must name its own rank, step and shard.
 """
 
 from __future__ import annotations
 
-from crashproof.checkpoint._fields import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from crashproof.checkpoint._format import FileEntry, Manifest, parse_manifest
-from crashproof.checkpoint._hashing import HASH_ALGORITHM, digest
-from crashproof.checkpoint._names import MANIFEST_NAME, index_name, shard_name
-from crashproof.checkpoint._rank_index import RankIndex, parse_rank_index
+from crashproof.checkpoint.format import (
+    HASH_ALGORITHM,
+    MANIFEST_NAME,
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    RankIndex,
+    digest,
+    index_name,
+    parse_manifest,
+    parse_rank_index,
+    shard_name,
+)
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
 from crashproof.storage import Storage, read_all
 

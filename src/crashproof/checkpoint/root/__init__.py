@@ -1,0 +1,46 @@
+"""A checkpoint root: its one writer's lock, what is in it (the committed checkpoints, what
+``crashproof ls`` lists, the retention and prune plans) and its rollback marks.
+"""
+
+from __future__ import annotations
+
+from crashproof.checkpoint.root._catalog import (
+    CheckpointInfo,
+    checkpoint_facts,
+    committed_steps,
+    describe_checkpoint,
+    leftover_dirs,
+    newest_verified,
+    prune_plan,
+    recover_interrupted,
+    retention_plan,
+)
+from crashproof.checkpoint.root._listing import list_checkpoints, located, unreadable
+from crashproof.checkpoint.root._lock import RootLock, lock_root
+from crashproof.checkpoint.root._rollbacks import (
+    abandoned,
+    abandoned_steps,
+    read_marks,
+    record_rollback,
+)
+
+__all__ = [
+    "CheckpointInfo",
+    "RootLock",
+    "abandoned",
+    "abandoned_steps",
+    "checkpoint_facts",
+    "committed_steps",
+    "describe_checkpoint",
+    "leftover_dirs",
+    "list_checkpoints",
+    "located",
+    "lock_root",
+    "newest_verified",
+    "prune_plan",
+    "read_marks",
+    "record_rollback",
+    "recover_interrupted",
+    "retention_plan",
+    "unreadable",
+]
