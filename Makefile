@@ -53,7 +53,7 @@ export MKL_DYNAMIC ?= FALSE
 # Two workers for most tests (they spend much of their time waiting on processes they start),
 # then the timing-sensitive ones alone, so that no other test skews the times they judge.
 unit: $(STAMP) servers
-	$(VENV)/bin/pytest -q -n 2 -m "not serial"
+	$(VENV)/bin/pytest -q -n 2 -m "not serial" --durations=15
 	$(VENV)/bin/pytest -q -m serial
 
 test: lint typecheck unit

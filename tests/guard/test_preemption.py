@@ -70,7 +70,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _stop_and_resume(
-    tmp: Path, reference: Path, options: list[str], notify: Any, *, new_machine: Any = None
+    tmp: Path,
+    reference: Path,
+    options: list[str],
+    notify: Any,
+    *,
+    new_machine: Any = None,
+    resume: bool = True,
 ) -> tuple[list[dict[str, Any]], str]:
     proc = subprocess.Popen(
         _command(tmp, "run", *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -91,6 +97,8 @@ def _stop_and_resume(
     assert emergency["saved"] and emergency["step"] >= notified_at
     assert stopped[-1]["event"] == "run_end" and stopped[-1]["outcome"] == "preempted"
     assert not [e for e in stopped if e["event"] == "restart"]  # a notice is no failure
+    if not resume:
+        return stopped, out
     if new_machine is not None:
         new_machine()  # the requeued job runs where no notice is pending
     # the same command again: resumes from the emergency checkpoint and finishes
@@ -119,11 +127,17 @@ def test_sigterm_to_crashproof_run_saves_the_current_step_and_resumes_exactly(
 
 
 def test_sigusr1_from_slurm_is_a_notice_too(tmp_path: Path, reference: Path) -> None:
-    events, _ = _stop_and_resume(tmp_path, reference, [], lambda p: p.send_signal(signal.SIGUSR1))
+    # The stop is SIGUSR1's own; the resume after it is the one the SIGTERM test proves exact.
+    events, _ = _stop_and_resume(
+        tmp_path, reference, [], lambda p: p.send_signal(signal.SIGUSR1), resume=False
+    )
     assert [e["source"] for e in events if e["event"] == "notice"] == ["SIGUSR1"]
 
 
-@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+# End to end with one provider: each provider's notice is read the same way by the agent once its
+# poller reports it, and tests/supervisor/test_cloud.py reads every provider's notice (AWS's
+# token first, GCP's and Azure's formats) from the same local metadata server.
+@pytest.mark.parametrize("provider", ["aws"])
 def test_a_cloud_notice_stops_the_run_resumably(
     tmp_path: Path, reference: Path, metadata: MetadataServer, provider: str
 ) -> None:
