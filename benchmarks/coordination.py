@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from _support import free_port
-from crashproof.checkpoint._group import default_group
+from crashproof.checkpoint import default_group
 from crashproof.checkpoint.format._fields import dumps
 from crashproof.checkpoint.format._manifest import FileEntry, Manifest, parse_manifest
 from crashproof.checkpoint.format._names import index_name, shard_name

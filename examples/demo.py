@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from crashproof.state._reproducible import set_reproducible_defaults
+from crashproof.state import set_reproducible_defaults
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_tiny.py"
