@@ -406,7 +406,7 @@ def test_plan_command_rejects_a_bad_value_with_exit_2(capsys: pytest.CaptureFixt
     assert run_plan(_parse(argv)) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "daily_failure_prob must be a probability in (0, 1), got 1.5" in captured.err
+    assert "--daily-failure-prob must be a probability in (0, 1), got 1.5" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -436,4 +436,39 @@ def test_crashproof_plan_runs_as_a_real_command() -> None:
 def test_crashproof_plan_exits_2_on_a_bad_value() -> None:
     proc = run_python(["-m", "crashproof.cli", "plan", *ARGV, "--mtbf-hours", "-5"], check=False)
     assert proc.returncode == 2
-    assert "mtbf_hours must be a positive finite number, got -5.0" in proc.stderr
+    assert "--mtbf-hours must be a positive finite number, got -5.0" in proc.stderr
+
+
+def test_a_plan_gives_what_its_inputs_allow_and_names_what_the_rest_needs() -> None:
+    full = plan(**RUN, daily_failure_prob=0.001)
+    rate_only = plan(devices=RUN["devices"], days=RUN["days"], daily_failure_prob=0.001)
+    for key in ("p_no_failure", "expected_failures", "cluster_mtbf_hours"):
+        assert getattr(rate_only, key) == getattr(full, key)
+    assert all(
+        getattr(rate_only, key) is None
+        for key in CONTRACT_KEYS - {"p_no_failure", "expected_failures", "cluster_mtbf_hours"}
+    )
+    assert rate_only.missing == ["ckpt_minutes", "restart_minutes", "cost_per_device_hour"]
+    assert rate_only.loss_per_failure_hours() is None
+    with_write = plan(
+        devices=RUN["devices"], days=RUN["days"], daily_failure_prob=0.001,
+        ckpt_minutes=RUN["ckpt_minutes"],
+    )  # fmt: skip
+    assert with_write.young_interval_hours == full.young_interval_hours
+    assert with_write.daly_interval_hours == full.daly_interval_hours
+    assert with_write.expected_goodput is None and with_write.compute_cost is None
+    assert full.missing == []
+
+
+def test_plan_command_answers_without_the_cost_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--devices", "1000", "--days", "30", "--daily-failure-prob", "0.001"]
+    assert run_plan(_parse(argv)) == 0
+    out = capsys.readouterr().out
+    assert "chance of none              9.22e-14" in out
+    assert "give --ckpt-minutes for the checkpoint interval" in out
+    assert "give --cost-per-device-hour for the costs" in out
+    assert run_plan(_parse([*argv, "--ckpt-minutes", "5", "--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == CONTRACT_KEYS | {"inputs"}, "the JSON keys are kept, null when unknown"
+    assert data["daly_interval_hours"] > 0 and data["expected_goodput"] is None
+    assert data["inputs"]["restart_minutes"] is None

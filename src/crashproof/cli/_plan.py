@@ -1,12 +1,15 @@
-"""``crashproof plan``: the options of a :class:`~crashproof.telemetry.Plan` (every input
-required), and the plan printed as a table or as JSON. The planning itself is
-:func:`crashproof.telemetry.plan`'s.
+"""``crashproof plan``: the options of a :class:`~crashproof.telemetry.Plan`, and the plan
+printed as a table or as JSON. The planning itself is :func:`crashproof.telemetry.plan`'s.
+
+The run's size, length and failure rate are required; the checkpoint's cost, the restart time and
+the price are not: without them the plan gives what it can and says which flag the rest needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from crashproof._console import say
 from crashproof.exitcodes import EXIT_OK, EXIT_USAGE
@@ -36,23 +39,20 @@ def add_plan_parser(
     p.add_argument(
         "--ckpt-minutes",
         type=float,
-        required=True,
         metavar="MIN",
-        help="time training pauses for one checkpoint",
+        help="time training pauses for one checkpoint (for the checkpoint interval and goodput)",
     )
     p.add_argument(
         "--restart-minutes",
         type=float,
-        required=True,
         metavar="MIN",
-        help="from a failure to training again: detect, relaunch, load",
+        help="from a failure to training again: detect, relaunch, load (for the goodput)",
     )
     p.add_argument(
         "--cost-per-device-hour",
         type=float,
-        required=True,
         metavar="PRICE",
-        help="price of one device for an hour (any currency)",
+        help="price of one device for an hour, any currency (for the costs)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=run_plan)
@@ -73,10 +73,35 @@ def run_plan(args: argparse.Namespace) -> int:
             cluster_mtbf_hours=args.cluster_mtbf_hours,
         )
     except ValueError as exc:
-        say("crashproof", f"plan: {exc}")
+        say("crashproof", f"plan: {_as_flags(str(exc))}")
         return EXIT_USAGE
     print(json.dumps(result.to_json(), indent=2) if args.json else _table(result))
     return EXIT_OK
+
+
+_INPUTS = (
+    "devices",
+    "days",
+    "ckpt_minutes",
+    "restart_minutes",
+    "cost_per_device_hour",
+    "mtbf_hours",
+    "daily_failure_prob",
+    "cluster_mtbf_hours",
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _as_flags(message: str) -> str:
+    """The planner's message, with each input named by its flag (``--daily-failure-prob``)."""
+    return re.sub(rf"\b({'|'.join(_INPUTS)})\b", lambda m: _flag(m.group(1)), message)
+
+
+def _needs(names: list[str], what: str) -> str:
+    return f"  give {' and '.join(_flag(n) for n in names)} for {what}"
 
 
 def _table(r: Plan) -> str:
@@ -91,16 +116,38 @@ def _table(r: Plan) -> str:
         f"  cluster MTBF                {r.cluster_mtbf_hours:,.2f} h",
         f"  per device                  MTBF {per_device_mtbf:,.0f} h, "
         f"daily failure probability {daily_prob:.3g}",
-        f"checkpoints ({i.ckpt_minutes:g} min to write, {i.restart_minutes:g} min to restart)",
-        f"  Young interval sqrt(2CM)    {_hours(r.young_interval_hours)}",
-        f"  Daly interval               {_hours(r.daly_interval_hours)}  <- assumed below",
-        f"  expected overhead           {r.expected_overhead_fraction:.1%}",
-        f"  expected goodput            {r.expected_goodput:.1%}",
-        f"  lost per failure            {_hours(r.loss_per_failure_hours())}",
-        f"cost (at {i.cost_per_device_hour:,.2f} per device-hour)",
-        f"  compute                     {r.compute_cost:,.0f}",
-        f"  expected failure cost       {r.expected_failure_cost:,.0f}",
     ]
+    if r.young_interval_hours is None or r.daly_interval_hours is None:
+        rows += ["checkpoints", _needs(["ckpt_minutes"], "the checkpoint interval")]
+    else:
+        restart = "" if i.restart_minutes is None else f", {i.restart_minutes:g} min to restart"
+        rows += [
+            f"checkpoints ({i.ckpt_minutes:g} min to write{restart})",
+            f"  Young interval sqrt(2CM)    {_hours(r.young_interval_hours)}",
+            f"  Daly interval               {_hours(r.daly_interval_hours)}  <- assumed below",
+        ]
+        lost = r.loss_per_failure_hours()
+        if r.expected_overhead_fraction is None or r.expected_goodput is None or lost is None:
+            rows.append(_needs(["restart_minutes"], "the goodput"))
+        else:
+            rows += [
+                f"  expected overhead           {r.expected_overhead_fraction:.1%}",
+                f"  expected goodput            {r.expected_goodput:.1%}",
+                f"  lost per failure            {_hours(lost)}",
+            ]
+    if r.compute_cost is None:
+        rows += ["cost", _needs(["cost_per_device_hour"], "the costs")]
+    else:
+        rows += [
+            f"cost (at {i.cost_per_device_hour:,.2f} per device-hour)",
+            f"  compute                     {r.compute_cost:,.0f}",
+        ]
+        if r.expected_failure_cost is None:
+            rows.append(
+                _needs([n for n in r.missing if n != "cost_per_device_hour"], "the failure cost")
+            )
+        else:
+            rows.append(f"  expected failure cost       {r.expected_failure_cost:,.0f}")
     return "\n".join(rows)
 
 

@@ -6,7 +6,11 @@ Owns the step from a run's size, length, failure rate and costs to a :class:`Pla
 operating point. docs/planning.md derives the model,
 states its limits and reproduces the worked examples of the literature with it.
 
-Every input is required: a plan is only as good as its assumptions, and a default would hide one.
+No input has a default: a plan is only as good as its assumptions, and a default would hide one.
+What needs only the run's size, length and failure rate (the chance of no failure, the expected
+failures, the cluster's MTBF) is given without the rest; the checkpoint interval also needs the
+checkpoint's cost, the goodput the restart time, the money the price. An output whose inputs are
+missing is None, and :attr:`Plan.missing` names what it would take.
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ class PlanInputs:
     """Devices in the job (GPUs, or nodes: whatever unit fails as one)."""
     days: float
     """Wall-clock length of the run, in days."""
-    ckpt_minutes: float
-    """What one checkpoint costs training: the time the loop pauses to save."""
-    restart_minutes: float
-    """From a failure to training again: detection, relaunch, loading the checkpoint (may be 0)."""
-    cost_per_device_hour: float
-    """The price of one device for one hour, in any currency (may be 0)."""
+    ckpt_minutes: float | None = None
+    """What one checkpoint costs training: the time the loop pauses to save (needed for the
+    checkpoint interval and everything that follows from it)."""
+    restart_minutes: float | None = None
+    """From a failure to training again: detection, relaunch, loading the checkpoint (may be 0;
+    needed for the goodput and the failure cost)."""
+    cost_per_device_hour: float | None = None
+    """The price of one device for one hour, in any currency (may be 0; needed for the costs)."""
     mtbf_hours: float | None = None
     """Mean time between failures of one device, in hours."""
     daily_failure_prob: float | None = None
@@ -71,9 +77,12 @@ class PlanInputs:
         try:  # the economics' own checks, raised as the configuration error they are here
             _devices(self.devices)
             _positive("days", self.days)
-            _positive("ckpt_minutes", self.ckpt_minutes)
-            _non_negative("restart_minutes", self.restart_minutes)
-            _non_negative("cost_per_device_hour", self.cost_per_device_hour)
+            if self.ckpt_minutes is not None:
+                _positive("ckpt_minutes", self.ckpt_minutes)
+            if self.restart_minutes is not None:
+                _non_negative("restart_minutes", self.restart_minutes)
+            if self.cost_per_device_hour is not None:
+                _non_negative("cost_per_device_hour", self.cost_per_device_hour)
             if self.mtbf_hours is not None:
                 _positive("mtbf_hours", self.mtbf_hours)
             if self.daily_failure_prob is not None:
@@ -112,24 +121,39 @@ class Plan:
     """Failures expected over the run's wall time."""
     cluster_mtbf_hours: float
     """The job's MTBF: the per-device MTBF over the number of devices."""
-    young_interval_hours: float
-    """Young's optimum checkpoint interval, ``sqrt(2 C M)`` (C: write, M: cluster MTBF)."""
-    daly_interval_hours: float
-    """Daly's higher-order optimum interval: the operating point of the three fields below."""
-    expected_overhead_fraction: float
-    """Share of the wall time lost to writes, failures and restarts, saving at Daly's interval."""
-    expected_goodput: float
-    """``1 - expected_overhead_fraction``: the share left for training."""
-    compute_cost: float
-    """``devices * days * 24 * cost_per_device_hour``: the bill for the whole allocation."""
-    expected_failure_cost: float
+    young_interval_hours: float | None
+    """Young's optimum checkpoint interval, ``sqrt(2 C M)`` (C: write, M: cluster MTBF); None
+    without ``ckpt_minutes``."""
+    daly_interval_hours: float | None
+    """Daly's higher-order optimum interval: the operating point of the three fields below; None
+    without ``ckpt_minutes``."""
+    expected_overhead_fraction: float | None
+    """Share of the wall time lost to writes, failures and restarts, saving at Daly's interval;
+    None without ``ckpt_minutes`` and ``restart_minutes``."""
+    expected_goodput: float | None
+    """``1 - expected_overhead_fraction``: the share left for training (None as it is)."""
+    compute_cost: float | None
+    """``devices * days * 24 * cost_per_device_hour``: the bill for the whole allocation; None
+    without the price."""
+    expected_failure_cost: float | None
     """What failures waste: ``expected_failures * loss per failure * devices * price``, the loss
-    being about ``(daly + C) / 2 + R`` (:func:`plan` says why)."""
+    being about ``(daly + C) / 2 + R`` (:func:`plan` says why); None without the price, the
+    checkpoint cost or the restart time."""
 
-    def loss_per_failure_hours(self) -> float:
-        """The wall time one failure costs the job, saving at Daly's interval
-        (:func:`expected_loss_per_failure`)."""
+    @property
+    def missing(self) -> list[str]:
+        """The inputs not given (``ckpt_minutes``, ``restart_minutes``, ``cost_per_device_hour``),
+        each of which some output needs."""
         i = self.inputs
+        optional = ("ckpt_minutes", "restart_minutes", "cost_per_device_hour")
+        return [name for name in optional if getattr(i, name) is None]
+
+    def loss_per_failure_hours(self) -> float | None:
+        """The wall time one failure costs the job, saving at Daly's interval
+        (:func:`expected_loss_per_failure`); None without the checkpoint cost or restart time."""
+        i = self.inputs
+        if self.daly_interval_hours is None or i.ckpt_minutes is None or i.restart_minutes is None:
+            return None
         return expected_loss_per_failure(
             self.daly_interval_hours,
             i.ckpt_minutes / 60.0,
@@ -150,9 +174,9 @@ def plan(
     *,
     devices: int,
     days: float,
-    ckpt_minutes: float,
-    restart_minutes: float,
-    cost_per_device_hour: float,
+    ckpt_minutes: float | None = None,
+    restart_minutes: float | None = None,
+    cost_per_device_hour: float | None = None,
     mtbf_hours: float | None = None,
     daily_failure_prob: float | None = None,
     cluster_mtbf_hours: float | None = None,
@@ -183,16 +207,22 @@ def plan(
         cluster_mtbf_hours=cluster_mtbf_hours,
     )
     per_device_mtbf, daily_prob, cluster = inputs.rates()
-    write_h, restart_h = ckpt_minutes / 60.0, restart_minutes / 60.0
-    daly = daly_interval(write_h, cluster)
-    goodput = expected_goodput(daly, write_h, restart_h, cluster)
     failures = expected_failures(devices, days, per_device_mtbf)
-    lost_h = expected_loss_per_failure(daly, write_h, restart_h, cluster)
-    hourly = devices * cost_per_device_hour  # the whole job's price per wall-clock hour
+    write_h = None if ckpt_minutes is None else ckpt_minutes / 60.0
+    restart_h = None if restart_minutes is None else restart_minutes / 60.0
+    # The whole job's price per wall-clock hour.
+    hourly = None if cost_per_device_hour is None else devices * cost_per_device_hour
+    young = daly = goodput = lost_h = None
+    if write_h is not None:
+        young, daly = young_interval(write_h, cluster), daly_interval(write_h, cluster)
+        if restart_h is not None:
+            goodput = expected_goodput(daly, write_h, restart_h, cluster)
+            lost_h = expected_loss_per_failure(daly, write_h, restart_h, cluster)
     return Plan(
         inputs=inputs,
-        # From the probability when that was given (the seeds' 0.999 ** 1000 exactly), else from
-        # the rate: a per-device MTBF under ~40 minutes rounds its daily probability to 1.0.
+        # From the probability when that was given (a worked example's 0.999 ** 1000 exactly),
+        # else from the rate: a per-device MTBF under ~40 minutes rounds its daily probability
+        # to 1.0.
         p_no_failure=(
             p_no_failure(devices, daily_prob, days)
             if daily_failure_prob is not None
@@ -200,10 +230,12 @@ def plan(
         ),
         expected_failures=failures,
         cluster_mtbf_hours=cluster,
-        young_interval_hours=young_interval(write_h, cluster),
+        young_interval_hours=young,
         daly_interval_hours=daly,
-        expected_overhead_fraction=1.0 - goodput,
+        expected_overhead_fraction=None if goodput is None else 1.0 - goodput,
         expected_goodput=goodput,
-        compute_cost=days * 24.0 * hourly,
-        expected_failure_cost=failures * lost_h * hourly,
+        compute_cost=None if hourly is None else days * 24.0 * hourly,
+        expected_failure_cost=None
+        if hourly is None or lost_h is None
+        else failures * lost_h * hourly,
     )
