@@ -22,13 +22,15 @@ from tests.conftest import free_port
 TRAINER = Path(__file__).with_name("trainer.py")
 
 
-@pytest.fixture
-def etcd_endpoint(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server for the module: each test rendezvouses under its own ``--rdzv-id``."""
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("no etcd binary: install Debian's etcd-server (make test does, as root)")
     pytest.importorskip("etcd", reason="python-etcd is needed by torch's etcd rendezvous")
     client, peer = free_port(), free_port()
+    tmp_path = tmp_path_factory.mktemp("etcd")
     log = open(tmp_path / "etcd.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen(
         [
