@@ -60,12 +60,12 @@ class RunDir:
         a glob pattern of every rank's)."""
         return os.path.join(heartbeat_dir, f"local_rank_{local_rank}")
 
-    def stack_dir(self, attempt: int) -> str:
+    def stack_dir(self, attempt: int | str) -> str:
         """``stacks/attempt_<k>/``: the stack dumps of attempt ``k``; the agent removes it when
         it holds no dump."""
         return self._join("stacks", f"attempt_{attempt}")
 
-    def stack_dump(self, attempt: int, rank: int | str) -> str:
+    def stack_dump(self, attempt: int | str, rank: int | str) -> str:
         """``stacks/attempt_<k>/rank_<r>.txt``: opened by each trainer at its start, written when
         the agent asks for its stacks (a hang, a rank ended after it was done); named in the
         ``hang`` and ``done_hang`` events. ``"*"``: a glob pattern of every rank's."""

@@ -24,6 +24,7 @@ __all__ = [
     "DURATION_FORMS",
     "MAX_DURATION_S",
     "SIZE_FORMS",
+    "format_duration",
     "parse_duration",
     "parse_size",
 ]
@@ -50,6 +51,22 @@ _BYTES_PER = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "
 _NUMBER_AND_UNIT = re.compile(
     r"\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", re.ASCII
 )
+
+
+def format_duration(seconds: float) -> str:
+    """A length of time for people, as precise as its size deserves: ``0.35 s``, ``16.2 s``,
+    ``5 min 3 s``, ``2 h 5 min``, ``3 d 4 h``; a whole unit alone: ``1 h``, ``30 min``."""
+    s = max(0.0, seconds)
+    if s < 10:
+        return f"{s:.2f} s"
+    if s < 60:
+        return f"{s:.1f} s"
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60)):
+        if s >= size:
+            rest = int(s % size // sub_size)
+            return f"{int(s // size)} {unit}" + (f" {rest} {sub}" if rest else "")
+    rest = int(s % 60)
+    return f"{int(s // 60)} min" + (f" {rest} s" if rest else "")
 
 
 def parse_duration(text: str, what: str = "", *, zero_ok: bool = False) -> float:

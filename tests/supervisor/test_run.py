@@ -18,7 +18,7 @@ from crashproof.supervisor.launch import (
     EXIT_CRASH_LOOP,
     EXIT_PREEMPTED,
 )
-from crashproof.telemetry import read_events
+from crashproof.telemetry import compute_ledger, read_events
 
 TRAINER = Path(__file__).with_name("trainer.py")
 
@@ -61,8 +61,12 @@ def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path: Path) -> None:
-    code, events, output = crashproof_run(tmp_path, [], ["--steps", "12", "--exit-zero"])
+    code, events, output = crashproof_run(tmp_path, ["--quiet"], ["--steps", "12", "--exit-zero"])
     assert code == 0, output
+    # --quiet: no INFO lines of its own, and a one-line outcome instead of the summary block
+    assert "[crashproof run] INFO" not in output and "summary" not in output
+    assert "crashproof run: succeeded (exit 0); ETTR " in output
+    assert f"the report: crashproof report {tmp_path}" in output
     kinds = [e["event"] for e in events]
     assert kinds[0] == "run_start" and kinds[-1] == "run_end"
     assert events[-1]["outcome"] == "succeeded"
@@ -86,11 +90,36 @@ def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_
     started = time.monotonic()
     code, events, output = crashproof_run(
         tmp_path,
-        ["--max-restarts", "3"],
+        [],  # restarts are on by default
         # rank 0 is busy for 60 s when rank 1 fails: it would notice only at its next collective
         ["--steps", "20", "--fail-at", "12", "--fail-attempts", "1", "--peer-busy-s", "60"],
     )
     assert code == 0, output
+    # the console tells the story, a line per event, in order, each beginning with its word
+    story = [
+        line.split("] ", 1)[1]
+        for line in output.splitlines()
+        if line.startswith("[crashproof run]") and "Prometheus" not in line
+    ]
+    assert story[0].startswith("ERROR failure: rank 1 (pid "), story
+    assert "exit code 3 after step 12: rank 1 fails after step 12; seen " in story[0]
+    assert story[1] == "WARNING peers stopped: rank 0 (SIGKILL: they cannot go on without rank 1)"
+    assert story[2].startswith("WARNING restarting: attempt 1 (29 restarts left of 30 restarts")
+    assert story[3].startswith(f"INFO restored: step 10 from {tmp_path / 'ckpt'}")
+    assert story[3].endswith("2 steps of work lost (reached step 12)"), story
+    assert len(story) == 4, story
+    # and ends with a summary whose figures are the report's
+    summary = output[output.index("crashproof run: summary") :].splitlines()
+    rows = dict(line.strip().split("  ", 1) for line in summary[1:] if line.startswith("  "))
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["outcome"] == "succeeded (exit 0)"
+    assert rows["attempts"] == "2 (1 restart)" and rows["failures"] == "1: crash 1"
+    assert rows["steps lost"] == "2" and rows["final step"] == "20"
+    ledger = compute_ledger(events)
+    assert rows["ETTR"].startswith(f"{ledger.ettr:.1%} ")
+    assert rows["events"] == str(tmp_path / "events.jsonl")
+    assert rows["logs"] == str(tmp_path / "logs") and rows["stack dumps"] == "none"
+    assert rows["report"].startswith(f"crashproof report {tmp_path}")
     exits = of(events, "rank_exit")
     assert exits[0]["rank"] == 1 and exits[0]["exitcode"] == 3
     assert "fails after step 12" in (exits[0]["error"] or "")
@@ -129,24 +158,52 @@ def test_the_restart_budget_is_respected(tmp_path: Path) -> None:
         ["--steps", "60", "--fail-at", "7", "--fail-every-attempt"],
     )
     assert code == EXIT_BUDGET_SPENT, output
+    [spent] = of(events, "budget_spent")
+    assert (spent["rank"], spent["step"], spent["restarts"], spent["max_restarts"]) == (1, 17, 2, 2)
+    assert "ERROR budget spent: 2 restarts already within the window (2 restarts per 1 h)" in output
+    assert "outcome      restart budget spent (exit 76)" in output
     assert not of(events, "crash_loop")  # it progressed each time: not a loop
     assert len(of(events, "rank_start")) == 2 * 3  # the first attempt and two restarts
     assert [e["step"] for e in of(events, "restore")] == [5, 10]
     assert "restarts are used" in output
 
 
+def test_the_restart_budget_counts_only_the_restarts_within_its_window(tmp_path: Path) -> None:
+    # one restart per second: each attempt lasts longer than that, so three failures that each
+    # made progress are all restarted; torchrun's lifetime count of one would stop at the second
+    code, events, output = crashproof_run(
+        tmp_path,
+        ["--max-restarts", "1", "--restart-window", "1s"],
+        ["--steps", "20", "--fail-at", "7", "--fail-every-attempt", "--step-s", "0.2"],
+    )
+    assert code == 0, output
+    assert [e["restart"] for e in of(events, "restart")] == [1, 2, 3]
+    assert all(e["remaining_restarts"] == 0 for e in of(events, "restart"))
+    assert events[0]["max_restarts"] == 1 and events[0]["restart_window_s"] == 1.0
+    assert not of(events, "budget_spent")
+
+
 def test_a_hung_rank_is_detected_its_stacks_dumped_and_the_run_recovers(tmp_path: Path) -> None:
     code, events, output = crashproof_run(
         tmp_path,
         ["--max-restarts", "2", "--hang-timeout", "2"],
-        ["--steps", "20", "--stop-at", "8", "--stop-rank", "1"],
+        ["--steps", "20", "--stop-at", "8", "--stop-rank", "0"],
     )
     assert code == 0, output
     hangs = of(events, "hang")
     assert hangs, output
-    stopped = [h for h in hangs if h["rank"] == 1]
+    stopped = [h for h in hangs if h["rank"] == 0]
     assert stopped and stopped[0]["process_state"] == "T"  # SIGSTOP: the kernel says "stopped"
     assert stopped[0]["silent_s"] > 2 and stopped[0]["phase"] == "step"
+    # both ranks fell silent (rank 1 waits in a collective); the one that stopped is blamed
+    assert [h["rank"] for h in hangs if h["blamed"]] == [0]
+    assert "ERROR hang: rank 0 (pid " in output and "process state T" in output
+    # The ledger books the stall, from rank 0's last heartbeat to the verdict, as downtime:
+    # not as slow steps (the SIGCONT of the stack dump lets the group finish a few more).
+    [failure] = compute_ledger(events).failures
+    assert (failure.kind, failure.rank) == ("hang", 0)
+    assert "rank 0 silent" in failure.reason
+    assert stopped[0]["silent_s"] - 0.5 < failure.detect_s < stopped[0]["silent_s"] + 0.5
     for hang in hangs:
         dump = Path(hang["stacks"])
         text = dump.read_text()

@@ -28,7 +28,12 @@ from crashproof.cli._conventions import (
     or_auto,
     whole_number,
 )
-from crashproof.supervisor.launch import PREEMPTION_PROVIDERS, launch
+from crashproof.supervisor.launch import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_RESTART_WINDOW_S,
+    PREEMPTION_PROVIDERS,
+    launch,
+)
 
 __all__ = ["build_run_parser", "run_main"]
 
@@ -73,6 +78,15 @@ def build_run_parser() -> argparse.ArgumentParser:
         group.add_argument(
             option, type=duration(), default=default, help=f"{allowance}; {_DURATION}"
         )
+    group.add_argument(
+        "--restart-window",
+        type=duration(zero_ok=True),
+        default=DEFAULT_RESTART_WINDOW_S,
+        metavar="SECONDS",
+        help=f"--max-restarts counts the restarts of this last span (default 1h): independent "
+        f"failures spread over a long run never spend the budget, a burst does; 0: the whole "
+        f"run, as torchrun counts; {_DURATION}",
+    )
     group.add_argument(
         "--crash-loop-attempts",
         type=whole_number(0),
@@ -141,12 +155,38 @@ def build_run_parser() -> argparse.ArgumentParser:
         "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
     )
     group.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="the least severe of crashproof's own console lines to show (default info: every "
+        "failure, restart and restore, and the summary)",
+    )
+    group.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only warnings and errors, and a one-line outcome instead of the summary block "
+        "(the trainers' own output is shown as ever)",
+    )
+    group.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         help="the address the metrics are served on (default: loopback only)",
     )
-    parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5)
+    parser.set_defaults(rdzv_backend="c10d", shutdown_timeout=5, max_restarts=DEFAULT_MAX_RESTARTS)
+    _describe_default(
+        parser,
+        "max_restarts",
+        f"restarts after failures per --restart-window "
+        f"(default {DEFAULT_MAX_RESTARTS}; torchrun's is 0)",
+    )
     return parser
+
+
+def _describe_default(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Reword the help of a torchrun option whose default crashproof changes."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = text
 
 
 def run_main(argv: Sequence[str]) -> int:

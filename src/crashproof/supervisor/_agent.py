@@ -11,6 +11,7 @@ group within its budget. On top of it this agent
   SIGKILLs the peers of a failed trainer at once: they can neither go on nor checkpoint;
 * stops trainers with a short grace period (SIGTERM, then SIGKILL), not torch's 30 s;
 * backs off between failures that make no progress, and stops a crash loop with a report;
+* keeps to a restart budget per time window (torch's own count is a lifetime's);
 * ends trainers that finished (closed their checkpoint manager) but do not exit within the done
   allowance, without counting it a failure: their work is committed;
 * writes every start, exit, hang and restart to the event log.
@@ -53,7 +54,7 @@ from crashproof.supervisor._announce import (
     announce_hang,
     announce_straggler,
 )
-from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
+from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._exits import ExitWatcher
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
@@ -70,7 +71,17 @@ from crashproof.supervisor._trainers import (
 )
 from crashproof.telemetry import EventLog
 
-__all__ = ["CrashproofAgent", "SupervisorConfig"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "UNLIMITED_RESTARTS", "CrashproofAgent", "SupervisorConfig"]
+
+DEFAULT_MAX_RESTARTS = 30
+"""``--max-restarts``' default, per ``--restart-window`` (an hour): a failure every two minutes
+for an hour. Large clusters see a few failures a day; a run that needs more restarts than this
+spends most of its time restarting, and someone should look at it."""
+
+UNLIMITED_RESTARTS = 2**31 - 1
+"""The ``WorkerSpec.max_restarts`` the agent gives torch: torch never refuses a restart itself
+(its count is a lifetime's), and its restart count (``TORCHELASTIC_RESTART_COUNT``) stays the
+number of the attempt."""
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +94,11 @@ class SupervisorConfig:
     """When a silent trainer is hung."""
     crash_loop: CrashLoopPolicy = field(default_factory=CrashLoopPolicy)
     """When repeated failures are a crash loop, and the backoff between them."""
+    budget: RestartBudget = field(
+        default_factory=lambda: RestartBudget(max_restarts=DEFAULT_MAX_RESTARTS, window_s=3600.0)
+    )
+    """How many restarts after failures, within what time (the ``WorkerSpec``'s
+    ``max_restarts`` is not the budget: torch would count it over the run's life)."""
     shutdown_grace_s: float = 5.0
     """After SIGTERM, how long trainers get to exit before SIGKILL."""
     stack_dump_wait_s: float = 3.0
@@ -122,6 +138,8 @@ class CrashproofAgent(LocalElasticAgent):
         self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
+        self.budget_spent: Failure | None = None
+        """The failure that found the restart budget spent, if one did."""
         self.preempted: str | None = None
         """What stopped the run early and resumably (a signal or a cloud notice), if anything."""
         self.attempt = 0
@@ -213,6 +231,7 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         membership_change = worker_group.state == WorkerState.HEALTHY
+        budget = self.config.budget
         stop_started = time.monotonic()
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
@@ -222,7 +241,7 @@ class CrashproofAgent(LocalElasticAgent):
             "restart",
             restart=self.restart_count,
             reason="membership change" if membership_change else self._stop_reason,
-            remaining_restarts=self._remaining_restarts,
+            remaining_restarts=budget.max_restarts - budget.used(time.monotonic()),
             stop_s=round(stopped - stop_started, 4),
             detect_s=(
                 round(stop_started - self._failed_at_s, 4)
@@ -232,9 +251,6 @@ class CrashproofAgent(LocalElasticAgent):
             backoff_s=backoff,
         )
         if backoff:
-            log.warning(
-                "no progress since the last failure: waiting %.0f s before restarting", backoff
-            )
             time.sleep(backoff)
         self._initialize_workers(worker_group)
 
@@ -374,6 +390,8 @@ class CrashproofAgent(LocalElasticAgent):
             if exitcode is None:
                 continue  # still running: torch stops it next
             signame = signal_name(-exitcode) if exitcode < 0 else None
+            exited = exits.exited_s.get(worker.id) if exits and worker.id is not None else None
+            seen_after = round(self._failed_at_s - exited, 4) if exited is not None else None
             how = f"killed by {signame}" if signame else f"exit code {exitcode}"
             stopped = worker.id in self._stopped_by_us
             # A rank stopped because of its peer has no error of its own to show.
@@ -388,18 +406,14 @@ class CrashproofAgent(LocalElasticAgent):
                 first=first is None,
                 step=furthest,
                 stopped=stopped,
+                **(
+                    {"seen_after_s": seen_after} if first is None and seen_after is not None else {}
+                ),
             )
             if first is None and exitcode == EXIT_PREEMPTED:
                 self._on_preempted(worker.global_rank, furthest)
                 return
             if first is None:
-                log.error(
-                    "rank %d (pid %s) failed first: %s%s",
-                    worker.global_rank,
-                    worker.id,
-                    how,
-                    f": {error}" if error else "",
-                )
                 first = Failure(
                     attempt=self.attempt,
                     step=furthest,
@@ -422,9 +436,6 @@ class CrashproofAgent(LocalElasticAgent):
         self.preempted = self.preempted or f"rank {rank} stopped on a notice"
         self._remaining_restarts = 0
         self.events.emit("preempted", rank=rank, step=step, source=self.preempted)
-        log.warning(
-            "the trainers stopped after step %d on a preemption notice: the run is resumable", step
-        )
 
     def forward_notice(self, sig: signal.Signals, source: str) -> None:
         """Queue a preemption notice (a signal to the supervisor, or a cloud notice) for every
@@ -445,7 +456,6 @@ class CrashproofAgent(LocalElasticAgent):
         self.preempted = source
         self._remaining_restarts = 0  # from now on a failure ends the run: it is stopping
         self.events.emit("notice", source=source, signal=sig.name)
-        log.warning("preemption notice (%s): asking the trainers to checkpoint and stop", source)
         signal_trainers((w.id for w in self._worker_group.workers), sig)
 
     def _on_hang(self, worker_group: WorkerGroup, hung: list[tuple[Worker, Verdict]]) -> None:
@@ -456,7 +466,7 @@ class CrashproofAgent(LocalElasticAgent):
         # A hung group cannot checkpoint (its collectives do not complete), and a SIGTERM would
         # only start an emergency save that waits out the grace period: kill it now.
         signal_trainers((w.id for w in worker_group.workers), signal.SIGKILL)
-        worst_worker, worst = announce_hang(self.events, hung, states, stacks, self.config.run_dir)
+        worst_worker, worst = announce_hang(self.events, hung, states, stacks)
         self._record(
             Failure(
                 attempt=self.attempt,
@@ -479,7 +489,22 @@ class CrashproofAgent(LocalElasticAgent):
         policy = self.config.crash_loop
         policy.record(failure)
         self._stop_reason = failure.reason
+        if self.preempted is not None:
+            return  # the run is stopping: no restart to grant or refuse
         if policy.is_crash_loop():
             self.crash_loop = failure
             self._remaining_restarts = 0  # the base loop then stops the group and returns FAILED
             announce_crash_loop(self.events, failure, policy)
+        elif not self.config.budget.grant(time.monotonic()):
+            self.budget_spent = failure
+            self._remaining_restarts = 0
+            budget = self.config.budget
+            self.events.emit(
+                "budget_spent",
+                rank=failure.rank,
+                step=failure.step,
+                restarts=budget.used(time.monotonic()),
+                max_restarts=budget.max_restarts,
+                window_s=budget.window_s,
+                reason=failure.reason,
+            )

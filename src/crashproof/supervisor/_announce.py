@@ -1,25 +1,21 @@
-"""What the agent tells of what it saw: the event (``docs/events.md``) and the console line of a
-hang, a trainer ended after it was done, a straggler and a crash loop.
+"""The events (``docs/events.md``) of what the agent saw: a hang (and which rank caused it), a
+trainer ended after it was done, a straggler and a crash loop. The console tells them from the
+event log (:mod:`crashproof.supervisor._narrator`).
 
-Only words: the agent has decided and acted before it calls these.
+Only records: the agent has decided and acted before it calls these.
 """
 
 from __future__ import annotations
-
-import logging
-import os
 
 from torch.distributed.elastic.agent.server.api import Worker
 
 from crashproof.link import Heartbeat
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
-from crashproof.supervisor._hang import Verdict
+from crashproof.supervisor._hang import Verdict, culprit
 from crashproof.supervisor._straggler import StragglerReport
 from crashproof.telemetry import EventLog
 
 __all__ = ["announce_crash_loop", "announce_done_hang", "announce_hang", "announce_straggler"]
-
-log = logging.getLogger(__name__)
 
 ByRank = dict[int, str | None]
 
@@ -29,10 +25,11 @@ def announce_hang(
     hung: list[tuple[Worker, Verdict]],
     states: ByRank,
     stacks: dict[int, str],
-    run_dir: str,
 ) -> tuple[Worker, Verdict]:
-    """One ``hang`` event per silent trainer, one error line for the worst; returns the worst."""
-    worst_worker, worst = max(hung, key=lambda wv: wv[1].silent_s)
+    """One ``hang`` event per silent trainer, the one that stopped the others marked ``blamed``;
+    returns that one."""
+    by_rank = {worker.global_rank: (worker, verdict) for worker, verdict in hung}
+    blamed = culprit({rank: v for rank, (_, v) in by_rank.items()}, states, stacks)
     for worker, verdict in hung:
         events.emit(
             "hang",
@@ -44,18 +41,9 @@ def announce_hang(
             timeout_s=round(verdict.timeout_s, 3),
             process_state=states.get(worker.global_rank),
             stacks=stacks.get(worker.global_rank),
+            blamed=worker.global_rank == blamed,
         )
-    log.error(
-        "hang: rank %d silent for %.1f s in phase %r (allowance %.1f s, process state %s); "
-        "stacks of every rank in %s",
-        worst_worker.global_rank,
-        worst.silent_s,
-        worst.phase,
-        worst.timeout_s,
-        states.get(worst_worker.global_rank),
-        os.path.dirname(next(iter(stacks.values()), run_dir)),
-    )
-    return worst_worker, worst
+    return by_rank[blamed]
 
 
 def announce_done_hang(
@@ -81,15 +69,6 @@ def announce_done_hang(
         process_state=state,
         stacks=stacks,
     )
-    log.warning(
-        "rank %d (pid %s) finished its work (step %d committed) but did not exit for "
-        "%.1f s: ended it; stacks in %s",
-        worker.global_rank,
-        worker.id,
-        beat.step,
-        silent_s,
-        stacks or "(none written)",
-    )
 
 
 def announce_straggler(
@@ -106,19 +85,9 @@ def announce_straggler(
         "basis": report.basis,
     }
     if report.recovered:
-        log.info("rank %d is no longer a straggler (%.2fx its peers)", rank, report.ratio)
         events.emit("straggler_recovered", **fields)
         return
-    log.warning(
-        "rank %d is a straggler: %.2fx its peers' median %s over its last %d steps "
-        "(%.4f s vs %.4f s per step)",
-        rank,
-        report.ratio,
-        "work" if report.basis == "compute_section" else "step time",
-        window_steps,
-        report.seconds_per_step,
-        report.peers_median_s,
-    )
+    fields["window_steps"] = window_steps
     events.emit("straggler", **fields)
 
 
@@ -131,13 +100,4 @@ def announce_crash_loop(events: EventLog, failure: Failure, policy: CrashLoopPol
         last_step=failure.step,
         attempts=policy.stalled,
         reason=failure.reason,
-    )
-    log.error(
-        "crash loop: %d failed attempts in a row without getting past step %d (the "
-        "furthest the run reached); the last one reached step %d: rank %s, %s",
-        policy.stalled,
-        policy.furthest_step,
-        failure.step,
-        failure.rank,
-        failure.reason,
     )

@@ -1,4 +1,5 @@
-"""Restart decisions: back off between failed attempts, and stop a crash loop.
+"""Restart decisions: back off between failed attempts, stop a crash loop, and keep to the
+restart budget.
 
 A crash loop is a run that fails again and again without getting further: ``attempts``
 consecutive failed attempts none of which finished a step past the furthest step the run had
@@ -14,13 +15,22 @@ checkpoint).
 
 Backoff: a restart after progress is immediate (recovery speed is the point); the first restart
 without progress waits ``backoff_s``, each further one twice as long, up to ``backoff_max_s``.
+
+The restart budget is a rate, not a lifetime total: ``--max-restarts`` restarts within any
+``--restart-window`` (an hour by default). A month-long run meets independent failures every few
+hours, each of which it survives; a lifetime count (torchrun's meaning) would end it on the
+hundredth, however much it progressed in between. A rate still stops a run that fails faster than
+it can make use of its restarts. ``--restart-window 0`` is torchrun's lifetime count.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["CrashLoopPolicy", "Failure"]
+from crashproof._units import format_duration
+
+__all__ = ["CrashLoopPolicy", "Failure", "RestartBudget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +93,35 @@ class CrashLoopPolicy:
         if stalled == 0:
             return 0.0
         return float(min(self.backoff_max_s, self.backoff_s * 2.0 ** (stalled - 1)))
+
+
+@dataclass(kw_only=True, slots=True)
+class RestartBudget:
+    """At most ``max_restarts`` restarts after failures within any ``window_s`` seconds."""
+
+    max_restarts: int
+    window_s: float
+    """The span the budget counts over (0: the whole run, as torchrun counts)."""
+    _restarts: deque[float] = field(default_factory=deque)
+    """When each counted restart was granted (monotonic seconds), oldest first."""
+
+    def used(self, now: float) -> int:
+        """Restarts counted against the budget at ``now``: those within the window."""
+        if self.window_s > 0:
+            while self._restarts and self._restarts[0] <= now - self.window_s:
+                self._restarts.popleft()
+        return len(self._restarts)
+
+    def grant(self, now: float) -> bool:
+        """Whether a failure at ``now`` may be restarted; a granted restart is counted."""
+        if self.used(now) >= self.max_restarts:
+            return False
+        self._restarts.append(now)
+        return True
+
+    def describe(self) -> str:
+        """The budget in words: "30 restarts per 1 h", or "3 restarts in all"."""
+        plural = "restart" if self.max_restarts == 1 else "restarts"
+        if self.window_s <= 0:
+            return f"{self.max_restarts} {plural} in all"
+        return f"{self.max_restarts} {plural} per {format_duration(self.window_s)}"

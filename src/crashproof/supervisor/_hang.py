@@ -20,12 +20,13 @@ This module only decides; the agent reads the heartbeats and acts.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from crashproof.errors import ConfigError
 from crashproof.link import Heartbeat
 
-__all__ = ["HangConfig", "HangDetector", "Verdict"]
+__all__ = ["HangConfig", "HangDetector", "Verdict", "culprit"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,3 +117,50 @@ class HangDetector:
         if timeout is None or silent <= timeout:
             return None
         return Verdict(silent_s=silent, phase=beat.phase, timeout_s=timeout, step=beat.step)
+
+
+_HALTED_STATES = frozenset({"T", "t", "D", "Z"})
+"""Process states of a rank that cannot be waiting on its peers: stopped, traced, in
+uninterruptible I/O, dead."""
+
+_COLLECTIVE_FRAMES = (
+    "distributed_c10d.py",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "_wait_for_",
+)
+"""What a stack waiting on its peers shows (torch.distributed's Python frames)."""
+
+
+def culprit(
+    hung: Mapping[int, Verdict], states: Mapping[int, str | None], stacks: Mapping[int, str]
+) -> int:
+    """Which of the ``hung`` ranks (by global rank) stopped the others.
+
+    When one rank stalls, its peers block in their next collective and fall silent too, within a
+    step of it; the longest silence alone picks either. In order: the rank furthest behind (a
+    rank ahead of it finished a step it did not); a rank halted (stopped, in uninterruptible
+    I/O) over one that may be waiting; a rank whose Python stack is not inside a collective over
+    one that is; then the longest silence.
+    """
+
+    def in_collective(rank: int) -> bool:
+        path = stacks.get(rank)
+        if path is None:
+            return False
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()[-20000:]  # the newest dump is at the end
+        except OSError:
+            return False
+        return any(frame in text for frame in _COLLECTIVE_FRAMES)
+
+    def key(rank: int) -> tuple[int, bool, bool, float]:
+        verdict = hung[rank]
+        halted = (states.get(rank) or "")[:1] in _HALTED_STATES
+        return (verdict.step, not halted, in_collective(rank), -verdict.silent_s)
+
+    return min(hung, key=key)

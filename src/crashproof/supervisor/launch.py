@@ -51,16 +51,25 @@ from crashproof.exitcodes import (
 )
 from crashproof.link import ENV_NOTICE_FILE
 from crashproof.state import set_reproducible_defaults
-from crashproof.supervisor._agent import CrashproofAgent, SupervisorConfig
+from crashproof.supervisor._agent import (
+    DEFAULT_MAX_RESTARTS,
+    UNLIMITED_RESTARTS,
+    CrashproofAgent,
+    SupervisorConfig,
+)
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
-from crashproof.supervisor._crashloop import CrashLoopPolicy
+from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
+from crashproof.supervisor._narrator import Narrator
 from crashproof.supervisor._straggler import StragglerConfig
+from crashproof.supervisor._summary import summary
 from crashproof.telemetry import EventLog
 from crashproof.telemetry.metrics import RunMetrics
 
 __all__ = [
+    "DEFAULT_MAX_RESTARTS",
+    "DEFAULT_RESTART_WINDOW_S",
     "EXIT_BUDGET_SPENT",
     "EXIT_CRASH_LOOP",
     "EXIT_OK",
@@ -69,6 +78,9 @@ __all__ = [
     "PREEMPTION_PROVIDERS",
     "launch",
 ]
+
+DEFAULT_RESTART_WINDOW_S = 3600.0
+"""``--restart-window``'s default: ``--max-restarts`` counts the restarts of the last hour."""
 
 PREEMPTION_PROVIDERS = PROVIDERS
 """The clouds whose preemption notices the launch can poll (``--preemption``'s choices)."""
@@ -187,7 +199,10 @@ def launch(args: argparse.Namespace) -> int:
     supervisor refuses is one line on stderr and exit 2, before anything starts."""
     # Before any trainer (or the warm process they fork from) loads MKL: bit-reproducible CPU math.
     set_reproducible_defaults()
-    logging.basicConfig(level=logging.INFO, format="[crashproof run] %(levelname)s %(message)s")
+    level = "warning" if args.quiet and args.log_level in ("debug", "info") else args.log_level
+    logging.basicConfig(
+        level=getattr(logging, level.upper()), format="[crashproof run] %(levelname)s %(message)s"
+    )
     # torch logs each failed trainer's whole traceback here; the trainer's own log (on the console
     # and in the run directory) has it already, and the agent reports the failure in one line.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -225,6 +240,7 @@ def launch(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         hang=hang,
         crash_loop=crash_loop,
+        budget=RestartBudget(max_restarts=args.max_restarts, window_s=args.restart_window),
         shutdown_grace_s=float(args.shutdown_timeout),
         preemption_grace_s=args.preemption_grace,
         straggler=straggler,
@@ -312,7 +328,7 @@ def _supervise(
         entrypoint=entrypoint,
         args=tuple(entry_args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv),
-        max_restarts=config.max_restarts,
+        max_restarts=UNLIMITED_RESTARTS,  # the agent keeps to the budget (supervisor.budget)
         monitor_interval=config.monitor_interval,
         local_addr=config.local_addr,
     )
@@ -331,6 +347,7 @@ def _supervise(
     replication = ReplicationHost(replication_dir, events)
     os.environ[ENV_AGENT_REPLICATION] = replication_dir
     metrics = _serve_metrics(args, supervisor.run_dir)
+    narrator = Narrator(events.path, node=os.uname().nodename, budget=supervisor.budget.describe())
     started = time.monotonic()
     events.emit(
         "run_start",
@@ -340,6 +357,7 @@ def _supervise(
         nproc_per_node=config.nproc_per_node,
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
         max_restarts=config.max_restarts,
+        restart_window_s=supervisor.budget.window_s,
         rdzv_backend=config.rdzv_backend,
         start_method="exec" if isinstance(entrypoint, str) else start_method,
         run_dir=supervisor.run_dir,
@@ -355,7 +373,7 @@ def _supervise(
             code, outcome = EXIT_PREEMPTED, "preempted"
             print(
                 f"crashproof run: stopped early ({agent.preempted}); resumable: run the same "
-                f"command again. Events: {events.path}",
+                f"command again",
                 file=sys.stderr,
             )
         elif agent.crash_loop is not None:
@@ -365,23 +383,24 @@ def _supervise(
                 f"crashproof run: crash loop: {policy.stalled} failed attempts in a row without "
                 f"getting past step {policy.furthest_step} (the furthest the run reached); the "
                 f"last one reached step {failure.step} and failed on rank {failure.rank}: "
-                f"{failure.reason}. Restarting will not help: fix the cause. Events: "
-                f"{events.path}; logs: {args.log_dir}",
+                f"{failure.reason}. Restarting will not help: fix the cause",
                 file=sys.stderr,
             )
         else:
             code, outcome = EXIT_BUDGET_SPENT, "restart budget spent"
+            budget = supervisor.budget
             print(
-                f"crashproof run: a trainer failed and all {config.max_restarts} restarts are used "
-                f"(--max-restarts). Events: {events.path}; logs: {args.log_dir}",
+                f"crashproof run: a trainer failed and the restart budget is spent "
+                f"({budget.describe()}: all restarts are used; see --max-restarts, "
+                f"--restart-window)"
+                f"{_failed_on(agent.budget_spent)}",
                 file=sys.stderr,
             )
     except SignalException as exc:
         if exc.sigval == signal.SIGTERM:
             code, outcome = EXIT_PREEMPTED, "preempted"
             print(
-                "crashproof run: stopped early (SIGTERM); resumable: run the same command again. "
-                f"Events: {events.path}",
+                "crashproof run: stopped early (SIGTERM); resumable: run the same command again",
                 file=sys.stderr,
             )
         else:
@@ -403,6 +422,17 @@ def _supervise(
             seconds=round(time.monotonic() - started, 3),
         )
         events.close()
+        narrator.close()
+        print(
+            summary(
+                supervisor.run_dir,
+                outcome=outcome,
+                code=code,
+                log_dir=args.log_dir,
+                quiet=args.quiet,
+            ),
+            file=sys.stderr,
+        )
         if metrics is not None:
             metrics.close()
         try:
@@ -410,3 +440,9 @@ def _supervise(
         except Exception as exc:
             log.debug("rendezvous shutdown: %s", exc)
     return code
+
+
+def _failed_on(failure: Failure | None) -> str:
+    if failure is None:
+        return ""
+    return f"; the last failure: rank {failure.rank} after step {failure.step}, {failure.reason}"

@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from crashproof.telemetry._failures import exit_failure, why_attempt_ended
+from crashproof.telemetry._failures import blamed_hang, exit_failure, why_attempt_ended
 from crashproof.telemetry._fields import Event, int_field, number_field
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "keep_segments",
     "split_attempts",
     "split_sessions",
+    "stall_time",
 ]
 
 _TRAINER_EVENTS = frozenset(
@@ -130,6 +131,17 @@ def split_attempts(session: Session) -> list[Attempt]:
     return [attempts[n] for n in sorted(attempts)]
 
 
+def stall_time(attempt: Attempt) -> float | None:
+    """When a hung attempt stopped making progress: its stalled rank's last heartbeat (None: the
+    attempt did not end in a hang)."""
+    hang = blamed_hang(attempt.hangs)
+    if hang is None:
+        return None
+    # ``silent_s`` is measured at the verdict, which is when the attempt ended (the event
+    # itself is written after the stacks are dumped)
+    return min(attempt.end, float(hang["ts"])) - (number_field(hang, "silent_s") or 0.0)
+
+
 # -- segments: stretches of training between restores -----------------------------------------
 
 
@@ -203,6 +215,13 @@ def find_segments(attempt: Attempt, lower: float, step_s: float | None) -> None:
             (segments[-1].progress if kind == "progress" else segments[-1].checkpoints).append(
                 event
             )
+    stalled_at = stall_time(attempt)
+    if stalled_at is not None:
+        # A hang's downtime starts at the stalled rank's last heartbeat. Steps logged after it
+        # were finished only when the supervisor woke the group to dump its stacks: they are not
+        # evidence of how long training took (the stall would read as slow steps).
+        for seg in segments:
+            seg.progress = [p for p in seg.progress if p["ts"] <= stalled_at]
     _match_rollbacks(segments, events)
     failing = [e for e in attempt.exits if exit_failure(e)]
     exit_step = max((int_field(e, "step") or -1 for e in failing), default=-1)
@@ -276,9 +295,9 @@ def _reached_at(seg: Segment, attempt: Attempt, step_s: float | None) -> float:
     if seg.end_kind == "rollback":
         return seg.end  # the anomaly is found right after its step: the restore follows
     floor = max([seg.train_from, *(float(p["ts"]) for p in seg.progress)])
-    if seg.end_kind == "failure" and attempt.hangs:
-        silent = min(number_field(h, "silent_s") or 0.0 for h in attempt.hangs)
-        return min(max(seg.end - silent, floor), max(seg.end, floor))
+    stalled_at = stall_time(attempt)
+    if seg.end_kind == "failure" and stalled_at is not None:
+        return min(max(stalled_at, floor), max(seg.end, floor))
     if seg.progress:
         last = seg.progress[-1]
         at, from_step, pure = float(last["ts"]), int(last["step"]), seg.pure_step_s(last)

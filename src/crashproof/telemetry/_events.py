@@ -111,6 +111,14 @@ class EventTail:
         self._offset = 0
         self._partial = b""
 
+    def skip_to_end(self) -> None:
+        """Follow from the log's end: what it holds now is not new."""
+        try:
+            self._offset = os.path.getsize(self.path)
+        except FileNotFoundError:
+            self._offset = 0
+        self._partial = b""
+
     def read_new(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, "rb") as f:

@@ -13,7 +13,13 @@ from __future__ import annotations
 from crashproof.exitcodes import EXIT_PREEMPTED
 from crashproof.telemetry._fields import Event, int_field, number_field
 
-__all__ = ["GROUP_FAILURES", "exit_failure", "failure_kind", "why_attempt_ended"]
+__all__ = [
+    "GROUP_FAILURES",
+    "blamed_hang",
+    "exit_failure",
+    "failure_kind",
+    "why_attempt_ended",
+]
 
 GROUP_FAILURES = frozenset({"killed", "crash", "hang", "preempted"})
 """The kinds that stop the whole trainer group (and end its attempt)."""
@@ -46,6 +52,15 @@ def failure_kind(event: Event) -> str | None:
     )
 
 
+def blamed_hang(hangs: list[Event]) -> Event | None:
+    """The ``hang`` event of the rank that stopped the others: the one the supervisor marked
+    ``blamed``, or (a log from before that mark) the longest silent."""
+    if not hangs:
+        return None
+    marked = [h for h in hangs if h.get("blamed")]
+    return marked[0] if marked else max(hangs, key=lambda h: number_field(h, "silent_s") or 0.0)
+
+
 def why_attempt_ended(
     *,
     failing: list[Event],
@@ -68,7 +83,7 @@ def why_attempt_ended(
         kind, reason = "preempted", f"preempted ({source or 'exit code 75'})"
         rank = int_field(notes.get("preempted") or first or {}, "rank")
     elif hangs:
-        worst = max(hangs, key=lambda h: number_field(h, "silent_s") or 0.0)
+        worst = blamed_hang(hangs) or hangs[0]
         kind, rank = "hang", int_field(worst, "rank")
         reason = (
             f"hang: rank {rank} silent for {number_field(worst, 'silent_s') or 0.0:.1f} s "

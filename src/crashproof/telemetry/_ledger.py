@@ -33,6 +33,7 @@ from crashproof.telemetry._attempts import (
     split_attempts,
     split_sessions,
 )
+from crashproof.telemetry._failures import blamed_hang
 from crashproof.telemetry._fields import Event, int_field, number_field
 from crashproof.telemetry._records import Breakdown, FailureRecord, Ledger, Marker, TimelinePoint
 
@@ -331,7 +332,7 @@ def _markers(
                     rollbacks_seen.add(key)
                     label = f"{e.get('kind')} at step {step}: rolled back to {key[1]}"
                     markers.append(Marker(ts=e["ts"], kind="rollback", step=step, label=label))
-        for h in attempt.hangs:
+        for h in [h for h in attempt.hangs if h is blamed_hang(attempt.hangs)]:
             label = f"hang: rank {h.get('rank')} silent {number_field(h, 'silent_s') or 0.0:.1f} s"
             markers.append(Marker(ts=h["ts"], kind="hang", step=int_field(h, "step"), label=label))
         for e in attempt.notes:

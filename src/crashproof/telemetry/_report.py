@@ -10,7 +10,7 @@ import os
 import stat
 
 from crashproof._files import write_atomically
-from crashproof.telemetry._durations import duration
+from crashproof._units import format_duration as duration
 from crashproof.telemetry._ledger import Ledger
 from crashproof.telemetry._report_html import GENERATOR_MARK, PART_LABELS, render_html
 

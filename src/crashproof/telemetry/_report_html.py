@@ -12,8 +12,8 @@ import datetime as dt
 import html
 
 from crashproof._rundir import RunDir
+from crashproof._units import format_duration as duration
 from crashproof._version import __version__
-from crashproof.telemetry._durations import duration
 from crashproof.telemetry._records import Ledger
 from crashproof.telemetry._report_timeline import timeline_svg
 

@@ -10,7 +10,7 @@ import html
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from crashproof.telemetry._durations import duration
+from crashproof._units import format_duration as duration
 from crashproof.telemetry._records import Ledger, Marker, TimelinePoint
 
 __all__ = ["timeline_svg"]
