@@ -7,9 +7,10 @@ Owns the form only; what each message says is its command's (``cli``, ``chaos``,
 from __future__ import annotations
 
 import sys
+import textwrap
 import unicodedata
 
-__all__ = ["one_line", "output_unwritable", "say"]
+__all__ = ["one_line", "output_unwritable", "say", "wrapped_cell"]
 
 _ESCAPED = frozenset({"Cc", "Cs", "Zl", "Zp"})
 """Control characters (newline, carriage return, escape sequences, NUL), lone surrogates (bytes
@@ -39,3 +40,9 @@ def output_unwritable(option: str, path: str, exc: OSError) -> str:
         f"{option} {path}: cannot be written ({reason}{met}); check that its directory is "
         "writable, mounted read-write and has room, or choose another path"
     )
+
+
+def wrapped_cell(text: str, width: int) -> list[str]:
+    """A table cell's text in lines of at most ``width`` characters, broken between words (a
+    word longer than a line, such as a path, is split): a table never cuts a message short."""
+    return textwrap.wrap(one_line(text), width, break_on_hyphens=False) or [""]

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from crashproof.cli._chaos import add_chaos_parser
-from crashproof.telemetry import read_events
+from crashproof.telemetry import read_events, read_ledger
 from tests.conftest import EXAMPLES, REPO
 
 EVERY = 10
@@ -176,15 +176,21 @@ def test_crashproof_chaos_on_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "crashproof.cli", "chaos", "--dir", str(tmp_path / "c"),
+         # listed first, due later: the step-20 kill must not wait behind it
+         "--fault", "at=step:45,rank=0,kind=kill",
          "--fault", "at=step:20,rank=1,kind=kill", "--resolve-timeout", "60", "--timeout", "120",
          "--", *_trainer(60)],
         capture_output=True, text=True, timeout=170, env=env, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "1 fault(s) injected, 1 detected, 1 recovered" in proc.stdout
+    assert "2 fault(s) injected, 2 detected, 2 recovered" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-2].endswith("PASSED")
     report = json.loads((tmp_path / "c" / "run" / "chaos_report.json").read_text())
-    assert report["passed"] and report["faults"][0]["kind"] == "kill"
+    assert report["passed"] and [f["id"] for f in report["faults"]] == ["f2", "f1"]
+    # one clock: the campaign's times count from the run's start, as the report's do
+    ledger = read_ledger(tmp_path / "c" / "run")
+    first_kill = next(f for f in ledger.failures if f.kind == "killed")
+    assert abs(report["faults"][0]["at_s"] - (first_kill.ts - ledger.start_ts)) < 1.0
 
 
 @pytest.mark.parametrize(

@@ -278,3 +278,27 @@ def test_a_drawn_fault_is_blocked_only_if_training_went_on_past_the_resolve_time
     blocked = campaign._blocked(faults)
     assert list(blocked) == ["f1"]
     assert "50 s" in blocked["f1"] and "no committed checkpoint" in blocked["f1"]
+
+
+def test_the_table_wraps_a_long_detection_between_words_and_cuts_none() -> None:
+    from crashproof.chaos._report import format_table
+
+    path = "/runs/" + "deep/" * 20 + "rank_00001.safetensors"
+    said = (
+        "rank_exit: rank 0: CheckpointWriteError: checkpoint of step 170 was not committed "
+        f"(rank 1: OSError: [Errno 5] Input/output error: '{path}')"
+    )
+    inj = Injection(
+        fault=Fault(id="f3", kind="storage", rank=1, at_step=160, params={"error": "eio"}),
+        due_s=None, at_s=7.9, ts=0.0, pid=1, attempt=0, step=160,
+        detected=True, detected_by=said, recovered=True, lost_steps=12,
+    )  # fmt: skip
+    header, first, *more = format_table([inj])
+    assert more and first.split()[-2:] == ["yes", "12"]
+    assert all(len(line) <= len(header) for line in (first, *more))
+    column = header.index("detected by")
+    text = " ".join(line[column : column + 58].strip() for line in (first, *more))
+    # every word is whole, in order; only the path (longer than a line) is split, not lost
+    words = said.split()
+    assert text.split()[: len(words) - 1] == words[:-1]
+    assert text.replace(" ", "").endswith(words[-1])

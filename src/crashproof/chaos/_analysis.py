@@ -45,9 +45,9 @@ class Injection:
 
     fault: Fault
     due_s: float | None
-    """When it was due, seconds after the launch (None: a step trigger)."""
+    """When it was due, seconds after the run started (None: a step trigger)."""
     at_s: float
-    """When it was injected (armed, for the seam kinds), seconds after the launch."""
+    """When it was injected (armed, for the seam kinds), seconds after the run started."""
     ts: float
     """The same moment, Unix time."""
     pid: int | None
@@ -70,7 +70,7 @@ class Injection:
     lost_steps: int = 0
     lost_s: float = 0.0
     resolved_at_s: float | None = None
-    """When the campaign saw it resolved, seconds after the launch."""
+    """When the campaign saw it resolved, seconds after the run started."""
     gave_up: bool = False
     """The campaign stopped waiting for it (``--resolve-timeout``) or the run ended first."""
 

@@ -1,6 +1,7 @@
 """A campaign: launch ``crashproof run``, inject the scheduled faults one at a time, watch.
 
-Faults never overlap: each is injected when its time (seconds after the launch) or step has come
+Faults never overlap: each is injected when its own time (seconds after the run started, the
+origin of the run's report too) or step has come, whatever the faults listed before it wait for,
 **and** the previous one is resolved, i.e. detected and recovered from (a checkpoint beyond it
 committed), or given up on after ``resolve_timeout_s``. So every detection and every lost step
 belongs to one fault, and a fault's effect on the data (a NaN's skipped batch) is durable before
@@ -114,7 +115,6 @@ class Campaign:
     """Show a live bar of the training's step (on a terminal), faults injected and attempts."""
     _view: RunView = field(init=False)
     _rng: random.Random = field(init=False)
-    _t0: float = 0.0
     _stopped: set[int] = field(default_factory=set)
     _cycles: dict[str, DutyCycle] = field(default_factory=dict)
     _armed: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -156,7 +156,7 @@ class Campaign:
         current: Injection | None = None
         timed_out = False
         with open(self.console_path, "a") as console:
-            self._t0 = time.monotonic()
+            launched = time.monotonic()
             proc = run_crashproof(self.run_args, env, console)
             if self.progress:
                 # disable=None: no bar where stderr is not a terminal (a log file, CI)
@@ -177,13 +177,12 @@ class Campaign:
                             self._resolved(current)
                             current = None
                     if current is None and pending and running:
-                        current = self._try_inject(pending[0], injections[-1:])
+                        current = self._inject_first_ready(pending, injections[-1:])
                         if current is not None:
-                            pending.popleft()
                             injections.append(current)
                     if not running:
                         break
-                    if self.timeout_s is not None and self._elapsed() > self.timeout_s:
+                    if self.timeout_s is not None and time.monotonic() - launched > self.timeout_s:
                         timed_out = True
                         log.error("the run took longer than %.0f s: stopping it", self.timeout_s)
                         break
@@ -234,7 +233,23 @@ class Campaign:
     # -- injecting -------------------------------------------------------------------------
 
     def _elapsed(self) -> float:
-        return time.monotonic() - self._t0
+        """Seconds since the run started: its first ``run_start`` event, the origin of every time
+        the campaign and ``crashproof report`` show (0 until the supervisor has started)."""
+        starts = self._view.of("run_start")
+        return max(0.0, time.time() - float(starts[0]["ts"])) if starts else 0.0
+
+    def _inject_first_ready(
+        self, pending: deque[Fault], previous: list[Injection]
+    ) -> Injection | None:
+        """Inject the first pending fault whose own trigger has come and whose target can be hit
+        now (each fault waits for its own time or step, not for the faults listed before it);
+        None: none is ready."""
+        for fault in list(pending):
+            injection = self._try_inject(fault, previous)
+            if injection is not None:
+                pending.remove(fault)
+                return injection
+        return None
 
     def _try_inject(self, fault: Fault, previous: list[Injection]) -> Injection | None:
         """Inject ``fault`` if it is due and its target can be hit now; None: not yet."""

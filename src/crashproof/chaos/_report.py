@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from crashproof._console import wrapped_cell
 from crashproof._files import write_json_atomically
 from crashproof.chaos._analysis import Injection
 from crashproof.chaos._baseline import Comparison
@@ -94,11 +95,10 @@ def format_table(injections: list[Injection]) -> list[str]:
     header = f"{'fault':<5} {'kind':<9} {'at':>7} {'rank':>4} {'step':>6}  {'detected by':<58} {'recovered':<9} {'lost steps':>10}"
     lines = [header]
     for i in injections:
-        detected = (i.detected_by or "NOT DETECTED")[:58]
-        lines.append(
-            f"{i.fault.id:<5} {i.fault.kind:<9} {i.at_s:>6.1f}s {i.fault.rank:>4} {i.step:>6}  "
-            f"{detected:<58} {_yes(i.recovered):<9} {i.lost_steps:>10}"
-        )
+        first, *more = wrapped_cell(i.detected_by or "NOT DETECTED", 58)
+        lead = f"{i.fault.id:<5} {i.fault.kind:<9} {i.at_s:>6.1f}s {i.fault.rank:>4} {i.step:>6}  "
+        lines.append(f"{lead}{first:<58} {_yes(i.recovered):<9} {i.lost_steps:>10}")
+        lines += [" " * len(lead) + line for line in more]  # the rest of the words, not cut
     return lines
 
 

@@ -36,7 +36,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
-    """One fault to inject: ``at_s`` seconds after the run was launched, or once the training
+    """One fault to inject: ``at_s`` seconds after the run started (its ``run_start`` event), or once the training
     has reached step ``at_step``; exactly one of the two is set."""
 
     id: str
@@ -147,7 +147,7 @@ def draw_schedule(
     *, seed: int, mtbf_s: float, duration_s: float, kinds: Sequence[str], world_size: int
 ) -> list[Fault]:
     """Faults at exponentially distributed intervals of mean ``mtbf_s`` until ``duration_s``
-    seconds after the launch; each of a kind drawn uniformly from ``kinds``, at a rank drawn
+    seconds after the run started; each of a kind drawn uniformly from ``kinds``, at a rank drawn
     uniformly, with its drawn parameters (a storage error, a corruption mode)."""
     if mtbf_s <= 0 or duration_s <= 0:
         raise ValueError("--mtbf and --duration must be positive numbers of seconds")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 
+from crashproof._console import wrapped_cell
 from crashproof._files import write_atomically
 from crashproof._units import format_duration as duration
 from crashproof.telemetry._ledger import Ledger
@@ -73,11 +74,13 @@ def format_summary(ledger: Ledger) -> str:
     ]
     for i, f in enumerate(ledger.failures, start=1):
         down = f.detect_s + f.restart_s + f.restore_s
-        lines.append(
+        lead = (
             f"  {i:>2} {duration(f.ts - ledger.start_ts):>12} "
             f"{'-' if f.rank is None else f.rank:>5} {f.kind:<10} "
             f"{f.step_reached if f.step_reached >= 0 else '-':>8} "
             f"{'-' if f.step_restored is None else f.step_restored:>9} {f.lost_steps:>10} "
-            f"{duration(f.lost_s):>10} {duration(down):>10}  {f.reason[:100]}"
+            f"{duration(f.lost_s):>10} {duration(down):>10}  "
         )
+        first, *more = wrapped_cell(f.reason, 70)
+        lines += [lead + first, *(" " * len(lead) + line for line in more)]
     return "\n".join(lines)
