@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from crashproof.supervisor.launch import (
+    DEFAULT_METRICS_PORT,
     EXIT_BUDGET_SPENT,
     EXIT_CRASH_LOOP,
     EXIT_PREEMPTED,
@@ -61,8 +63,21 @@ def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path: Path) -> None:
-    code, events, output = crashproof_run(tmp_path, ["--quiet"], ["--steps", "12", "--exit-zero"])
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server does
+    try:  # hold the default metrics port (unless another test's run holds it already)
+        holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+        holder.listen()
+    except OSError:
+        pass
+    with holder:
+        code, events, output = crashproof_run(
+            tmp_path, ["--quiet"], ["--steps", "12", "--exit-zero"]
+        )
     assert code == 0, output
+    # the default port was taken: a free one instead, said and recorded
+    assert f"metrics port {DEFAULT_METRICS_PORT} is taken" in output
+    assert not events[0]["metrics_url"].endswith(f":{DEFAULT_METRICS_PORT}/metrics")
     # --quiet: no INFO lines of its own, and a one-line outcome instead of the summary block
     assert "[crashproof run] INFO" not in output and "summary" not in output
     assert "crashproof run: succeeded (exit 0); ETTR " in output

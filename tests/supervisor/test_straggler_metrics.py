@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import crashproof
 from crashproof.link._heartbeat import Heartbeat
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
 from crashproof.telemetry import read_events
@@ -57,7 +58,11 @@ def test_too_few_steps_or_a_restarted_rank_is_not_judged() -> None:
 def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
     lines = [
-        {"ts": 1.0, "event": "run_start"},
+        {"ts": 1.0, "event": "run_start", "run_id": "r7", "script": "train.py", "nnodes": "1:1",
+         "nproc_per_node": 2, "max_restarts": 30},
+        {"ts": 1.2, "event": "replication_failed", "tier": "s3://b/c", "attempt": 1, "pending": [5, 10, 15]},
+        {"ts": 1.3, "event": "replicated", "tier": "s3://b/c", "step": 10, "pending": 1},
+        {"ts": 1.4, "event": "replicated", "tier": "s3://b/c", "step": 5, "pending": 0},
         {"ts": 1.5, "event": "progress", "step": 5, "step_time_s": 0.4},
         {"ts": 1.6, "event": "checkpoint", "step": 5, "blocking_s": 0.02, "persist_s": 3.0, "bytes": 500},
         {"ts": 2.0, "event": "progress", "step": 10, "step_time_s": 0.5},
@@ -101,10 +106,26 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     assert value("crashproof_failures_total", {"kind": "numerics"}) == 1
     assert value("crashproof_failures_total", {"kind": "hang"}) == 2  # the second restart's own
     assert value("crashproof_restarts_total") == 2
-    assert value("crashproof_restore_seconds") == 0.3
+    assert value("crashproof_restore_seconds_count") == 1  # a histogram: one per restore
+    assert value("crashproof_restore_seconds_sum") == 0.3
+    assert value("crashproof_restore_seconds_bucket", {"le": "3600.0"}) == 1
     assert value("crashproof_straggler_ratio", {"rank": "1"}) == 1.6
-    assert value("crashproof_ettr") == 0.75
+    assert value("crashproof_ettr_ratio") == 0.75
+    assert value("crashproof_ettr") == 0.75  # the deprecated name, one release more
     assert value("crashproof_last_progress_timestamp_seconds") == 5.0
+    assert value("crashproof_last_checkpoint_timestamp_seconds") == 3.0
+    # kinds that never happened are there, at 0, from the start
+    assert value("crashproof_failures_total", {"kind": "preemption"}) == 0
+    assert value("crashproof_failures_total", {"kind": "error"}) == 0
+    assert value("crashproof_failures_total", {"kind": "storage"}) == 1  # the failed upload
+    info = {"run_id": "r7", "script": "train.py", "nnodes": "1:1", "nproc_per_node": "2",
+            "max_restarts": "30", "version": crashproof.__version__}  # fmt: skip
+    assert value("crashproof_run_info", info) == 1
+    # per tier: the newest durable step (not the last one copied) and the backlog
+    assert value("crashproof_durable_step", {"tier": "s3://b/c"}) == 10
+    assert value("crashproof_replication_backlog", {"tier": "s3://b/c"}) == 0
+    names = {m.name for family in metrics.registry.collect() for m in family.samples}
+    assert not [n for n in names if n.endswith("_created")]
 
 
 def _wait_for(path: Path, what: str, timeout: float) -> None:

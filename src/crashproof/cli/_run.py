@@ -30,6 +30,7 @@ from crashproof.cli._conventions import (
 )
 from crashproof.supervisor.launch import (
     DEFAULT_MAX_RESTARTS,
+    DEFAULT_METRICS_PORT,
     DEFAULT_RESTART_WINDOW_S,
     PREEMPTION_PROVIDERS,
     launch,
@@ -150,9 +151,10 @@ def build_run_parser() -> argparse.ArgumentParser:
             65535,
             accepted="give a port from 1 to 65535, 0 for any free port, or -1 for no metrics",
         ),
-        default=0,
-        help="serve Prometheus metrics on this port (default 0: any free port, written to "
-        "RUN_DIR/metrics_url and the run_start event; -1: no metrics)",
+        default=None,
+        help=f"serve Prometheus metrics on this port (default {DEFAULT_METRICS_PORT}, or any free "
+        "port when another run holds it; 0: any free port; -1: no metrics); the URL is written "
+        "to RUN_DIR/metrics_url and the run_start event",
     )
     group.add_argument(
         "--log-level",

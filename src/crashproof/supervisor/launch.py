@@ -69,6 +69,7 @@ from crashproof.telemetry.metrics import RunMetrics
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
+    "DEFAULT_METRICS_PORT",
     "DEFAULT_RESTART_WINDOW_S",
     "EXIT_BUDGET_SPENT",
     "EXIT_CRASH_LOOP",
@@ -78,6 +79,11 @@ __all__ = [
     "PREEMPTION_PROVIDERS",
     "launch",
 ]
+
+DEFAULT_METRICS_PORT = 29600
+"""``--metrics-port``'s default: a fixed port a Prometheus scrape configuration can name, beside
+torchrun's 29400 (rendezvous) and 29500 (master); another run on the same machine that finds it
+taken serves on a free port instead."""
 
 DEFAULT_RESTART_WINDOW_S = 3600.0
 """``--restart-window``'s default: ``--max-restarts`` counts the restarts of the last hour."""
@@ -250,19 +256,24 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
-    """Start the Prometheus endpoint unless ``--metrics-port -1``; a port in use is logged, not
-    fatal: the run matters more than its metrics."""
-    if args.metrics_port < 0:
+    """Start the Prometheus endpoint unless ``--metrics-port -1``. The default port, when another
+    run on this machine holds it, gives way to any free one (the URL says which); a port given
+    explicitly and in use is logged, not fatal: the run matters more than its metrics."""
+    if args.metrics_port is not None and args.metrics_port < 0:
         return None
     metrics = RunMetrics(run_dir, ettr=_ettr_of_log)
+    port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     try:
-        metrics.serve(args.metrics_port, args.metrics_host)
+        try:
+            metrics.serve(port, args.metrics_host)
+        except OSError as exc:
+            if args.metrics_port is not None:
+                raise
+            log.warning("metrics port %d is taken (%s): serving on a free one", port, exc)
+            metrics.serve(0, args.metrics_host)
     except OSError as exc:
         log.error(
-            "cannot serve metrics on %s:%d (%s); running without",
-            args.metrics_host,
-            args.metrics_port,
-            exc,
+            "cannot serve metrics on %s:%d (%s); running without", args.metrics_host, port, exc
         )
         return None
     url = _metrics_url(args, metrics)

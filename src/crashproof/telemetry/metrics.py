@@ -15,18 +15,34 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from crashproof._rundir import RunDir
 from crashproof.telemetry._events import EventTail
 from crashproof.telemetry._failures import failure_kind
 
-__all__ = ["RunMetrics", "failure_label"]
+__all__ = ["FAILURE_KINDS", "RunMetrics", "failure_label"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 1.0
-_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, float("inf"))
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600, 1800, 3600)
+"""From a small model's millisecond pause to the hour a large model's write to a slow bucket can
+take (``+Inf`` is added)."""
+
+FAILURE_KINDS = ("killed", "error", "hang", "numerics", "preemption", "storage")
+"""Every ``kind`` label of ``crashproof_failures_total``: each is exported from the start, at 0,
+so that ``increase()`` and alerts see the first failure of a kind."""
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no ``*_created`` series: they double every counter for no use here
 
 
 _LABELS = {"crash": "error", "preempted": "preemption"}
@@ -86,8 +102,33 @@ class RunMetrics:
         )
         self.restarts = Counter("crashproof_restarts", "Restarts of the worker group", registry=r)
         self.failures = Counter("crashproof_failures", "Failures, by kind", ["kind"], registry=r)
-        self.restore = Gauge(
-            "crashproof_restore_seconds", "Duration of the last restore", registry=r
+        for kind in FAILURE_KINDS:
+            self.failures.labels(kind=kind)
+        self.restore = Histogram(
+            "crashproof_restore_seconds",
+            "Time to verify and load each restored checkpoint",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.last_checkpoint_ts = Gauge(
+            "crashproof_last_checkpoint_timestamp_seconds",
+            "Unix time of the newest committed checkpoint",
+            registry=r,
+        )
+        self.run_info = Info(
+            "crashproof_run", "The run: its id, script, size and crashproof's version", registry=r
+        )
+        self.backlog = Gauge(
+            "crashproof_replication_backlog",
+            "Checkpoints waiting to be copied to a durable tier",
+            ["tier"],
+            registry=r,
+        )
+        self.durable_step = Gauge(
+            "crashproof_durable_step",
+            "The newest step durable in a tier (copied and read back)",
+            ["tier"],
+            registry=r,
         )
         self.straggler = Gauge(
             "crashproof_straggler_ratio",
@@ -96,8 +137,13 @@ class RunMetrics:
             registry=r,
         )
         self.ettr = Gauge(
-            "crashproof_ettr",
+            "crashproof_ettr_ratio",
             "Effective training time ratio so far: productive step time / wall time",
+            registry=r,
+        )
+        self.ettr_deprecated = Gauge(
+            "crashproof_ettr",
+            "Deprecated: crashproof_ettr_ratio (the same value); removed in the next release",
             registry=r,
         )
         self._ettr_fn, self._ettr_interval_s = ettr, ettr_interval_s
@@ -105,6 +151,7 @@ class RunMetrics:
         self._tail = EventTail(self.path)
         self._last_step = -1
         self._hang_counted = False  # a hang of this worker group counted already
+        self._durable: dict[str, int] = {}  # the newest durable step by tier
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -149,6 +196,7 @@ class RunMetrics:
             value = self._ettr_fn(self.path)
             if value is not None:
                 self.ettr.set(value)
+                self.ettr_deprecated.set(value)
 
     def observe(self, event: dict[str, Any]) -> None:
         name, ts = event.get("event"), float(event.get("ts", 0.0))
@@ -172,10 +220,11 @@ class RunMetrics:
             self.persist.observe(event["persist_s"])
             self.checkpoint_bytes.inc(event.get("bytes", 0))
             self.progress_ts.set(ts)
+            self.last_checkpoint_ts.set(ts)
         elif name == "restore":
             self._last_step = int(event["step"])  # training goes on from there, not further
             self.step.set(self._last_step)
-            self.restore.set(event["seconds"])
+            self.restore.observe(event["seconds"])
             self.progress_ts.set(ts)
         elif name == "restart":
             self.restarts.inc()
@@ -187,3 +236,26 @@ class RunMetrics:
             self.straggler.labels(rank=str(event["rank"])).set(0)
         elif name == "run_start":
             self.progress_ts.set(ts)
+            self.run_info.info(_run_labels(event))
+        elif name == "replicated":
+            tier = str(event.get("tier"))
+            self._durable[tier] = max(int(event["step"]), self._durable.get(tier, -1))
+            self.durable_step.labels(tier=tier).set(self._durable[tier])
+            if isinstance(event.get("pending"), int):
+                self.backlog.labels(tier=tier).set(event["pending"])
+        elif name == "replication_failed":
+            self.backlog.labels(tier=str(event.get("tier"))).set(len(event.get("pending") or []))
+
+
+def _run_labels(event: dict[str, Any]) -> dict[str, str]:
+    """``crashproof_run_info``'s labels, from the ``run_start`` event."""
+    from crashproof._version import __version__
+
+    return {
+        "run_id": str(event.get("run_id", "")),
+        "script": str(event.get("script", "")),
+        "nnodes": str(event.get("nnodes", "")),
+        "nproc_per_node": str(event.get("nproc_per_node", "")),
+        "max_restarts": str(event.get("max_restarts", "")),
+        "version": __version__,
+    }

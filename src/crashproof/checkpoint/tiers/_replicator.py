@@ -339,8 +339,17 @@ class TierReplicator:
             nbytes / 1e6,
             seconds,
         )
+        try:
+            waiting = len(self.pending())
+        except Exception:  # a listing that fails now is the next upload's failure to report
+            waiting = None
         self._emit(
-            "replicated", tier=self.tier.uri, step=step, bytes=nbytes, seconds=round(seconds, 4)
+            "replicated",
+            tier=self.tier.uri,
+            step=step,
+            bytes=nbytes,
+            seconds=round(seconds, 4),
+            pending=waiting,
         )
         self._on_durable()
 
