@@ -125,3 +125,43 @@ def test_sharded_state_is_not_exported_as_if_it_were_replicated(tmp_path: Path) 
     assert done.returncode == 1
     assert "whose tensors differ" in done.stderr and "sharded" in done.stderr
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_what_chooses_the_state_exported_the_ema_the_optimizer_everything_or_a_key_path(
+    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, state = ddp_checkpoint
+
+    def export(what: str, name: str, *more: str) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"{name}.safetensors"
+        proc = _cli("export", str(root), "--what", what, "-o", str(out), *more)
+        assert proc.returncode == 0, proc.stderr
+        return load_file(out)
+
+    shadow = state["extra"]["ema"]["state_dict"]["shadow"]
+    exported = export("extra/ema/state_dict/shadow", "shadow")  # a key path, as inspect shows
+    assert exported.keys() == shadow.keys()
+    assert all(torch.equal(exported[k], shadow[k]) for k in shadow)
+    exported = export("ema", "ema")  # the shortcut: what the user's EMA object saved
+    assert exported.keys() == {f"shadow/{k}" for k in shadow}
+    optimizer = export("optimizer", "optimizer")
+    for param_id, moments in state["optimizer"]["state"].items():
+        for name, value in moments.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(optimizer[f"state/{param_id}/{name}"], value)
+    everything = export("all", "all")
+    assert {k.split("/", 1)[0] for k in everything} >= {"model", "optimizer", "extra", "rng"}
+    model = export("model", "model")
+    assert all(torch.equal(everything[f"model/{k}"], v) for k, v in model.items())
+    # a key the state does not hold: a usage error that lists what is there, nothing written
+    out = tmp_path / "nothing.safetensors"
+    proc = _cli("export", str(root), "--what", "extra/nosuch", "-o", str(out))
+    assert proc.returncode == 2 and not out.exists()
+    assert "no 'nosuch' at extra" in proc.stderr and "there: ema" in proc.stderr, proc.stderr
+    # dcp: the chosen part under its own name
+    dcp_dir = tmp_path / "ema_dcp"
+    proc = _cli("export", str(root), "--format", "dcp", "--what", "ema", "-o", str(dcp_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "(ema, step)" in proc.stdout
+    keys = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    assert {f"ema.shadow.{k}" for k in shadow} <= set(keys), sorted(keys)

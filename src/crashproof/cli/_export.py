@@ -32,6 +32,15 @@ def add_export_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     p.add_argument("-o", "--output", required=True, metavar="FILE|DIR")
     p.add_argument(
+        "--what",
+        default=None,
+        metavar="model|ema|optimizer|all|KEY/PATH",
+        help="the state to export: model (safetensors' default), ema (the extra named 'ema'), "
+        "optimizer, all, or a key path as `crashproof inspect` lists it "
+        "(extra/ema/state_dict/shadow); "
+        "dcp's default: model, optimizer, scheduler and scaler",
+    )
+    p.add_argument(
         "--max-shard-size",
         type=size(),
         default="5GB",
@@ -62,14 +71,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     for step, ckpt in chosen:  # newest first: the first that exports wins
         try:
             if args.format == "dcp":
-                state = export_dcp(storage, ckpt, args.output, force=args.force)
+                state = export_dcp(storage, ckpt, args.output, force=args.force, what=args.what)
                 print(
                     f"exported step {step} ({', '.join(sorted(state))}) as a "
                     f"torch.distributed.checkpoint directory: {args.output}"
                 )
                 return EXIT_OK
             tensors, files = export_safetensors(
-                storage, ckpt, args.output, max_shard_bytes=args.max_shard_size, force=args.force
+                storage,
+                ckpt,
+                args.output,
+                max_shard_bytes=args.max_shard_size,
+                force=args.force,
+                what=args.what or "model",
             )
         except ConfigError as exc:  # the output path, or state safetensors cannot hold
             return fail(str(exc), EXIT_USAGE)

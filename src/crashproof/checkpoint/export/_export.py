@@ -1,6 +1,10 @@
 """Export a checkpoint to standard formats, for tools that do not know crashproof.
 
-- **safetensors**: the model's weights; one file, or, above ``max_shard_bytes``, several files
+What is exported is chosen with ``what``: ``model`` (the default for safetensors), ``ema`` (the
+``extra`` named ``ema``), ``optimizer``, ``all``, or any key path into the state as
+``crashproof inspect`` shows it (``extra/ema/state_dict/shadow``, ``optimizer/state``).
+
+- **safetensors**: the chosen state's tensors (the model's weights by default); one file, or, above ``max_shard_bytes``, several files
   named ``<stem>-00001-of-0000N.safetensors`` plus ``<stem>.safetensors.index.json`` (the
   ``weight_map`` layout Hugging Face tools read).
 - **dcp**: a ``torch.distributed.checkpoint`` directory with the model and optimizer state (and
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -58,6 +63,7 @@ from crashproof.storage import LocalStorage, Storage
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "WHAT_SHORTCUTS",
     "export_dcp",
     "export_safetensors",
     "model_tensors",
@@ -66,6 +72,8 @@ __all__ = [
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """Above this, a safetensors export is split (Hugging Face's default shard size, 5 GB)."""
 _DCP_PARTS = ("model", "optimizer", "scheduler", "scaler")
+
+log = logging.getLogger(__name__)
 
 
 def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
@@ -90,19 +98,78 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
     return tree
 
 
+WHAT_SHORTCUTS = {"model": "model", "ema": "extra/ema", "optimizer": "optimizer", "all": ""}
+"""``what``'s names for the parts users keep; anything else is a key path (``extra/ema/shadow``)."""
+
+
 def model_tensors(storage: Storage, ckpt_dir: str) -> dict[str, torch.Tensor]:
     """The model's tensors of a checkpoint, verified."""
-    return _model_tensors(storage, ckpt_dir)[0]
+    return _chosen_tensors(storage, ckpt_dir, "model")[0]
 
 
-def _model_tensors(storage: Storage, ckpt_dir: str) -> tuple[dict[str, torch.Tensor], int]:
+def select_state(tree: dict[str, Any], what: str, where: str) -> Any:
+    """The part of a state tree ``what`` names (a shortcut of :data:`WHAT_SHORTCUTS` or a key
+    path, ``/`` between keys); a part it does not hold is a ``ConfigError`` listing what is
+    there at the level the path left off."""
+    path = WHAT_SHORTCUTS.get(what, what)
+    node: Any = tree
+    walked: list[str] = []
+    for key in filter(None, path.strip("/").split("/")):
+        if isinstance(node, dict) and key in {str(k) for k in node}:
+            node = next(v for k, v in node.items() if str(k) == key)
+        elif isinstance(node, list | tuple) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            at = "/".join(walked) or "the top level"
+            held = sorted(str(k) for k in node) if isinstance(node, dict) else []
+            raise ConfigError(
+                f"{where}: --what {what}: no {key!r} at {at} of this checkpoint's state"
+                + (f"; there: {', '.join(held)}" if held else "")
+                + " (crashproof inspect lists every key path)"
+            )
+        walked.append(key)
+    if what in WHAT_SHORTCUTS and isinstance(node, dict) and len(node) == 1:
+        # an extra is saved as {"state_dict": ...} (a Stateful) or {"value": ...}: the shortcut
+        # means what the user put there
+        ((key, inner),) = node.items()
+        if walked[:1] == ["extra"] and key in ("state_dict", "value"):
+            node = inner
+    return node
+
+
+def flat_tensors(node: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors under ``node``, named by their key path below it (a flat mapping of tensors,
+    such as a state dict, keeps its own names); and the paths of the values that are not
+    tensors (numbers, strings: safetensors holds tensors only)."""
+    tensors: dict[str, torch.Tensor] = {}
+    others: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[path or "tensor"] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}" if path else str(key))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{path}/{i}" if path else str(i))
+        else:
+            others.append(path)
+
+    walk(node, prefix)
+    return tensors, others
+
+
+def _chosen_tensors(
+    storage: Storage, ckpt_dir: str, what: str
+) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     tree = saved_state(storage, ckpt_dir)
-    model = tree.get("model")
-    if not isinstance(model, dict):
-        raise CorruptCheckpointError(
-            f"{storage.describe(ckpt_dir)}: holds no model state to export"
-        )
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}, int(tree["step"])
+    step = int(tree.pop("step"))  # added by saved_state: not part of the saved state
+    where = f"{storage.describe(ckpt_dir)} (step {step})"
+    tensors, others = flat_tensors(select_state(tree, what, where))
+    if not tensors:
+        raise ConfigError(f"{where}: --what {what}: holds no tensors to export")
+    return tensors, step, others
 
 
 def export_safetensors(
@@ -112,9 +179,12 @@ def export_safetensors(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     force: bool = False,
+    what: str = "model",
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Write the model weights of ``ckpt_dir`` as safetensors at ``out_path``; returns the tensors
-    and the files written (one, or the shards and their index). ``force``: replace an earlier
+    """Write the tensors of ``ckpt_dir``'s state that ``what`` chooses (the model weights by
+    default; see :func:`select_state`) as safetensors at ``out_path``; returns the tensors and
+    the files written (one, or the shards and their index). Values that are not tensors are left
+    out, and logged. ``force``: replace an earlier
     export's files (see :func:`check_target`), whichever layout it had: the files of the earlier
     export this one does not overwrite (marked shards its marked index lists, the index, a
     single file) are removed once the new files are in place. An OSError writing the output is
@@ -123,7 +193,15 @@ def export_safetensors(
         raise ConfigError(f"max shard size {max_shard_bytes}: must be positive")
     protected = protected_roots(storage, ckpt_dir)
     check_target(out_path, kind="file", force=force, protected=protected)
-    tensors, step = _model_tensors(storage, ckpt_dir)
+    tensors, step, others = _chosen_tensors(storage, ckpt_dir, what)
+    if others:
+        log.warning(
+            "--what %s: %d values that are not tensors are not exported (safetensors holds "
+            "tensors only): %s",
+            what,
+            len(others),
+            ", ".join(others[:10]) + (", ..." if len(others) > 10 else ""),
+        )
     for name, tensor in tensors.items():
         if safetensors_code(dtype_name(tensor.dtype, where=name)) is None:
             raise ConfigError(
@@ -166,20 +244,34 @@ def export_safetensors(
 
 
 def export_dcp(
-    storage: Storage, ckpt_dir: str, out_dir: str, *, force: bool = False
+    storage: Storage,
+    ckpt_dir: str,
+    out_dir: str,
+    *,
+    force: bool = False,
+    what: str | None = None,
 ) -> dict[str, Any]:
-    """Write ``ckpt_dir``'s model, optimizer, scheduler and scaler state as a
+    """Write ``ckpt_dir``'s model, optimizer, scheduler and scaler state (or the part ``what``
+    chooses, under its last key's name; ``all``: the whole state) as a
     ``torch.distributed.checkpoint`` directory ``out_dir``; returns what was written. ``out_dir``
     must be new or empty, or an earlier export replaced with ``force`` (see
     :func:`check_target`). Runs in this process alone (no process group needed)."""
     protected = protected_roots(storage, ckpt_dir)
     check_target(out_dir, kind="dir", force=force, protected=protected)
     tree = saved_state(storage, ckpt_dir)
-    state: dict[str, Any] = {k: tree[k] for k in _DCP_PARTS if k in tree}
-    if "model" not in state:
-        raise CorruptCheckpointError(
-            f"{storage.describe(ckpt_dir)}: holds no model state to export"
-        )
+    state: dict[str, Any]
+    if what is None:
+        state = {k: tree[k] for k in _DCP_PARTS if k in tree}
+        if "model" not in state:
+            raise CorruptCheckpointError(
+                f"{storage.describe(ckpt_dir)}: holds no model state to export"
+            )
+    elif what == "all":
+        state = {k: v for k, v in tree.items() if k != "step"}
+    else:
+        where = f"{storage.describe(ckpt_dir)} (step {tree['step']})"
+        path = WHAT_SHORTCUTS.get(what, what).strip("/")
+        state = {path.rsplit("/", 1)[-1]: select_state(tree, what, where)}
     state["step"] = torch.tensor(tree["step"])
     with _writing(out_dir):
         _write_dcp(state, int(tree["step"]), storage.describe(ckpt_dir), out_dir, force, protected)
