@@ -56,7 +56,7 @@ from crashproof.policy import (
     KeepWithin,
     Young,
 )
-from crashproof.state import ResumableSampler, TrainState, accumulation_steps
+from crashproof.state import ResumableSampler, TrainState, Value, accumulation_steps
 from crashproof.storage import LocalStorage, MemoryStorage, Storage
 from crashproof.supervisor import heartbeat
 
@@ -100,6 +100,7 @@ __all__ = [
     "TrainState",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
+    "Value",
     "Young",
     "__version__",
     "accumulation_steps",

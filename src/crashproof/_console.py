@@ -6,11 +6,12 @@ Owns the form only; what each message says is its command's (``cli``, ``chaos``,
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 import unicodedata
 
-__all__ = ["one_line", "output_unwritable", "say", "wrapped_cell"]
+__all__ = ["announce", "one_line", "output_unwritable", "say", "wrapped_cell"]
 
 _ESCAPED = frozenset({"Cc", "Cs", "Zl", "Zp"})
 """Control characters (newline, carriage return, escape sequences, NUL), lone surrogates (bytes
@@ -46,3 +47,14 @@ def wrapped_cell(text: str, width: int) -> list[str]:
     """A table cell's text in lines of at most ``width`` characters, broken between words (a
     word longer than a line, such as a path, is split): a table never cuts a message short."""
     return textwrap.wrap(one_line(text), width, break_on_hyphens=False) or [""]
+
+
+def announce(logger: logging.Logger, message: str) -> None:
+    """An INFO line the user of a training script should see (a resume, the policies in force):
+    logged, and printed as ``crashproof: <message>`` on stderr when the program has set up no
+    logging at all (where Python would drop an INFO line unseen). A program that configured
+    logging chose what it shows."""
+    if logger.hasHandlers():
+        logger.info("%s", message)
+    else:
+        print(one_line(f"crashproof: {message}"), file=sys.stderr, flush=True)

@@ -40,9 +40,10 @@ def _values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tor
 def _train(
     root: Path, steps: int, *, seed: int = 0, **manager_args: object
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """Save after every step; returns every step's values as saved."""
+    """Save after every step, keeping every checkpoint; returns every step's values as saved."""
     model, optimizer, state = _fresh(seed)
     saved = {}
+    manager_args.setdefault("keep", cp.KeepAll())
     with cp.CheckpointManager(root, handle_signals=False, **manager_args) as ckpt:  # type: ignore[arg-type]
         for step in range(1, steps + 1):
             tokens = torch.randint(0, 500, (8, 3), generator=torch.Generator().manual_seed(step))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,56 @@ def test_ddp_buffers_that_differ_between_ranks_are_saved_per_rank_and_restore_an
         assert ckpt.restore(cp.TrainState(model=model, optimizer=optimizer)) == 3
     for name, tensor in saved[0].items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def _rank0_saves_alone(rank: int, root: str, port: int, out: Any) -> None:
+    """The tutorial's habit: ``if rank == 0: save()``; rank 1 goes on without saving."""
+    import logging
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("crashproof.checkpoint").addHandler(Keep())
+    model = torch.nn.Linear(4, 4)
+    ckpt = cp.CheckpointManager(root, async_save=False, handle_signals=False, timeout_s=14)
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            ckpt.save(1, cp.TrainState(model=model))
+            out.put((rank, "committed", said, 0.0))
+        except cp.CheckpointWriteError as exc:
+            out.put((rank, str(exc), said, time.monotonic() - started))
+    else:
+        time.sleep(16)  # training on, never calling save
+        out.put((rank, "trained", said, 0.0))
+
+
+def test_a_save_called_on_one_rank_only_names_the_others_within_seconds(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank0_saves_alone, args=(r, str(tmp_path / "ckpt"), port, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = {
+        r: (what, said, waited) for r, what, said, waited in (queue.get(timeout=120) for _ in procs)
+    }
+    for p in procs:
+        p.kill()
+        p.join(30)
+    what, said, waited = outcomes[0]
+    # named within seconds (the ERROR line), given up on at the manager's timeout (not 600 s)
+    late = [line for line in said if "have not come after" in line]
+    assert late and "ranks 1 have not come" in late[0] and "Saves are collective" in late[0], said
+    assert "the save of step 1: ranks 1 did not come within 14 s" in what, what
+    assert 14 <= waited < 30
+    assert not list((tmp_path / "ckpt").glob("step_*"))

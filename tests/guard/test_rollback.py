@@ -61,7 +61,9 @@ def _run(
     sampler = cp.ResumableSampler(N_SAMPLES, shuffle=shuffle, seed=3)
     loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler, drop_last=True)
     state = cp.TrainState(model=model, optimizer=optimizer, data=loader if with_data else None)
-    ckpt = cp.CheckpointManager(root, every=cp.EverySteps(every), handle_signals=False)
+    ckpt = cp.CheckpointManager(
+        root, every=cp.EverySteps(every), keep=cp.KeepAll(), handle_signals=False
+    )
     guard_args = {"on_nonfinite": "rollback", "min_history": 5} | guard_args
     guard = cp.NumericsGuard(checkpoints=ckpt, state=state, **guard_args)  # type: ignore[arg-type]
     if guard_in_state:

@@ -183,7 +183,7 @@ def test_the_screenshot_shows_the_report_with_the_bar_in_proportion(tmp_path: Pa
 
     # the timeline: both attempts' colours and the failure's red cross are drawn
     plot = image[250:800]
-    for colour in ("#2e8b57", "#3366cc", "#d62728", "#1f77b4"):
+    for colour in ("#2e8b57", "#ff7f0e", "#d62728", "#1f77b4"):
         assert _is(plot, colour).sum() > 20, colour
 
 
@@ -235,3 +235,34 @@ def test_the_summary_lists_every_part_and_each_failure() -> None:
         assert re.search(rf"^  {re.escape(name)} +[\d.]+ s +[\d.]+%$", summary, re.M), name
     assert re.search(r"numerics +15 +10 +5 +2\.50 s", summary)
     assert format_summary(compute_ledger([], run_dir="r")) == "run r: no events yet"
+
+
+def test_no_label_leaves_the_figure_and_no_attempt_line_has_a_mark_s_colour() -> None:
+    from crashproof.telemetry import _report_timeline as timeline
+
+    # millions of steps over hours: the widest labels a run gives
+    events = [
+        {"ts": 0.0, "event": "run_start"},
+        {"ts": 1.0, "event": "rank_start", "rank": 0, "pid": 1, "restart": 0},
+        {"ts": 9000.0, "event": "progress", "rank": 0, "pid": 1, "step": 2_400_000,
+         "since_step": 1, "step_time_s": 0.00375},
+        {"ts": 9001.0, "event": "run_end", "outcome": "succeeded"},
+    ]  # fmt: skip
+    svg = timeline.timeline_svg(compute_ledger(events))
+    labels = re.findall(
+        r'<text x="([\d.]+)"[^>]*text-anchor="(end|middle)"[^>]*>([^<]+)</text>', svg
+    )
+    assert any(text == "2,500,000" for _, _, text in labels), labels
+    for x, anchor, text in labels:
+        extent = len(text) * timeline._CHAR_W
+        if anchor == "end":  # a step label: right of the rotated "step" title (x 16, 13 px)
+            assert float(x) - extent >= 24, (x, text)
+        else:
+            assert float(x) + extent / 2 <= 1060 and float(x) - extent / 2 >= 0, (x, text)
+
+    def rgb(colour: str) -> np.ndarray:
+        return np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)], dtype=float)
+
+    for line in timeline._ATTEMPT_COLOURS:
+        for mark, _ in timeline._MARKS.values():
+            assert np.linalg.norm(rgb(line) - rgb(mark)) > 60, (line, mark)

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from crashproof._console import announce
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint.root import (
     RootLock,
@@ -75,9 +76,10 @@ class ManagerState:
             self.lock.release()
 
 
-def open_for_writing(state: ManagerState, group: Group) -> None:
+def open_for_writing(state: ManagerState, group: Group, policies: str) -> None:
     """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
-    left; every rank fails if it cannot (no collective left waiting)."""
+    left, then announces the ``policies`` in force; every rank fails if it cannot (no collective
+    left waiting)."""
     storage, root = state.storage, state.root
     error: Exception | None = None
     if group.rank == 0:
@@ -102,3 +104,5 @@ def open_for_writing(state: ManagerState, group: Group) -> None:
     if error is not None:
         state.release_lock()
         raise error
+    if group.rank == 0:
+        announce(log, policies)

@@ -4,6 +4,7 @@ with :class:`~crashproof.ConfigError`, before anything is opened or started."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -11,10 +12,17 @@ from typing import Literal
 from crashproof.checkpoint.save import Delta
 from crashproof.checkpoint.tiers import Tier
 from crashproof.errors import ConfigError
-from crashproof.policy import RetentionPolicy, SavePolicy
+from crashproof.link import PREEMPTION_SIGNALS
+from crashproof.policy import EverySteps, KeepLast, RetentionPolicy, SavePolicy
 from crashproof.storage import Storage
 
-__all__ = ["ManagerOptions"]
+__all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "ManagerOptions"]
+
+DEFAULT_EVERY: SavePolicy = EverySteps(1000)
+"""The save policy of a manager given no ``every``."""
+
+DEFAULT_KEEP: RetentionPolicy = KeepLast(5)
+"""The retention of a manager given no ``keep``: the newest 5 checkpoints."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +32,9 @@ class ManagerOptions:
     every: SavePolicy | None = None
     """When :meth:`~crashproof.CheckpointManager.maybe_save` saves; None: ``EverySteps(1000)``."""
     keep: RetentionPolicy | None = None
-    """Which checkpoints retention keeps; None: all. The newest valid checkpoint and one being
-    written are always kept."""
+    """Which checkpoints retention keeps; None: :data:`DEFAULT_KEEP`, the newest 5 (enough to
+    fall back past a corrupted newest one, or roll back before a loss spike; ``KeepAll()`` keeps
+    every one). The newest valid checkpoint and one being written are always kept."""
     async_save: bool = True
     """Return from :meth:`~crashproof.CheckpointManager.save` once the state is copied into host
     buffers (reused across saves) and write it in the background; with False, ``save`` writes
@@ -49,6 +58,11 @@ class ManagerOptions:
     the next ``maybe_save`` all ranks agree, save that step and raise
     :class:`~crashproof.PreemptedExit` (exit code 75, "resumable"). Handlers installed before are
     still called. Needs the main thread; restored by ``close``."""
+    on_interrupt: Literal["checkpoint", "raise"] = "checkpoint"
+    """What a first Ctrl-C (SIGINT) does with ``handle_signals``: ``"checkpoint"`` (save the
+    current step and exit 75, like a preemption; a second Ctrl-C interrupts at once), or
+    ``"raise"`` (Python's own ``KeyboardInterrupt``, so the script's ``except KeyboardInterrupt``
+    runs; SIGTERM and SIGUSR1 still checkpoint)."""
     check_finite: bool = True
     """Refuse to commit a checkpoint whose parameters or optimizer state hold NaN or inf (checked
     by the background writer: it costs training nothing); the refusal is raised as
@@ -80,11 +94,34 @@ class ManagerOptions:
     progress of the run that writes it), never writes to a tier, and restores a tier's checkpoint
     straight from the tier."""
 
+    def preemption_signals(self) -> tuple[signal.Signals, ...]:
+        """The signals that ask for an emergency checkpoint (``handle_signals``)."""
+        if self.on_interrupt == "raise":
+            return tuple(s for s in PREEMPTION_SIGNALS if s != signal.SIGINT)
+        return PREEMPTION_SIGNALS
+
+    def describe(self, root: str) -> str:
+        """The policies in force, in one line (announced when a writing manager opens)."""
+        every = self.every if self.every is not None else DEFAULT_EVERY
+        keep = self.keep if self.keep is not None else DEFAULT_KEEP
+        remote = [self.remote] if isinstance(self.remote, str | Tier) else list(self.remote or [])
+        tiers = [t.uri if isinstance(t, Tier) else t for t in remote]
+        return (
+            f"checkpoints to {root}: {every!r}, keep {keep!r}, "
+            f"{'asynchronous' if self.async_save else 'synchronous'} saves"
+            + (f", copied to {', '.join(tiers)}" if tiers else "")
+        )
+
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={self.timeout_s}): must be positive")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"CheckpointManager(on_busy={self.on_busy!r}): use 'wait' or 'skip'")
+        if self.on_interrupt not in ("checkpoint", "raise"):
+            raise ConfigError(
+                f"CheckpointManager(on_interrupt={self.on_interrupt!r}): use 'checkpoint' or "
+                "'raise'"
+            )
         if self.on_disk_full not in ("continue", "raise"):
             raise ConfigError(
                 f"CheckpointManager(on_disk_full={self.on_disk_full!r}): use 'continue' or 'raise'"

@@ -15,6 +15,7 @@ import posixpath
 import time
 from typing import Any
 
+from crashproof._console import announce
 from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._manager_state import ManagerState
@@ -274,7 +275,12 @@ class Restorer:
         # Deltas are taken against what this manager committed; after a restore (or a rollback)
         # the next save is full, or it could name a base that is later than it or gone.
         shared.delta_base = None
-        log.info("restored checkpoint step %d in %.2f s", candidate, time.perf_counter() - started)
+        if self._group.rank == 0:
+            announce(
+                log,
+                f"resumed from checkpoint step {candidate} ({storage.describe(path)}) in "
+                f"{time.perf_counter() - started:.2f} s",
+            )
         return int(candidate), storage.describe(path)
 
     def _warn_if_inexact(self, step: int) -> None:

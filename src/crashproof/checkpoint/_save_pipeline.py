@@ -126,6 +126,7 @@ class SavePipeline:
         self._shared.check_lock()  # still ours: not deleted, replaced or moved meanwhile
         self.raise_pending()
         started = time.perf_counter()
+        self._group.arrive(f"the save of step {step}")
         free = self._free_staging(step, started)
         if free is None:
             return False

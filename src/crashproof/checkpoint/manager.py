@@ -21,7 +21,7 @@ from typing import Any, Literal, NoReturn
 from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import default_group
 from crashproof.checkpoint._manager_state import ManagerState, open_for_writing
-from crashproof.checkpoint._options import ManagerOptions
+from crashproof.checkpoint._options import DEFAULT_EVERY, DEFAULT_KEEP, ManagerOptions
 from crashproof.checkpoint._restorer import Restorer
 from crashproof.checkpoint._retention_runner import RetentionRunner
 from crashproof.checkpoint._save_pipeline import SavePipeline, check_step, warn_if_never_closed
@@ -31,7 +31,7 @@ from crashproof.checkpoint.root import CheckpointInfo, committed_steps, describe
 from crashproof.checkpoint.save import CommitResult, Delta, SaveStats
 from crashproof.checkpoint.tiers import Tier, TierStatus
 from crashproof.link import Notice, PreemptedExit, PreemptionListener, trainer_reporter
-from crashproof.policy import EverySteps, KeepAll, RetentionPolicy, SavePolicy
+from crashproof.policy import RetentionPolicy, SavePolicy
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
 
@@ -44,9 +44,9 @@ class CheckpointManager:
     ``root`` holds one ``step_<N>`` directory per checkpoint. Each keyword option is documented
     on the field of the same name of :class:`~crashproof.checkpoint.ManagerOptions`:
     ``every`` and ``keep`` are the save and retention policies (default ``EverySteps(1000)``,
-    keep all), ``async_save`` writes in the background, ``remote`` names durable tiers every
-    checkpoint is copied to, ``handle_signals`` turns SIGTERM, SIGUSR1 and a first SIGINT into an
-    emergency save and :class:`PreemptedExit`, ``read_only`` only restores and lists.
+    keep the newest 5), ``async_save`` writes in the background, ``remote`` names durable tiers every
+    checkpoint is copied to, ``handle_signals`` turns SIGTERM, SIGUSR1 and a first SIGINT
+    (``on_interrupt``) into an emergency save and :class:`PreemptedExit`, ``read_only`` only restores and lists.
 
     One writer per root: a writing manager (rank 0 of the job) holds a lock on a local root for
     its whole life (``ROOT/.crashproof.lock`` names the holder); a second writer fails here with
@@ -68,6 +68,7 @@ class CheckpointManager:
         storage: Storage | None = None,
         timeout_s: float = 600.0,
         handle_signals: bool = True,
+        on_interrupt: Literal["checkpoint", "raise"] = "checkpoint",
         check_finite: bool = True,
         delta: Delta | None = None,
         dedup_replicated: bool = True,
@@ -79,14 +80,15 @@ class CheckpointManager:
         options = ManagerOptions(
             every=every, keep=keep, async_save=async_save, on_busy=on_busy,
             on_disk_full=on_disk_full, staging_buffers=staging_buffers, storage=storage,
-            timeout_s=timeout_s, handle_signals=handle_signals, check_finite=check_finite,
+            timeout_s=timeout_s, handle_signals=handle_signals, on_interrupt=on_interrupt,
+            check_finite=check_finite,
             delta=delta, dedup_replicated=dedup_replicated, remote=remote,
             remote_timeout_s=remote_timeout_s, replicate=replicate, read_only=read_only,
         )  # fmt: skip
         root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
-        self.every: SavePolicy = every if every is not None else EverySteps(1000)
-        self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
+        self.every: SavePolicy = every if every is not None else DEFAULT_EVERY
+        self.keep: RetentionPolicy = keep if keep is not None else DEFAULT_KEEP
         self.async_save, self.on_busy, self.on_disk_full = async_save, on_busy, on_disk_full
         self.check_finite, self.delta, self.dedup_replicated = check_finite, delta, dedup_replicated
         self.read_only, self.remote_timeout_s = read_only, remote_timeout_s
@@ -97,7 +99,7 @@ class CheckpointManager:
         self._shared = ManagerState(self.root, self.storage, read_only=read_only)
         # Under `crashproof run`: heartbeats, phases and events for the supervisor; else no-ops.
         self._reporter = trainer_reporter(self._group.rank)
-        self._preemption = PreemptionListener()
+        self._preemption = PreemptionListener(options.preemption_signals())
         self._agreement = RankAgreement(self._group, handle_signals=handle_signals)
         self._tiers = TierCoordinator(self._shared, self.keep, remote_timeout_s)
         self._retention = RetentionRunner(self._shared, self.keep, self._tiers)
@@ -110,7 +112,9 @@ class CheckpointManager:
             self._shared, self._group, self._agreement, self._tiers, read_only=read_only
         )
         if not read_only:
-            open_for_writing(self._shared, self._group)
+            open_for_writing(
+                self._shared, self._group, options.describe(self.storage.describe(root))
+            )
             atexit.register(warn_if_never_closed, weakref.ref(self._pipeline))
         try:
             replicate = self._group.rank == 0 and replicate and not read_only
@@ -158,8 +162,9 @@ class CheckpointManager:
         metadata = checked_metadata(metadata, step)
         self._reporter.step_done(step)
         self._pipeline.raise_pending()
-        decision, notice = self._agreement.after_step(
-            self.every.should_save(self._pipeline.save_context(step)),
+        decision, notice = self._agreement.after_step(  # (a step saved already is not again)
+            self.every.should_save(self._pipeline.save_context(step))
+            and step != self._shared.last_save_step,
             self._preemption.pending(),
             same_everywhere=getattr(self.every, "same_on_every_rank", False),
         )

@@ -7,11 +7,13 @@ from crashproof.state._dtensor import empty_like_piece, is_dtensor, local_piece
 from crashproof.state._reproducible import mkl_reproducible, set_reproducible_defaults
 from crashproof.state._sampler import ResumableSampler
 from crashproof.state._train_state import Stateful, TrainState, unwrap_model
+from crashproof.state._value import Value
 
 __all__ = [
     "ResumableSampler",
     "Stateful",
     "TrainState",
+    "Value",
     "accumulation_steps",
     "empty_like_piece",
     "is_dtensor",

@@ -19,6 +19,7 @@ Two more things keep the resumed run identical to an uninterrupted one:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -49,6 +50,16 @@ class _TrackedIterator:
 
     def __init__(self, loader: Any, sampler: ResumableSampler, batch_size: int) -> None:
         self._loader, self._sampler, self._batch_size = loader, sampler, batch_size
+        if loader._crashproof_open == (sampler.epoch, sampler.generation):
+            warnings.warn(
+                f"a second iterator of a crashproof-tracked DataLoader while the previous one "
+                f"had not finished epoch {sampler.epoch} (position {sampler.consumed} of "
+                f"{sampler.n}): the batches the first one took are gone from this epoch. If it "
+                "was a peek (next(iter(loader)), to learn the batch size), that batch is skipped "
+                "now and again at every resume, and the resumed run will differ from an "
+                "uninterrupted one: look at the dataset or loader.batch_size instead",
+                stacklevel=3,
+            )
         self._start()
 
     def _start(self) -> None:
@@ -76,8 +87,11 @@ class _TrackedIterator:
         except StopIteration:
             if self._sampler.epoch == self._start_epoch:
                 self._sampler.finish_epoch()
+            self._loader._crashproof_open = None
             raise
         self._sampler.record_received(self._batch_size)
+        # an iteration of this epoch is under way: another iterator now would be a second one
+        self._loader._crashproof_open = (self._sampler.epoch, self._sampler.generation)
         return batch
 
 
@@ -115,4 +129,5 @@ def track_loader(loader: DataLoader[Any]) -> ResumableSampler:
         setattr(loader, "_crashproof_own_generator", loader.generator is not None)  # noqa: B010
         loader.__class__ = tracked
         setattr(loader, "_crashproof_sampler", sampler)  # noqa: B010
+        setattr(loader, "_crashproof_open", None)  # noqa: B010 - (epoch, generation) under way
     return sampler

@@ -17,6 +17,7 @@ The skipped windows are part of the saved state, so a resumed run skips them too
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,10 +158,39 @@ class ResumableSampler(Sampler[int]):
         self.consumed = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Jump to the start of ``epoch`` (for loops that manage epochs themselves)."""
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
-            self.generation += 1
+        """Jump to the start of ``epoch`` (for loops that manage epochs themselves).
+
+        The same epoch is a no-op: after a restore the loop's ``set_epoch(epoch)`` for the epoch
+        the checkpoint holds keeps the position within it. Another epoch while this one is part
+        way through (or an earlier one) drops the position, and warns: a resumed loop that
+        starts its epochs from 0 would train on the wrong data. Read the epoch to resume from
+        ``sampler.epoch`` (or ``TrainState.epoch``) after the restore.
+        """
+        if epoch == self.epoch:
+            return
+        if epoch < self.epoch or 0 < self.consumed < self.n:
+            warnings.warn(
+                f"ResumableSampler.set_epoch({epoch}) while at epoch {self.epoch}, position "
+                f"{self.consumed} of {self.n}: that position is dropped and epoch {epoch} starts "
+                f"from its beginning. After a restore, resume the epoch loop from "
+                f"sampler.epoch ({self.epoch}), which keeps the position within it",
+                stacklevel=2,
+            )
+        self.epoch, self.consumed = epoch, 0
+        self.generation += 1
+
+    @property
+    def position(self) -> int:
+        """Samples of this epoch's order the job (all ranks) has received (``consumed``)."""
+        return self.consumed
+
+    def batches_received(self, per_rank_batch: int) -> int:
+        """How many batches of ``per_rank_batch`` samples per rank the loop has received in this
+        epoch (skipped windows, never dealt out, are not counted)."""
+        skipped = sum(
+            max(0, min(end, self.consumed) - start) for start, end in self._skipped_here()
+        )
+        return (self.consumed - skipped) // max(1, per_rank_batch * self.world_size)
 
     def skip(self, epoch: int, start: int, end: int) -> None:
         """Never deal out positions ``start:end`` of ``epoch``'s order (recorded in the state)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,6 +111,10 @@ class TrainState:
                     f"TrainState(data=...): {type(data).__name__} is neither a DataLoader nor has state_dict()"
                 )
             self.sampler = track_loader(data)
+        # A ResumableSampler alone is a position nothing advances unless the loop reports what
+        # it consumed (record_received): watched at each capture.
+        self._bare_position: tuple[int, int] | None = None
+        self._bare_warned = not isinstance(data, ResumableSampler)
         for key, value in self.extra.items():
             if not isinstance(value, Stateful) and not is_json_like(value):
                 raise ConfigError(
@@ -121,7 +126,46 @@ class TrainState:
 
     def capture(self) -> dict[str, Any]:
         """The current state as a tree of plain values and (live, uncopied) tensors."""
+        self._check_bare_sampler_moves()
         return self._capture(keep_created_state=False)
+
+    @property
+    def epoch(self) -> int | None:
+        """The data's epoch (a :class:`ResumableSampler`'s, tracked or alone; None: no such
+        data). After a restore, the epoch an epoch loop resumes from."""
+        sampler = self.sampler or (self.data if isinstance(self.data, ResumableSampler) else None)
+        return sampler.epoch if sampler is not None else None
+
+    @property
+    def batch_in_epoch(self) -> int | None:
+        """How many batches of the current epoch the loop has received (a tracked DataLoader's;
+        None otherwise): after a restore, the batch an epoch loop resumes at."""
+        if self.sampler is None or not isinstance(self.data, torch.utils.data.DataLoader):
+            return None
+        loader = self.data
+        per_rank = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
+        return self.sampler.batches_received(per_rank)
+
+    def _check_bare_sampler_moves(self) -> None:
+        """Warn once when a ``ResumableSampler`` given alone as ``data`` has not moved between two
+        saves: the loop consumed data nothing reported, and a resume would start it over."""
+        if self._bare_warned:
+            return
+        sampler = self.data
+        assert isinstance(sampler, ResumableSampler)
+        position = (sampler.epoch, sampler.consumed)
+        if self._bare_position is not None and position == self._bare_position:
+            self._bare_warned = True
+            warnings.warn(
+                f"TrainState(data=sampler): the ResumableSampler has not moved since the last "
+                f"save (epoch {position[0]}, position {position[1]}): nothing reports what the "
+                "loop consumes, so a resume would start the data over. Pass the DataLoader built "
+                "on it (TrainState(data=loader)), or, in a loop without one, call "
+                "sampler.record_received(samples_per_rank) for each batch (docs/checkpointing.md,"
+                " 'Loops without a DataLoader')",
+                stacklevel=4,
+            )
+        self._bare_position = position
 
     @contextlib.contextmanager
     def restore_layout(self) -> Iterator[dict[str, Any]]:
@@ -324,6 +368,7 @@ class TrainState:
             self.scheduler.load_state_dict(tree["scheduler"])
         if self.scaler is not None:
             self.scaler.load_state_dict(tree["scaler"])
+        self._bare_position = None  # the position was set: judged from the next save on
         if self.sampler is not None:
             self.sampler.load_state_dict(tree["data"])
         elif self.data is not None:

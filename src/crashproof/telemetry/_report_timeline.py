@@ -24,7 +24,11 @@ _MARKS = {  # kind: (colour, what the legend says)
     "rollback": ("#8c564b", "numerics rollback"),
     "preemption": ("#555555", "preemption notice"),
 }
-_ATTEMPT_COLOURS = ("#2e8b57", "#3366cc", "#8e44ad", "#e377c2", "#17becf", "#bcbd22")
+_ATTEMPT_COLOURS = ("#2e8b57", "#ff7f0e", "#e377c2", "#6b8e23")
+"""The attempts' step lines: hues no mark uses (marks are cyan, blue, red, yellow, purple, brown
+and grey), so no attempt's line reads as a row of checkpoints or restores."""
+_CHAR_W = 7.2
+"""The width of a character of the 12 px labels, generously (for the margins they need)."""
 _Scale = Callable[[float], float]
 _LOST, _DOWN = "#d62728", "#7f7f7f"
 _FEW_CHECKPOINTS = 60
@@ -69,12 +73,17 @@ def timeline_svg(ledger: Ledger) -> str:
     """The figure: one step line per attempt over the run's time, its marks and its legend."""
     if ledger.wall_s <= 0:
         return '<p class="note">Nothing to draw: the log has no events.</p>'
-    width, height, left, right, top, bottom = 1060, 420, 72, 20, 16, 48
-    plot_w, plot_h = width - left - right, height - top - bottom
     unit, unit_name = _time_unit(ledger.wall_s)
     x_ticks = [t * unit for t in _ticks(ledger.wall_s / unit) if t * unit <= ledger.wall_s * 1.02]
     max_step = max([1, *(p.step for p in ledger.timeline), *(m.step or 0 for m in ledger.markers)])
     y_ticks = _ticks(max_step, 5)
+    # Margins from the labels they hold: the widest step label right of the axis title, and
+    # half the last time label past the plot's right edge.
+    widest = max(len(f"{s:,.0f}") for s in y_ticks) * _CHAR_W
+    last = len(f"{x_ticks[-1] / unit:g} {unit_name}") * _CHAR_W if x_ticks else 0.0
+    width, height, top, bottom = 1060, 420, 16, 48
+    left, right = round(max(72.0, 36 + widest)), round(max(20.0, last / 2 + 6))
+    plot_w, plot_h = width - left - right, height - top - bottom
     x_max, y_max = ledger.wall_s, y_ticks[-1]
 
     def x(ts: float) -> float:
