@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh clone: `make demo` and `make test`.
 #
 # torch: on a machine without an NVIDIA GPU we first install a CPU build ($(TORCH_CPU)), which is
-# small and fast to install; pyproject.toml only asks for `torch>=2.3`, so users are never pinned.
+# small and fast to install; pyproject.toml only asks for `torch>=2.13` (the oldest the tests run on), so users are never pinned to it.
 # Override for your machine, e.g. `make test TORCH_CPU='torch' TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 PYTHON ?= python3
 VENV ?= .venv

@@ -140,3 +140,23 @@ def test_a_value_is_shared_by_the_loop_and_its_checkpoints(tmp_path: Path) -> No
         assert ckpt.restore(state) == 1
     assert lr.value == 5.0 and isinstance(hidden.value, tuple)
     assert all(torch.equal(a, b) for a, b in zip(hidden.value, saved, strict=True))
+
+
+def test_an_index_loop_with_an_annealed_lr_and_a_carried_hidden_state_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """word_language_model's loop shape (examples/train_words.py), killed mid-epoch and across an
+    epoch's anneal, ends bit for bit where an uninterrupted run ends."""
+    from tests.conftest import EXAMPLES, run_python
+
+    script = str(EXAMPLES / "train_words.py")
+    straight = run_python([script, "--dir", str(tmp_path / "straight")])
+    crashed = str(tmp_path / "crashed")
+    for crash_at in ("50", "130"):  # 100 batches an epoch: in the first, then in the second
+        proc = run_python([script, "--dir", crashed, "--crash-at", crash_at], check=False)
+        assert proc.returncode == 3, proc.stderr
+    resumed = run_python([script, "--dir", crashed])
+    assert resumed.stdout.splitlines()[-1] == straight.stdout.splitlines()[-1]  # lr 5.0, loss
+    expected = torch.load(tmp_path / "straight" / "final.pt")
+    final = torch.load(tmp_path / "crashed" / "final.pt")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
