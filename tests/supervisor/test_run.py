@@ -330,3 +330,18 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
     # unseeded generators differ between ranks, as in separate fresh interpreters
     assert facts[0]["torch_seed"] != facts[1]["torch_seed"]
     assert facts[0]["numpy"] != facts[1]["numpy"]
+
+
+def test_the_error_shown_is_the_traceback_s_not_a_warning_logged_after_it() -> None:
+    from crashproof.supervisor._trainers import _exception_line
+
+    tail = [
+        "step 240",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 9, in <module>',
+        "    ckpt.maybe_save(step, state)",
+        "crashproof.errors.CheckpointWriteError: [Errno 5] checkpoint of step 240 was not committed",
+        "2026-11-27 11:25:45 crashproof.checkpoint: CheckpointManager(ckpt) was not closed before",
+    ]
+    assert _exception_line(tail).startswith("crashproof.errors.CheckpointWriteError: [Errno 5]")
+    assert _exception_line(["just a line", "the last line"]) == "the last line"

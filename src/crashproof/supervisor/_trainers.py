@@ -117,8 +117,20 @@ def last_error(pcontext: Any, local_rank: int, failure: ProcessFailure | None) -
             f.seek(max(0, os.path.getsize(stderr) - 8192))
             lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
         if lines:
-            return lines[-1][:500]
+            return _exception_line(lines)[:500]
     return None
+
+
+def _exception_line(lines: list[str]) -> str:
+    """The error a log's tail shows: the exception line of its last traceback (what follows the
+    frames; lines logged after it, such as an exit-time warning, are not the error), or else
+    its last line."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
+    if starts:
+        for line in lines[starts[-1] + 1 :]:
+            if not line.startswith((" ", "\t")):
+                return line
+    return lines[-1]
 
 
 def process_state(pid: int) -> str | None:
