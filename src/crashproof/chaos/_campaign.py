@@ -242,9 +242,12 @@ class Campaign:
         self, pending: deque[Fault], previous: list[Injection]
     ) -> Injection | None:
         """Inject the first pending fault whose own trigger has come and whose target can be hit
-        now (each fault waits for its own time or step, not for the faults listed before it);
-        None: none is ready."""
-        for fault in list(pending):
+        now (each fault waits for its own time or step, not for the faults listed before it; a
+        NaN at a step, armed ahead of that step, waits for its turn in the list); None: none is
+        ready."""
+        for position, fault in enumerate(list(pending)):
+            if position > 0 and fault.kind == "nan" and fault.at_step is not None:
+                continue  # armed ahead of its step, so only in its turn: it would hold the others
             injection = self._try_inject(fault, previous)
             if injection is not None:
                 pending.remove(fault)
