@@ -122,16 +122,24 @@ def _stop_and_resume(
 def test_sigterm_to_crashproof_run_saves_the_current_step_and_resumes_exactly(
     tmp_path: Path, reference: Path
 ) -> None:
-    _, out = _stop_and_resume(tmp_path, reference, [], lambda p: p.send_signal(signal.SIGTERM))
+    stopped, out = _stop_and_resume(
+        tmp_path, reference, [], lambda p: p.send_signal(signal.SIGTERM)
+    )
     assert "resumable" in out
+    # the console tells it: the emergency checkpoint's step, and the outcome in the summary
+    [emergency] = [e for e in stopped if e["event"] == "emergency_checkpoint"]
+    assert f"WARNING emergency checkpoint: step {emergency['step']} saved in" in out, out[-3000:]
+    assert "outcome      preempted (exit 75)" in out
 
 
 def test_sigusr1_from_slurm_is_a_notice_too(tmp_path: Path, reference: Path) -> None:
     # The stop is SIGUSR1's own; the resume after it is the one the SIGTERM test proves exact.
-    events, _ = _stop_and_resume(
+    events, out = _stop_and_resume(
         tmp_path, reference, [], lambda p: p.send_signal(signal.SIGUSR1), resume=False
     )
     assert [e["source"] for e in events if e["event"] == "notice"] == ["SIGUSR1"]
+    assert "WARNING preemption notice (SIGUSR1): the trainers checkpoint and stop" in out
+    assert "WARNING preempted: the trainers stopped after step" in out
 
 
 # End to end with one provider: each provider's notice is read the same way by the agent once its
