@@ -27,12 +27,14 @@ servers:
 		fi; \
 	done
 
+# --no-compile: pip would byte-compile all of torch's files, most of which no test imports; Python
+# compiles (and caches) the ones a process imports, when it first does.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
+		$(PY) -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
