@@ -27,14 +27,17 @@ servers:
 		fi; \
 	done
 
-# --no-compile: pip would byte-compile all of torch's files, most of which no test imports; Python
-# compiles (and caches) the ones a process imports, when it first does.
+# Byte-compiled after the installs, on every core at once (pip's --compile goes file by file, and
+# took most of setup's time); compiled all the same, since a Python run with
+# PYTHONDONTWRITEBYTECODE set would otherwise compile torch anew in every process. A file written
+# for a newer Python (torch ships some) is left uncompiled, as pip leaves it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
 	fi
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 	touch $(STAMP)
 
 demo: $(STAMP)
