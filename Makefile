@@ -27,12 +27,17 @@ servers:
 		fi; \
 	done
 
+# Byte-compiled after the installs, on every core at once (pip's --compile goes file by file, and
+# took most of setup's time); compiled all the same, since a Python run with
+# PYTHONDONTWRITEBYTECODE set would otherwise compile torch anew in every process. A file written
+# for a newer Python (torch ships some) is left uncompiled, as pip leaves it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
+		$(PY) -m pip install -q --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_CPU)"; \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -c 'import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,13 +55,31 @@ typecheck: $(STAMP)
 export MKL_CBWR ?= AUTO,STRICT
 export MKL_DYNAMIC ?= FALSE
 
-# Two workers for most tests (they spend much of their time waiting on processes they start),
-# then the timing-sensitive ones alone, so that no other test skews the times they judge.
-unit: $(STAMP) servers
-	$(VENV)/bin/pytest -q -n 2 -m "not serial" --durations=15
-	$(VENV)/bin/pytest -q -m serial
+# Most tests in parallel, three workers on two cores (they spend much of their time waiting on
+# processes they start; worksteal: a worker that runs out takes tests queued for another, so the
+# last long ones do not run one after another on one worker), then the timing-sensitive ones
+# alone, so that no other test skews the times they judge.
+PYTEST_WORKERS ?= 3
+PARALLEL_TESTS = $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not serial" --durations=15
+SERIAL_TESTS = $(VENV)/bin/pytest -q -m serial
 
-test: lint typecheck unit
+unit: $(STAMP) servers
+	$(PARALLEL_TESTS)
+	$(SERIAL_TESTS)
+
+# lint and the type check run beside the parallel tests, on the cores those leave idle, and are
+# done before the serial ones start; their output follows the parallel tests', and a failure of
+# any of the three fails `make test`.
+test: $(STAMP) servers
+	@checks=$$(mktemp -d); \
+	{ $(MAKE) -k --no-print-directory lint typecheck >$$checks/out 2>&1; echo $$? >$$checks/rc; } & \
+	echo '$(PARALLEL_TESTS)'; $(PARALLEL_TESTS); tests=$$?; \
+	wait; echo "--- lint and type check, run beside the tests:"; cat $$checks/out; \
+	checked=$$(cat $$checks/rc); rm -r $$checks; \
+	if [ $$checked != 0 ]; then echo "lint or the type check failed (above)"; fi; \
+	if [ $$tests != 0 ]; then echo "the parallel tests failed (above)"; fi; \
+	[ $$checked = 0 ] && [ $$tests = 0 ]
+	$(SERIAL_TESTS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/save_speed.py

@@ -22,12 +22,9 @@ from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import checkpoint_dir_name
 from crashproof.checkpoint.restore import (
-    CrashproofReader,
     RankRead,
     checkpoint_not_found,
-    load_sharded,
     read_manifest,
-    restore_targets,
     source_rank,
 )
 from crashproof.checkpoint.root import abandoned, committed_steps, read_marks, record_rollback
@@ -359,8 +356,15 @@ class Restorer:
                     f"{storage.describe(path)}: the state is not a mapping"
                 )
             pieces = reader.sharded_entries()
-            # Every rank's pieces tile their tensors (metadata only) before anything is sized.
-            saved = CrashproofReader(path, storage=storage, manifest=manifest) if pieces else None
+            saved = None
+            if pieces:  # every rank's pieces tile their tensors (metadata only) before sizing
+                from crashproof.checkpoint.restore import (
+                    CrashproofReader,
+                    load_sharded,
+                    restore_targets,
+                )
+
+                saved = CrashproofReader(path, storage=storage, manifest=manifest)
             state.check(values, where=storage.describe(path))
             if saved is not None:  # cut this rank's pieces out of the saved ones, into new memory
                 with state.restore_layout() as layout:

@@ -7,21 +7,27 @@ a restore on any number of ranks can cut the pieces it needs (see :mod:`crashpro
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 __all__ = ["empty_like_piece", "is_dtensor", "local_piece"]
 
-_DTensor: type | None
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch built without distributed support: there are no DTensors
-    _DTensor = None
+
+def _dtensor_class() -> type | None:
+    """DTensor's class once ``torch.distributed.tensor`` is imported, else None: no value can be
+    a DTensor before its module is imported, and importing it takes a second (its operator
+    tables), which a process without DTensors is spared. None too for a torch built without
+    distributed support."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls if isinstance(cls, type) else None
 
 
 def is_dtensor(value: Any) -> bool:
-    return _DTensor is not None and isinstance(value, _DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
 
 
 def local_piece(tensor: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -34,8 +40,9 @@ def local_piece(tensor: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, 
 
 def empty_like_piece(tensor: Any) -> Any:
     """A new DTensor with ``tensor``'s whole shape, placements and mesh, its piece uninitialised."""
-    assert _DTensor is not None
-    return _DTensor.from_local(  # type: ignore[attr-defined]
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
         torch.empty_like(tensor.to_local()),
         tensor.device_mesh,
         tensor.placements,

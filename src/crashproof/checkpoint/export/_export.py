@@ -50,14 +50,7 @@ from crashproof.checkpoint.export._target import (
     remove_earlier,
 )
 from crashproof.checkpoint.format import dtype_name, safetensors_code, write_shard
-from crashproof.checkpoint.restore import (
-    CrashproofReader,
-    RankRead,
-    load_sharded,
-    read_manifest,
-    restore_targets,
-    source_rank,
-)
+from crashproof.checkpoint.restore import RankRead, read_manifest, source_rank
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
@@ -86,6 +79,12 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
         pieces = reader.sharded_entries()
         whole: dict[str, torch.Tensor] = {}
         if pieces:  # no live counterparts: whole tensors, of the size their pieces tile
+            from crashproof.checkpoint.restore import (
+                CrashproofReader,
+                load_sharded,
+                restore_targets,
+            )
+
             saved = CrashproofReader(ckpt_dir, storage=storage, manifest=manifest)
             whole = restore_targets(pieces, {}, saved)
             load_sharded(storage, ckpt_dir, manifest, whole, reader=saved)

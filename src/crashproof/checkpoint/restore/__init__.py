@@ -6,11 +6,8 @@ size changed.
 
 from __future__ import annotations
 
-from crashproof.checkpoint.restore._dcp_reader import (
-    CrashproofReader,
-    load_sharded,
-    restore_targets,
-)
+from typing import TYPE_CHECKING, Any
+
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
@@ -19,6 +16,13 @@ from crashproof.checkpoint.restore._read_manifest import (
     read_manifest_bytes,
     read_rank_index,
 )
+
+if TYPE_CHECKING:
+    from crashproof.checkpoint.restore._dcp_reader import (
+        CrashproofReader,
+        load_sharded,
+        restore_targets,
+    )
 
 __all__ = [
     "CrashproofReader",
@@ -33,3 +37,15 @@ __all__ = [
     "source_rank",
     "verify_checkpoint",
 ]
+
+_SHARDED = frozenset({"CrashproofReader", "load_sharded", "restore_targets"})
+
+
+def __getattr__(name: str) -> Any:
+    """The sharded readers, imported when first asked for: ``torch.distributed.checkpoint`` (and
+    with it DTensor's operator tables) takes a second to import, and only sharded state needs it."""
+    if name in _SHARDED:
+        from crashproof.checkpoint.restore import _dcp_reader
+
+        return getattr(_dcp_reader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
