@@ -86,6 +86,27 @@ def test_replicated_state_is_written_once_spread_over_the_ranks(tmp_path: Path) 
     cp.checkpoint.verify_checkpoint(cp.LocalStorage(), str(newest))
 
 
+def _two_ranks(target: Any, root: str) -> tuple[list[Any], list[int | None]]:
+    """Run ``target(rank, root, port, queue)`` as ranks 0 and 1 of a gloo job in spawned
+    processes; returns what each put on the queue (one item each, in the order they came) and
+    their exit codes (None: still running after a minute, then killed)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, root, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = [queue.get(timeout=120) for _ in procs]
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(60)
+        codes.append(p.exitcode)
+        if p.is_alive():
+            p.kill()
+            p.join(30)
+    return outcomes, codes
+
+
 def _diverging_ranks(rank: int, root: str, port: int, out: Any) -> None:
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
@@ -106,18 +127,7 @@ def _diverging_ranks(rank: int, root: str, port: int, out: Any) -> None:
 
 
 def test_replicated_state_that_differs_between_ranks_fails_the_save(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_diverging_ranks, args=(r, str(tmp_path / "ckpt"), port, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    outcomes = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
+    outcomes = dict(_two_ranks(_diverging_ranks, str(tmp_path / "ckpt"))[0])
     assert all("have diverged" in outcomes[r] for r in (0, 1)), outcomes
     assert not list((tmp_path / "ckpt").glob("step_*"))
 
@@ -150,18 +160,9 @@ def _batchnorm_ranks(rank: int, root: str, port: int, out: Any) -> None:
 
 
 def _spawn_batchnorm_ranks(root: Path) -> dict[int, dict[str, torch.Tensor]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_batchnorm_ranks, args=(r, str(root), port, queue)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    states = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    outcomes, codes = _two_ranks(_batchnorm_ranks, str(root))
+    assert codes == [0, 0]
+    states = dict(outcomes)
     return {rank: torch.load(io.BytesIO(data), weights_only=True) for rank, data in states.items()}
 
 
@@ -227,21 +228,10 @@ def _rank0_saves_alone(rank: int, root: str, port: int, out: Any) -> None:
 
 
 def test_a_save_called_on_one_rank_only_names_the_others_within_seconds(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank0_saves_alone, args=(r, str(tmp_path / "ckpt"), port, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
     outcomes = {
-        r: (what, said, waited) for r, what, said, waited in (queue.get(timeout=120) for _ in procs)
+        r: (what, said, waited)
+        for r, what, said, waited in _two_ranks(_rank0_saves_alone, str(tmp_path / "ckpt"))[0]
     }
-    for p in procs:
-        p.kill()
-        p.join(30)
     what, said, waited = outcomes[0]
     # named within seconds (the ERROR line), given up on at the manager's timeout (not 600 s)
     late = [line for line in said if "have not come after" in line]

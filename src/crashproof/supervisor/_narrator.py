@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from crashproof._units import format_duration
-from crashproof.telemetry import EventTail
+from crashproof.telemetry import (
+    Event,
+    EventTail,
+    LogFollower,
+    failure_kind,
+    int_field,
+    number_field,
+)
 
 __all__ = ["Narrator", "narrate"]
 
 log = logging.getLogger("crashproof.run")
 
-Event = dict[str, Any]
 Line = tuple[int, str]
 
 _POLL_S = 0.25
@@ -46,10 +51,12 @@ class _Story:
         self.reached: int | None = None
         """The furthest step of the last failed attempt (None: no failure yet)."""
 
-
-def _num(event: Event, key: str) -> float | None:
-    value = event.get(key)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    def failed_at(self, event: Event) -> Any:
+        """Remember the step a failure (or an anomaly) reached; returns the step as logged."""
+        step = int_field(event, "step")
+        if step is not None:
+            self.reached = step
+        return event.get("step")
 
 
 def _secs(value: float | None) -> str:
@@ -57,15 +64,12 @@ def _secs(value: float | None) -> str:
 
 
 def _failure(e: Event, story: _Story) -> Line | None:
-    if not e.get("first") or e.get("stopped") or not e.get("exitcode"):
-        return None
-    if e.get("exitcode") == 75:
-        return None  # a preemption's stop: told by "preempted"
-    step = e.get("step")
-    story.reached = step if isinstance(step, int) else story.reached
+    if e.get("stopped") or failure_kind(e) not in ("killed", "crash"):
+        return None  # not the first to fail, no failure, or a preemption's stop ("preempted")
+    step = story.failed_at(e)
     how = f"killed by {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
     error = f": {e['error']}" if e.get("error") else ""
-    seen = _num(e, "seen_after_s")
+    seen = number_field(e, "seen_after_s")
     when = f"; seen {_secs(seen)} after it exited" if seen is not None else ""
     return (
         logging.ERROR,
@@ -76,15 +80,14 @@ def _failure(e: Event, story: _Story) -> Line | None:
 def _hang(e: Event, story: _Story) -> Line | None:
     if not e.get("blamed"):
         return None  # the others were waiting for it
-    step = e.get("step")
-    story.reached = step if isinstance(step, int) else story.reached
+    step = story.failed_at(e)
     stacks = e.get("stacks")
     where = f"; stacks of every rank in {os.path.dirname(stacks)}" if stacks else ""
     return (
         logging.ERROR,
         f"hang: rank {e.get('rank')} (pid {e.get('pid')}) stopped after step {step}: silent "
-        f"{_secs(_num(e, 'silent_s'))} in phase {e.get('phase')} (allowance "
-        f"{_secs(_num(e, 'timeout_s'))}, process state {e.get('process_state')}); detected by "
+        f"{_secs(number_field(e, 'silent_s'))} in phase {e.get('phase')} (allowance "
+        f"{_secs(number_field(e, 'timeout_s'))}, process state {e.get('process_state')}); detected by "
         f"its heartbeat{where}",
     )
 
@@ -92,9 +95,9 @@ def _hang(e: Event, story: _Story) -> Line | None:
 def _restart(e: Event, story: _Story) -> Line:
     if e.get("reason") == "membership change":
         return logging.WARNING, f"restarting: attempt {e.get('restart')}: the nodes changed"
-    seen, stop = _num(e, "detect_s"), _num(e, "stop_s")
+    seen, stop = number_field(e, "detect_s"), number_field(e, "stop_s")
     spent = (seen or 0.0) + (stop or 0.0)
-    backoff = _num(e, "backoff_s") or 0.0
+    backoff = number_field(e, "backoff_s") or 0.0
     wait = (
         f"; waiting {_secs(backoff)} first: no progress since the last failure" if backoff else ""
     )
@@ -106,14 +109,14 @@ def _restart(e: Event, story: _Story) -> Line:
 
 
 def _restore(e: Event, story: _Story) -> Line:
-    step = e.get("step")
+    step = int_field(e, "step")
     source = str(e.get("source"))
     tier = "durable tier " if "://" in source else ""
-    said = f"step {step} from {tier}{source} in {_secs(_num(e, 'seconds'))}"
+    said = f"step {step} from {tier}{source} in {_secs(number_field(e, 'seconds'))}"
     reached, story.reached = story.reached, None
     if reached is None:
         return logging.INFO, f"resumed: {said}"
-    lost = reached - step if isinstance(step, int) else "?"
+    lost = reached - step if step is not None else "?"
     return logging.INFO, f"restored: {said}; {lost} steps of work lost (reached step {reached})"
 
 
@@ -121,7 +124,7 @@ def _emergency(e: Event, _: _Story) -> Line:
     if e.get("saved"):
         return (
             logging.WARNING,
-            f"emergency checkpoint: step {e.get('step')} saved in {_secs(_num(e, 'seconds'))}",
+            f"emergency checkpoint: step {e.get('step')} saved in {_secs(number_field(e, 'seconds'))}",
         )
     return (
         logging.WARNING,
@@ -133,11 +136,10 @@ def _emergency(e: Event, _: _Story) -> Line:
 def _numerics(e: Event, story: _Story) -> Line | None:
     if e.get("rank", 0) != 0:
         return None
-    step = e.get("step")
-    story.reached = step if isinstance(step, int) else story.reached
+    step = story.failed_at(e)
     to = e.get("rolled_back_to")
     what = f"rolled back to step {to}" if to is not None else "no checkpoint before it: skipped"
-    return logging.WARNING, f"numerics: {e.get('kind')} at step {e.get('step')}: {what}"
+    return logging.WARNING, f"numerics: {e.get('kind')} at step {step}: {what}"
 
 
 def _replication_failed(e: Event, _: _Story) -> Line | None:
@@ -155,16 +157,16 @@ def _straggler(e: Event, _: _Story) -> Line:
     return (
         logging.WARNING,
         f"straggler: rank {e.get('rank')} at {e.get('ratio')}x its peers' median {basis} over "
-        f"its last {e.get('window_steps', '?')} steps ({_num(e, 'seconds_per_step') or 0:.4f} s "
-        f"vs {_num(e, 'peers_median_s') or 0:.4f} s per step)",
+        f"its last {e.get('window_steps', '?')} steps ({number_field(e, 'seconds_per_step') or 0:.4f} s "
+        f"vs {number_field(e, 'peers_median_s') or 0:.4f} s per step)",
     )
 
 
 def _checkpoint(e: Event, story: _Story) -> None:
     """Nothing to tell; but a step committed after a failure was seen (a hung group woken to
     dump its stacks goes on for a moment) is work that was not lost."""
-    step = e.get("step")
-    if story.reached is not None and isinstance(step, int):
+    step = int_field(e, "step")
+    if story.reached is not None and step is not None:
         story.reached = max(story.reached, step)
 
 
@@ -184,7 +186,7 @@ _TELL: dict[str, Callable[[Event, _Story], Line | None]] = {
     ),
     "replication_recovered": lambda e, _: (
         logging.INFO,
-        f"storage: {e.get('tier')} is back after {_secs(_num(e, 'down_s'))}",
+        f"storage: {e.get('tier')} is back after {_secs(number_field(e, 'down_s'))}",
     ),
     "replication_dropped": lambda e, _: (
         logging.WARNING,
@@ -203,7 +205,7 @@ _TELL: dict[str, Callable[[Event, _Story], Line | None]] = {
     "done_hang": lambda e, _: (
         logging.WARNING,
         f"done: rank {e.get('rank')} (pid {e.get('pid')}) finished its work (step "
-        f"{e.get('step')} committed) but did not exit for {_secs(_num(e, 'silent_s'))}: ended "
+        f"{e.get('step')} committed) but did not exit for {_secs(number_field(e, 'silent_s'))}: ended "
         f"it; stacks in {e.get('stacks') or '(none written)'}",
     ),
     "crash_loop": lambda e, _: (
@@ -262,15 +264,7 @@ class Narrator:
         self._tail.skip_to_end()
         self._story = _Story(budget)
         self._node = node
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._follow, name="crashproof-narrator", daemon=True
-        )
-        self._thread.start()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(_POLL_S):
-            self._tell()
+        self._follower = LogFollower(self._tell, interval_s=_POLL_S, name="crashproof-narrator")
 
     def _tell(self) -> None:
         for level, line in narrate(self._tail.read_new(), self._story, self._node):
@@ -278,6 +272,4 @@ class Narrator:
 
     def close(self) -> None:
         """Tell what is left in the log, then stop."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._tell()
+        self._follower.close()

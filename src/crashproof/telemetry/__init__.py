@@ -20,11 +20,13 @@ from crashproof.telemetry._events import (
     EVENTS_FILE,
     EventLog,
     EventTail,
+    LogFollower,
     emit,
     read_events,
     worker_event_log,
 )
 from crashproof.telemetry._failures import GROUP_FAILURES, failure_kind
+from crashproof.telemetry._fields import Event, int_field, number_field
 from crashproof.telemetry._ledger import (
     Breakdown,
     FailureRecord,
@@ -46,10 +48,12 @@ __all__ = [
     "EVENTS_FILE",
     "GROUP_FAILURES",
     "Breakdown",
+    "Event",
     "EventLog",
     "EventTail",
     "FailureRecord",
     "Ledger",
+    "LogFollower",
     "Marker",
     "Plan",
     "TimelinePoint",
@@ -58,7 +62,9 @@ __all__ = [
     "emit",
     "failure_kind",
     "format_summary",
+    "int_field",
     "is_report_page",
+    "number_field",
     "plan",
     "read_events",
     "read_ledger",

@@ -15,13 +15,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from crashproof._rundir import ENV_RUN_DIR, EVENTS_FILE, RunDir
 
-__all__ = ["ENV_RUN_DIR", "EVENTS_FILE", "EventLog", "emit", "read_events", "worker_event_log"]
+__all__ = [
+    "ENV_RUN_DIR",
+    "EVENTS_FILE",
+    "EventLog",
+    "EventTail",
+    "LogFollower",
+    "emit",
+    "read_events",
+    "worker_event_log",
+]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +146,31 @@ class EventTail:
             if isinstance(record, dict):
                 new.append(record)
         return new
+
+
+class LogFollower:
+    """Calls ``poll`` every ``interval_s`` on a daemon thread of its own (each call reads what an
+    :class:`EventTail` has new), until :meth:`close`, which stops the thread and calls ``poll``
+    once more for the last events. A failing call is logged, never raised: what follows a run's
+    log (its metrics, its console story) must not take the run down."""
+
+    def __init__(self, poll: Callable[[], None], *, interval_s: float, name: str) -> None:
+        self._poll, self._name, self._interval_s = poll, name, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=name, daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._call()
+
+    def _call(self) -> None:
+        try:
+            self._poll()
+        except Exception:
+            log.exception("%s: reading the event log failed", self._name)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._call()

@@ -10,7 +10,6 @@ needs no metrics server of its own. Names and alert rules: docs/metrics.md and
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,8 @@ from prometheus_client import (
 )
 
 from crashproof._rundir import RunDir
-from crashproof.telemetry._events import EventTail
+from crashproof._version import __version__
+from crashproof.telemetry._events import EventTail, LogFollower
 from crashproof.telemetry._failures import failure_kind
 
 __all__ = ["FAILURE_KINDS", "RunMetrics", "failure_label"]
@@ -152,8 +152,7 @@ class RunMetrics:
         self._last_step = -1
         self._hang_counted = False  # a hang of this worker group counted already
         self._durable: dict[str, int] = {}  # the newest durable step by tier
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._follower: LogFollower | None = None
         self.port: int | None = None
 
     # -- serving -----------------------------------------------------------------------------
@@ -164,26 +163,19 @@ class RunMetrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         self.port = int(server.server_address[1])
         self._server = server
-        self._thread = threading.Thread(target=self._follow, name="crashproof-metrics", daemon=True)
-        self._thread.start()
+        self._follower = LogFollower(self.poll, interval_s=_POLL_S, name="crashproof-metrics")
         return self.port
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.poll()  # the last events (run_end) too
+        """Stop following the log, after the last events (run_end) too, and stop serving."""
+        if self._follower is not None:
+            self._follower.close()
+        else:
+            self.poll()
         server = getattr(self, "_server", None)
         if server is not None:
             server.shutdown()
             server.server_close()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(_POLL_S):
-            try:
-                self.poll()
-            except Exception:  # metrics must never take the supervisor down
-                log.exception("updating the metrics from %s failed", self.path)
 
     # -- reading the log -----------------------------------------------------------------------
 
@@ -249,8 +241,6 @@ class RunMetrics:
 
 def _run_labels(event: dict[str, Any]) -> dict[str, str]:
     """``crashproof_run_info``'s labels, from the ``run_start`` event."""
-    from crashproof._version import __version__
-
     return {
         "run_id": str(event.get("run_id", "")),
         "script": str(event.get("script", "")),
