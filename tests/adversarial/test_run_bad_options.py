@@ -26,6 +26,10 @@ SCRIPT_OK = "script.py"
         (["--straggler-factor", "1"], "--straggler-factor"),
         (["--straggler-steps", "0"], "--straggler-steps"),
         (["--monitor-interval", "0"], "--monitor-interval"),
+        (["--restart-window", "-1h"], "--restart-window"),
+        (["--restart-window", "nan"], "--restart-window"),
+        (["--restart-window", "forever"], "--restart-window"),
+        (["--log-level", "loud"], "--log-level"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_nothing_launches(

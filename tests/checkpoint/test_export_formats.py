@@ -158,6 +158,10 @@ def test_what_chooses_the_state_exported_the_ema_the_optimizer_everything_or_a_k
     proc = _cli("export", str(root), "--what", "extra/nosuch", "-o", str(out))
     assert proc.returncode == 2 and not out.exists()
     assert "no 'nosuch' at extra" in proc.stderr and "there: ema" in proc.stderr, proc.stderr
+    for nonsense in ("", "/", "model/0.weight/x", "extra/ema/../.."):
+        proc = _cli("export", str(root), "--what", nonsense, "-o", str(out))
+        assert proc.returncode == 2 and not out.exists(), (nonsense, proc.stderr)
+        assert "--what" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     # dcp: the chosen part under its own name
     dcp_dir = tmp_path / "ema_dcp"
     proc = _cli("export", str(root), "--format", "dcp", "--what", "ema", "-o", str(dcp_dir))

@@ -83,7 +83,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 args.output,
                 max_shard_bytes=args.max_shard_size,
                 force=args.force,
-                what=args.what or "model",
+                what="model" if args.what is None else args.what,
             )
         except ConfigError as exc:  # the output path, or state safetensors cannot hold
             return fail(str(exc), EXIT_USAGE)

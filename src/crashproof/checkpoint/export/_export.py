@@ -111,6 +111,10 @@ def select_state(tree: dict[str, Any], what: str, where: str) -> Any:
     path, ``/`` between keys); a part it does not hold is a ``ConfigError`` listing what is
     there at the level the path left off."""
     path = WHAT_SHORTCUTS.get(what, what)
+    if what != "all" and not path.strip("/"):
+        raise ConfigError(
+            f"{where}: --what {what!r}: name a part (model, ema, optimizer, all) or a key path"
+        )
     node: Any = tree
     walked: list[str] = []
     for key in filter(None, path.strip("/").split("/")):
