@@ -119,3 +119,14 @@ def s3_server_process() -> Iterator[subprocess.Popen[bytes]]:
 
 
 _S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+@pytest.fixture(scope="session")
+def warm_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Ranks of gloo jobs forked from one process that imported torch once
+    (:mod:`tests.warm_ranks`); one per test worker, ended with the session."""
+    from tests.warm_ranks import WarmRanks
+
+    launcher = WarmRanks(tmp_path_factory.mktemp("warm_ranks"))
+    yield launcher
+    launcher.close()

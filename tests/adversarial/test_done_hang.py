@@ -10,7 +10,6 @@ work was committed. Work after close that keeps beating is not ended.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from crashproof.link._heartbeat import Heartbeat
@@ -36,7 +35,6 @@ def test_a_rank_that_never_exits_after_close_is_ended_and_the_run_succeeds(
         ["--steps", "6", "--every", "3", "--hang-after-close", "1"],
     )
     runs.append(run)
-    started = time.monotonic()
     code = run.wait(timeout=90)  # before the fix: forever
     text = output(run)
     assert code == 0, text
@@ -51,7 +49,7 @@ def test_a_rank_that_never_exits_after_close_is_ended_and_the_run_succeeds(
     assert not run.events("restart") and not run.events("hang")  # no failure, no restart
     assert [e["step"] for e in run.events("checkpoint")] == [3, 6]  # the work was committed
     assert run.events("run_end")[0]["outcome"] == "succeeded"
-    assert time.monotonic() - started < 60
+    assert hang["silent_s"] < 20  # ended soon after its 2 s allowance, whatever the load
 
 
 def test_every_rank_hanging_after_close_is_ended(tmp_path: Path, runs: list[Run]) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import crashproof as cp
 from tests.conftest import EXAMPLES, free_port, run_python
+from tests.warm_ranks import WarmRanks
 
 STEPS = 30
 
@@ -60,8 +61,12 @@ def test_two_ranks_resume_bit_identical_after_a_crash(tmp_path: Path) -> None:
     cp.checkpoint.verify_checkpoint(cp.LocalStorage(), str(newest))
 
 
-def test_replicated_state_is_written_once_spread_over_the_ranks(tmp_path: Path) -> None:
-    _torchrun(tmp_path / "run", tmp_path / "run.log", "--sync")
+def test_replicated_state_is_written_once_spread_over_the_ranks(
+    tmp_path: Path, warm_ranks: WarmRanks
+) -> None:
+    args = ["--run-dir", str(tmp_path / "run"), "--steps", str(STEPS), "--every", "5", "--sync"]
+    launch = warm_ranks.run(EXAMPLES / "train_tiny.py", [*args, "--workers", "1"], nproc=2)
+    assert launch.returncode == 0, launch.output[-3000:]
     newest = tmp_path / "run" / "checkpoints" / "step_0000000030"
     indexes = [json.loads((newest / f"rank_0000{r}.json").read_text()) for r in (0, 1)]
     by_name = [{t["name"]: t for t in index["tensors"]} for index in indexes]

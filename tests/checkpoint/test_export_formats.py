@@ -20,21 +20,19 @@ from torch import nn
 from crashproof.checkpoint import load_rank_state, read_manifest
 from crashproof.storage import LocalStorage
 from tests.checkpoint.test_reshard import _save_different_tensors
-from tests.conftest import EXAMPLES, free_port, run_python
+from tests.conftest import EXAMPLES, free_port
+from tests.warm_ranks import WarmRanks
 
 
 @pytest.fixture(scope="module")
-def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def ddp_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, warm_ranks: WarmRanks
+) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint of 2 DDP ranks of train_tiny, and its verified state (rank 0)."""
     run = tmp_path_factory.mktemp("ddp")
-    run_python(
-        [
-            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(EXAMPLES / "train_tiny.py"), "--run-dir", str(run), "--steps", "10", "--every",
-            "5", "--workers", "0", "--sync",
-        ],
-        timeout=240,
-    )  # fmt: skip
+    args = ["--run-dir", str(run), "--steps", "10", "--every", "5", "--workers", "0", "--sync"]
+    launch = warm_ranks.run(EXAMPLES / "train_tiny.py", args, nproc=2)
+    assert launch.returncode == 0, launch.output[-3000:]
     ckpt = run / "checkpoints" / "step_0000000010"
     storage = LocalStorage()
     manifest = read_manifest(storage, str(ckpt))

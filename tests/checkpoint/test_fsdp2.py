@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) on CPU with gloo, under torchrun: sharded model and optimizer state
+"""FSDP2 (``fully_shard``) on CPU with gloo, ranks forked from a warm process
+(:mod:`tests.warm_ranks`, torchrun's environment): sharded model and optimizer state
 saved by one number of ranks and restored by another (4 -> 2 -> 3 -> 2 -> 1: 4 -> 2, 2 -> 3 and
 2 -> 1 each directly) holds the same whole tensors; resuming on the same number of ranks is
 bit-exact; a corrupt piece makes the restore fall back to the checkpoint before;
@@ -17,20 +18,17 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from tests.conftest import run_python
+from tests.warm_ranks import WarmRanks
 
 TRAINER = Path(__file__).with_name("fsdp2_trainer.py")
 
 
-def _torchrun(root: Path, nproc: int, *args: str) -> int:
-    """Runs the trainer; returns the step it restored."""
-    result = run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(TRAINER), "--root", str(root), *args],
-        check=False, timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:]
-    starts = set(re.findall(r"rank \d+: starting at step (\d+)", result.stdout))
-    assert len(starts) == 1, result.stdout[-3000:]
+def _launch(ranks: WarmRanks, root: Path, nproc: int, *args: str) -> int:
+    """Runs the trainer on ``nproc`` ranks; returns the step it restored."""
+    result = ranks.run(TRAINER, ["--root", str(root), *args], nproc=nproc, timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    starts = set(re.findall(r"rank \d+: starting at step (\d+)", result.output))
+    assert len(starts) == 1, result.output[-3000:]
     return int(starts.pop())
 
 
@@ -41,16 +39,18 @@ def _assert_same(a: Path, b: Path) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
-def test_sharded_state_restores_on_other_world_sizes_with_equal_tensors(tmp_path: Path) -> None:
+def test_sharded_state_restores_on_other_world_sizes_with_equal_tensors(
+    tmp_path: Path, warm_ranks: WarmRanks
+) -> None:
     root = tmp_path / "ckpt"
-    assert _torchrun(root, 4, "--train", "3", "--dump", str(tmp_path / "saved0.st")) == 0
+    assert _launch(warm_ranks, root, 4, "--train", "3", "--dump", str(tmp_path / "saved0.st")) == 0
     # (ranks, step restored, steps to train): 4 -> 2, 2 -> 3, 3 -> 2 and 2 -> 1, each restoring
     # what the world size before saved (steps 3, 5, 6 and 7).
     plan = [(2, 3, "2"), (3, 5, "1"), (2, 6, "1"), (1, 7, "0")]
     for run, (nproc, restored_step, train) in enumerate(plan, start=1):
         restored = tmp_path / f"restored{run}.st"
-        step = _torchrun(
-            root, nproc, "--dump-restored", str(restored), "--train", train,
+        step = _launch(
+            warm_ranks, root, nproc, "--dump-restored", str(restored), "--train", train,
             "--dump", str(tmp_path / f"saved{run}.st"),
         )  # fmt: skip
         assert step == restored_step
@@ -94,7 +94,7 @@ def test_sharded_state_restores_on_other_world_sizes_with_equal_tensors(tmp_path
     data = bytearray(newest.read_bytes())
     data[-3] ^= 0x01
     newest.write_bytes(data)
-    assert _torchrun(root, 3, "--dump-restored", str(tmp_path / "fallback.st")) == 6
+    assert _launch(warm_ranks, root, 3, "--dump-restored", str(tmp_path / "fallback.st")) == 6
     _assert_same(tmp_path / "saved2.st", tmp_path / "fallback.st")
 
 
@@ -123,17 +123,31 @@ def _assert_dcp_export_is(out: Path, whole: dict[str, torch.Tensor], *, step: in
             assert torch.equal(tensor, whole[f"optimizer/{fqn}/{name}"]), (fqn, name)
 
 
-def test_sharded_resume_on_the_same_world_size_is_bit_exact(tmp_path: Path) -> None:
-    _torchrun(tmp_path / "straight", 2, "--train", "5", "--dump", str(tmp_path / "straight.st"))
+def test_sharded_resume_on_the_same_world_size_is_bit_exact(
+    tmp_path: Path, warm_ranks: WarmRanks
+) -> None:
+    _launch(
+        warm_ranks,
+        tmp_path / "straight",
+        2,
+        "--train",
+        "5",
+        "--dump",
+        str(tmp_path / "straight.st"),
+    )
     # Saving before the first step (torch's state-dict helper steps an optimizer without state
     # to create it) must not change the run: the resumed run still ends like the straight one.
     resumed = tmp_path / "resumed"
-    _torchrun(resumed, 2, "--save-first", "--train", "3")
-    assert _torchrun(resumed, 2, "--train", "2", "--dump", str(tmp_path / "resumed.st")) == 3
+    _launch(warm_ranks, resumed, 2, "--save-first", "--train", "3")
+    assert (
+        _launch(warm_ranks, resumed, 2, "--train", "2", "--dump", str(tmp_path / "resumed.st")) == 3
+    )
     _assert_same(tmp_path / "straight.st", tmp_path / "resumed.st")
 
     # Nor does restoring that step-0 checkpoint: its optimizer has no state, as it had then.
     for later in ("step_0000000003", "step_0000000005"):
         shutil.rmtree(resumed / later)
-    assert _torchrun(resumed, 2, "--train", "5", "--dump", str(tmp_path / "again.st")) == 0
+    assert (
+        _launch(warm_ranks, resumed, 2, "--train", "5", "--dump", str(tmp_path / "again.st")) == 0
+    )
     _assert_same(tmp_path / "straight.st", tmp_path / "again.st")

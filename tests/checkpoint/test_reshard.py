@@ -1,4 +1,5 @@
-"""Restoring on another world size (torchrun, gloo, DDP): 4 ranks -> 2 -> 3 -> 2 -> 1. Replicated
+"""Restoring on another world size (gloo, DDP; ranks forked from a warm process with torchrun's
+environment, :mod:`tests.warm_ranks`): 4 ranks -> 2 -> 3 -> 2 -> 1. Replicated
 state reloads on any number of ranks: after every change each rank holds the model, optimizer
 (AdamW's moments and step) and EMA tensors the checkpoint holds; the data position is global, so
 across every change no sample of an epoch is repeated or skipped and every step consumed exactly
@@ -19,19 +20,18 @@ from safetensors.torch import load_file
 import crashproof as cp
 from crashproof.checkpoint import load_rank_state, read_manifest
 from crashproof.storage import LocalStorage
-from tests.conftest import EXAMPLES, free_port, run_python
+from tests.conftest import EXAMPLES, free_port
+from tests.warm_ranks import WarmRanks
 
 N_SAMPLES, BATCH, STEPS = 200, 16, 25
 
 
-def _torchrun(run_dir: Path, log: Path, nproc: int, *extra: str) -> str:
+def _launch(ranks: WarmRanks, run_dir: Path, log: Path, nproc: int, *extra: str) -> str:
     args = [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(run_dir), "--steps", str(STEPS),
-        "--every", "5", "--keep", "100", "--workers", "0", "--sync", "--step-log", str(log),
-        *extra,
+        "--run-dir", str(run_dir), "--steps", str(STEPS), "--every", "5", "--keep", "100",
+        "--workers", "0", "--sync", "--step-log", str(log), *extra,
     ]  # fmt: skip
-    return run_python(args, check=False, timeout=240).stdout
+    return ranks.run(EXAMPLES / "train_tiny.py", args, nproc=nproc).output
 
 
 def _records(log: Path, nproc: int) -> list[dict[int, list[int]]]:
@@ -76,7 +76,9 @@ def _assert_restored_state_is_the_checkpoints(run: Path, dump: Path, nproc: int,
             assert torch.equal(restored[name], tensor), f"{name} on rank {rank} of {nproc}"
 
 
-def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(tmp_path: Path) -> None:
+def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(
+    tmp_path: Path, warm_ranks: WarmRanks
+) -> None:
     run = tmp_path / "run"
     # (ranks, step it starts at, step of its last checkpoint, step it crashes at): 4 -> 2, 2 -> 3,
     # 3 -> 2 and 2 -> 1, each resumed from a checkpoint the previous world size wrote.
@@ -85,8 +87,8 @@ def test_resumes_on_other_world_sizes_neither_repeat_nor_skip_data(tmp_path: Pat
     ]  # fmt: skip
     for n, (nproc, start, _, crash_at) in enumerate(segments):
         dump = tmp_path / f"restored{n}.safetensors"
-        output = _torchrun(
-            run, tmp_path / f"log{n}", nproc, "--dump-restored", str(dump),
+        output = _launch(
+            warm_ranks, run, tmp_path / f"log{n}", nproc, "--dump-restored", str(dump),
             *(["--crash-at", crash_at] if crash_at else []),
         )  # fmt: skip
         assert f"starting at step {start}" in output, output[-2000:]
@@ -132,14 +134,14 @@ def test_state_that_differs_between_ranks_is_refused_on_another_world_size(tmp_p
 
 
 def test_a_constant_global_batch_across_world_sizes_takes_the_same_samples_per_step(
-    tmp_path: Path,
+    tmp_path: Path, warm_ranks: WarmRanks
 ) -> None:
     # --global-batch 32 with micro-batches of 16: 1 micro-batch per step on 2 ranks, 2 on 1 rank.
     run, global_batch = tmp_path / "run", 2 * BATCH
     segments = [(2, 0, 10, "12"), (1, 10, STEPS, None)]
     for nproc, start, _, crash_at in segments:
-        output = _torchrun(
-            run, tmp_path / f"log{nproc}", nproc, "--global-batch", str(global_batch),
+        output = _launch(
+            warm_ranks, run, tmp_path / f"log{nproc}", nproc, "--global-batch", str(global_batch),
             *(["--crash-at", crash_at] if crash_at else []),
         )  # fmt: skip
         assert f"starting at step {start}" in output, output[-2000:]

@@ -102,7 +102,6 @@ def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path:
 
 
 def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    started = time.monotonic()
     code, events, output = crashproof_run(
         tmp_path,
         [],  # restarts are on by default
@@ -142,7 +141,9 @@ def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_
     # the supervisor did not wait for rank 0 to find out: it SIGKILLed it at once
     assert (exits[1]["rank"], exits[1]["exitcode"], exits[1]["stopped"]) == (0, -9, True)
     assert exits[1]["error"] is None  # no error of its own
-    assert time.monotonic() - started < 30, output  # not 60 s (nor torch's 30 s grace)
+    # seconds after rank 1's exit, not the 60 s rank 0 was busy for (nor torch's 30 s grace);
+    # judged on the event log's clock, which a loaded machine stretches far less than the run
+    assert exits[1]["ts"] - exits[0]["ts"] < 15, output
     [restart] = of(events, "restart")
     assert restart["restart"] == 1
     [restore] = of(events, "restore")
