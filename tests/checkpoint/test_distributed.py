@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import crashproof as cp
-from tests.conftest import EXAMPLES, free_port, run_python
+from tests.conftest import EXAMPLES, free_port, run_python, warm_context
 from tests.warm_ranks import WarmRanks
 
 STEPS = 30
@@ -95,7 +94,7 @@ def _two_ranks(target: Any, root: str) -> tuple[list[Any], list[int | None]]:
     """Run ``target(rank, root, port, queue)`` as ranks 0 and 1 of a gloo job in spawned
     processes; returns what each put on the queue (one item each, in the order they came) and
     their exit codes (None: still running after a minute, then killed)."""
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, root, port, queue)) for r in range(2)]

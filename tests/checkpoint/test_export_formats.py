@@ -118,7 +118,9 @@ def test_a_bad_shard_size_is_a_usage_error(ddp_checkpoint: tuple[Path, dict[str,
 
 def test_sharded_state_is_not_exported_as_if_it_were_replicated(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")  # two real ranks, each with weights of its own
-    mp.spawn(_save_different_tensors, args=(root, free_port()), nprocs=2, join=True)
+    mp.start_processes(
+        _save_different_tensors, args=(root, free_port()), nprocs=2, start_method="forkserver"
+    )
     done = _cli("export", root, "--step", "1", "-o", str(tmp_path / "w.safetensors"))
     assert done.returncode == 1
     assert "whose tensors differ" in done.stderr and "sharded" in done.stderr

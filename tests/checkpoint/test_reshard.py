@@ -126,7 +126,9 @@ def _save_different_tensors(rank: int, root: str, port: int) -> None:
 
 def test_state_that_differs_between_ranks_is_refused_on_another_world_size(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
-    mp.spawn(_save_different_tensors, args=(root, free_port()), nprocs=2, join=True)
+    mp.start_processes(
+        _save_different_tensors, args=(root, free_port()), nprocs=2, start_method="forkserver"
+    )
     ckpt = cp.CheckpointManager(root, handle_signals=False)
     with pytest.raises(cp.StateMismatchError, match=r"saved by 2 ranks whose tensors differ"):
         ckpt.restore(cp.TrainState(model=torch.nn.Linear(4, 4)))

@@ -123,7 +123,10 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 
 def test_every_rank_skips_the_step_any_rank_found_bad(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(free_port(), str(tmp_path / "applied")), nprocs=2, join=True)
+    mp.start_processes(
+        _rank_main, args=(free_port(), str(tmp_path / "applied")), nprocs=2,
+        start_method="forkserver",
+    )  # fmt: skip
     applied = [(tmp_path / f"applied.{r}").read_text() for r in (0, 1)]
     assert applied[0] == applied[1]
     assert "9" not in applied[0].split(",") and len(applied[0].split(",")) == 19

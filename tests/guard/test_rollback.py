@@ -250,7 +250,10 @@ def test_every_rank_rolls_back_to_the_same_checkpoint_and_skips_the_same_data(
     tmp_path: Path,
 ) -> None:
     out = str(tmp_path / "result")
-    mp.spawn(_rank_main, args=(free_port(), str(tmp_path / "ckpt"), out), nprocs=2, join=True)
+    mp.start_processes(
+        _rank_main, args=(free_port(), str(tmp_path / "ckpt"), out), nprocs=2,
+        start_method="forkserver",
+    )  # fmt: skip
     results = [torch.load(f"{out}.{r}") for r in (0, 1)]
     assert results[0]["skipped"] == results[1]["skipped"] and len(results[0]["skipped"]) == 1
     for a, b in zip(results[0]["weights"], results[1]["weights"], strict=True):

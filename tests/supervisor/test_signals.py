@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from crashproof.link._heartbeat import RECORD_SIZE, Heartbeat, HeartbeatWriter, 
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
 from crashproof.supervisor._hang import HangConfig, HangDetector
 from crashproof.telemetry import EventLog, read_events
+from tests.conftest import warm_context
 
 
 def test_heartbeat_records_step_phase_and_the_longest_step_gap(tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def _append_events(path: str, writer: int) -> None:
 
 def test_event_lines_from_many_processes_never_interleave(tmp_path: Path) -> None:
     path = str(tmp_path / "events.jsonl")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm_context()
     procs = [ctx.Process(target=_append_events, args=(path, w)) for w in range(4)]
     for p in procs:
         p.start()
