@@ -126,6 +126,32 @@ def test_a_truncated_or_missing_file_is_not_valid_and_not_verified(
     assert checked[1]["valid"] is True and checked[1]["verified"] is True
 
 
+@pytest.mark.parametrize("how", ["renamed", "copied", "renamed as an older step"])
+def test_a_checkpoint_under_another_steps_name_is_that_step_nowhere(
+    root: Path, how: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Step 3's directory renamed or copied as step 7 (or moved to step 0) is step 3's data:
+    ls, ls --verify, verify, export and restore all refuse it, and restore falls back."""
+    target = 0 if how == "renamed as an older step" else 7
+    if how == "copied":
+        shutil.copytree(ckpt(root, 3), ckpt(root, target))
+    else:
+        ckpt(root, 3).rename(ckpt(root, target))
+    expect = "the manifest is for step 3, not " + str(target)
+    for extra in ((), ("--verify",)):
+        row = ls_json(root, capsys, *extra)[target]
+        assert row["valid"] is False and expect in row["problem"], row
+    assert not verify_says(root, target, capsys)
+    out = tmp_path / "out.safetensors"
+    assert main(["export", str(root), "--step", str(target), "-o", str(out)]) == 1
+    assert expect in capsys.readouterr().err and not out.exists()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with crashproof.CheckpointManager(str(root), handle_signals=False, read_only=True) as reader:
+        restored = reader.restore(crashproof.TrainState(model=model, optimizer=opt))
+    assert restored == (3 if how == "copied" else 2)
+
+
 def test_json_keeps_its_keys_and_types(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for extra in ((), ("--verify",)):
         for row in ls_json(root, capsys, *extra).values():

@@ -206,6 +206,28 @@ def test_an_earlier_dcp_export_is_replaced_only_with_force_and_only_if_it_holds_
     assert (out / "my-notes.txt").read_text() == "added by the user after the export"
 
 
+@pytest.mark.parametrize(
+    "listed",
+    [
+        ["thesis.tex", "sub", "sub/data.csv"],  # a forged marker naming the user's files
+        [".metadata", "__0_0.distcp", "thesis.tex", "sub", "sub/data.csv"],  # among DCP's own
+        [".metadata", "__0_0.distcp", "sub", "sub/data.csv", "thesis.tex", 7, None],  # junk too
+    ],
+)
+def test_a_forged_export_marker_does_not_make_user_files_an_export(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], listed: list[object]
+) -> None:
+    """A marker is a plain file: one that lists the user's files (hand-written, or an earlier
+    export's edited) does not let --force replace them; only DCP's own output names count."""
+    out = user_folder(tmp_path / "victim")
+    (out / MARKER).write_text(json.dumps({"command": "export", "step": 1, "files": listed}))
+    before = snapshot(out)
+    code = export(root, out, "--force")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and str(out) in err, err
+    assert snapshot(out) == before
+
+
 def test_an_empty_directory_is_written_into(root: Path, tmp_path: Path) -> None:
     out = tmp_path / "empty"
     out.mkdir()

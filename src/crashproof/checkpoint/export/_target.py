@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Literal
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 MARKER = ".crashproof-export.json"
+_DCP_OUTPUT = re.compile(r"\.metadata|__\d+_\d+\.distcp")
+"""The names torch.distributed.checkpoint's file system writer gives what it writes."""
 """In a DCP export's directory: which export wrote it and the files it wrote (``--force`` replaces
 such a directory only while it holds nothing else)."""
 
@@ -105,7 +108,13 @@ def _check_dir_target(out: str, force: bool) -> None:
             f"(no {MARKER}); an export never replaces what it did not write: choose a new or "
             "empty directory"
         )
-    extra = sorted(set(present) - set(mark.get("files", [])) - {MARKER})
+    # Only what a DCP export writes counts as its own, whatever the marker lists: the marker is
+    # a plain file anyone can write, and one listing a user's file must not get it replaced.
+    listed = {name for name in mark.get("files", []) if isinstance(name, str)}
+    extra = sorted(
+        name for name in present
+        if name != MARKER and (name not in listed or not _DCP_OUTPUT.fullmatch(name))
+    )  # fmt: skip
     if extra:
         raise ConfigError(
             f"-o {out}: holds an earlier export, but also {os.path.join(out, extra[0])}, which "

@@ -7,6 +7,8 @@ must name its own rank, step and shard.
 
 from __future__ import annotations
 
+import posixpath
+
 from crashproof.checkpoint.format import (
     HASH_ALGORITHM,
     MANIFEST_NAME,
@@ -19,6 +21,7 @@ from crashproof.checkpoint.format import (
     index_name,
     parse_manifest,
     parse_rank_index,
+    parse_step_dir,
     shard_name,
 )
 from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -48,6 +51,14 @@ def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifes
     if manifest.hash_algorithm != HASH_ALGORITHM:
         raise CorruptCheckpointError(
             f"{where}: checksums use {manifest.hash_algorithm!r}, expected {HASH_ALGORITHM!r}"
+        )
+    # A step directory holds its own step: one renamed or copied under another step's name
+    # would otherwise pass for that step (in restore, verify, ls and export alike).
+    named = parse_step_dir(posixpath.basename(ckpt_dir.rstrip("/")))
+    if named is not None and named != manifest.step:
+        raise CorruptCheckpointError(
+            f"{storage.describe(ckpt_dir)}: the manifest is for step {manifest.step}, not "
+            f"{named}; the directory was renamed or copied"
         )
     return data, manifest
 

@@ -183,10 +183,6 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
                 raise CorruptCheckpointError(
                     f"{storage.describe(storage.join(path, name))}: {size} bytes, manifest lists {entry.size}"
                 )
-        if manifest.step != step:
-            raise CorruptCheckpointError(
-                f"{storage.describe(path)}: the manifest is for step {manifest.step}"
-            )
     except (CorruptCheckpointError, OSError) as exc:
         return CheckpointInfo(step, storage.describe(path), None, 0, "unknown", 0, False, str(exc))
     return CheckpointInfo(
