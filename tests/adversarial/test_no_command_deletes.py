@@ -435,3 +435,26 @@ def test_report_html_never_writes_through_a_link_at_the_old_temporary_name(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["run", "thesis.tex", "page.html", f"page.html.tmp{os.getpid()}"]
     )
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_prune_removes_only_checkpoints_and_counts_only_checkpoints(
+    root: Path, capsys: pytest.CaptureFixture[str], dry_run: bool
+) -> None:
+    """A folder named like a newer step but holding no manifest (a user's), and a file named
+    like one, are neither removed nor counted among the kept: --keep-last 1 keeps step 2 (the
+    newest checkpoint) and removes step 1, the only checkpoint beyond it."""
+    folder = root / "step_0000000004"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (root / "step_0000000005").write_text("a file")
+    outside = {folder: snapshot(folder), root / "step_0000000005": "a file"}
+    code = main(["prune", str(root), "--keep-last", "1", *(["--dry-run"] if dry_run else [])])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "step 1" in out and "step 2 " not in out and "step 4" not in out, out
+    assert "1 checkpoint(s) " in out and "removed, 1 kept" in out, out
+    assert snapshot(folder) == outside[folder]
+    assert (root / "step_0000000005").read_text() == "a file"
+    assert (root / "step_0000000002" / "manifest.json").is_file()
+    assert (root / "step_0000000001").exists() is dry_run

@@ -28,6 +28,7 @@ from crashproof.checkpoint.root import (
     located,
     lock_root,
     prune_plan,
+    published_steps,
     unreadable,
 )
 from crashproof.checkpoint.save import CommitResult, Delta
@@ -57,6 +58,7 @@ __all__ = [
     "lock_root",
     "parse_step_dir",
     "prune_plan",
+    "published_steps",
     "read_manifest",
     "read_rank_index",
     "unreadable",

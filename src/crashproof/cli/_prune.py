@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from crashproof._units import DURATION_FORMS
-from crashproof.checkpoint import lock_root, prune_plan
+from crashproof.checkpoint import lock_root, prune_plan, published_steps
 from crashproof.cli._conventions import duration, fail
 from crashproof.cli._roots import open_root
 from crashproof.errors import CrashproofError
@@ -59,7 +59,7 @@ def add_prune_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    path, storage, found = open_root(args.root)
+    path, storage, _ = open_root(args.root)
     try:
         policies = _prune_policies(args)
     except (ValueError, CrashproofError) as exc:
@@ -81,6 +81,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             return fail(str(exc), EXIT_STORAGE)
     try:
         doomed = prune_plan(storage, path, policy)  # never includes the newest valid checkpoint
+        kept = len(published_steps(storage, path)) - len(doomed)
         for step, ckpt in doomed:
             print(
                 f"{'would remove' if args.dry_run else 'removing'} step {step} "
@@ -91,9 +92,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
-    print(
-        f"{len(doomed)} checkpoint(s) {'would be ' if args.dry_run else ''}removed, {len(found) - len(doomed)} kept"
-    )
+    print(f"{len(doomed)} checkpoint(s) {'would be ' if args.dry_run else ''}removed, {kept} kept")
     return EXIT_OK
 
 

@@ -12,6 +12,7 @@ from crashproof.checkpoint.root._catalog import (
     leftover_dirs,
     newest_verified,
     prune_plan,
+    published_steps,
     recover_interrupted,
     retention_plan,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "lock_root",
     "newest_verified",
     "prune_plan",
+    "published_steps",
     "read_marks",
     "record_rollback",
     "recover_interrupted",

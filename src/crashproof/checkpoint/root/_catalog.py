@@ -31,6 +31,7 @@ __all__ = [
     "describe_checkpoint",
     "leftover_dirs",
     "prune_plan",
+    "published_steps",
     "recover_interrupted",
     "retention_plan",
 ]
@@ -108,6 +109,16 @@ def _warn_ignored(storage: Storage, root: str, name: str) -> None:
             else "; a checkpoint directory is named step_ followed by ten or more ASCII digits"
         )
     log.warning("ignoring %r in %s: not a checkpoint directory%s", name, where, hint)
+
+
+def _warn_not_published(storage: Storage, root: str, path: str) -> None:
+    with _warned_lock:
+        if (storage.describe(root), path) in _warned:
+            return
+        _warned.add((storage.describe(root), path))
+    log.warning(
+        "%s holds no %s: not a checkpoint, left alone", storage.describe(path), MANIFEST_NAME
+    )
 
 
 def leftover_dirs(storage: Storage, root: str) -> list[str]:
@@ -257,8 +268,29 @@ def retention_plan(
 
 def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:
     """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies."""
-    found = committed_steps(storage, root)
+    found = published_steps(storage, root)
     newest_valid = newest_verified(storage, root)
     return retention_plan(
         storage, found, keep, keep_always=set() if newest_valid is None else {newest_valid}
     )
+
+
+def published_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """:func:`committed_steps` that hold a manifest: the ones retention counts and removes.
+
+    A save is published whole, manifest included, so a ``step_*`` entry without one (a file, or
+    a folder someone put there) is not crashproof's: it is left alone, with one warning."""
+    found = []
+    for step, path in committed_steps(storage, root):
+        if _has_manifest(storage, path):
+            found.append((step, path))
+        else:
+            _warn_not_published(storage, root, path)
+    return found
+
+
+def _has_manifest(storage: Storage, path: str) -> bool:
+    try:
+        return MANIFEST_NAME in storage.list(path)
+    except OSError:  # a file, or gone
+        return False
