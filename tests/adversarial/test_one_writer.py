@@ -723,3 +723,106 @@ def test_a_fifo_swapped_in_for_a_held_lock_file_is_noticed_without_blocking(
         lock.check()
     lock.release()
     assert stat.S_ISFIFO(os.lstat(tmp_path / LOCK_NAME).st_mode), "left as it was"
+
+
+# -- a durable tier on a local path is a root like any other: its replicator is its writer ------
+
+
+def _tier_manager(root: Path, tier: str, **kw: Any) -> cp.CheckpointManager:
+    return _manager(root, remote=cp.Tier(tier, keep=kw.pop("tier_keep", None)), **kw)
+
+
+@pytest.mark.parametrize("spelling", ["path", "trailing-slash", "dot-dot"])
+def test_a_local_tier_that_is_another_runs_locked_root_is_refused_untouched(
+    tmp_path: Path, spelling: str
+) -> None:
+    """The attack: run A's tier is run B's live root. A's replicator used to write there without
+    the lock, remove B's manifest-less directories and apply A's tier retention to B's steps."""
+    theirs, ours = tmp_path / "b", tmp_path / "a"
+    other = _manager(theirs, keep=cp.KeepAll())
+    for step in (100, 101, 102):
+        other.save(step, _state(step))
+    inflight = theirs / ".tmp-step_0000000103-cafe-1"  # B's save in progress
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"half")
+    before = _tree(theirs)
+    uri = {
+        "path": str(theirs),
+        "trailing-slash": f"{theirs}/",
+        "dot-dot": f"{theirs}/../b",
+    }[spelling]
+    try:
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}") as info:
+            _tier_manager(ours, uri, keep=cp.KeepLast(1), tier_keep=cp.KeepLast(1))
+        assert LOCK_NAME in str(info.value)
+        assert _tree(theirs) == before
+        with _manager(ours) as again:  # the refused manager let go of its own root
+            again.save(1, _state(1))
+    finally:
+        other.close()
+
+
+def test_a_tier_held_by_a_replicating_run_refuses_a_writer_and_prune(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    with _tier_manager(tmp_path / "a", str(tier)) as replicating:
+        replicating.save(1, _state(1))
+        replicating.wait()
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
+            _manager(tier)
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", str(tier), "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and "locked by" in proc.stderr
+        with pytest.raises(RootLockedError):  # nor a second run's tier
+            _tier_manager(tmp_path / "c", str(tier))
+    assert not (tier / LOCK_NAME).exists(), "close() lets go of the tier's root"
+    with _manager(tier) as after:
+        assert [c.step for c in after.list()] == [1]
+
+
+def test_a_tier_replicator_that_lost_its_tiers_lock_removes_nothing_there(
+    tmp_path: Path,
+) -> None:
+    """The tier's lock file replaced (another writer, another host) while replication runs:
+    neither the tier's retention nor the clean-up of uploads that never committed acts."""
+    tier = tmp_path / "tier"
+    writer = _tier_manager(tmp_path / "a", str(tier), keep=cp.KeepAll(), tier_keep=cp.KeepLast(1))
+    try:
+        writer.save(1, _state(1))
+        assert writer._tiers._replicas[0].wait_durable(30)
+        (tier / LOCK_NAME).unlink()
+        (tier / LOCK_NAME).write_text(json.dumps({"host": "gpu-node-17", "pid": 1}))
+        (tier / "step_0000000050").mkdir()  # an upload of the other writer, in progress
+        before = _tree(tier)
+        writer.save(2, _state(2))
+        writer.wait()
+        deadline = time.monotonic() + 10
+        while not writer.replication_status()[0].last_error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "was replaced" in writer.replication_status()[0].last_error
+        assert _tree(tier) == before
+    finally:
+        writer._tiers.stop()
+        writer.close()
+
+
+def test_tier_retention_across_two_runs_keeps_this_runs_newest(tmp_path: Path) -> None:
+    """A tier that holds a finished run's later steps: KeepLast(1) there used to remove each of
+    this run's uploads right after it (the other run's step being the newest), so the run was
+    never durable while close() said it was."""
+    tier = tmp_path / "tier"
+    with _manager(tier, keep=cp.KeepAll()) as earlier:
+        for step in (100, 101, 102):
+            earlier.save(step, _state(step))
+    with _tier_manager(
+        tmp_path / "a", str(tier), keep=cp.KeepLast(2), tier_keep=cp.KeepLast(1)
+    ) as run:
+        for step in (1, 2, 3):
+            run.save(step, _state(step))
+    names = sorted(p.name for p in tier.iterdir())
+    assert "step_0000000003" in names, names
+    assert "step_0000000102" in names  # the newest of the tier stays too
+    with cp.CheckpointManager(str(tier), read_only=True) as reader:
+        assert reader.restore(_state(0), step=3) == 3

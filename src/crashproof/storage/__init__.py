@@ -11,6 +11,7 @@ from crashproof.errors import ConfigError
 from crashproof.storage._base import ReadStream, Storage, WriteStream, read_all, write_all
 from crashproof.storage._faulty import with_injected_faults
 from crashproof.storage._fsspec import FsspecStorage
+from crashproof.storage._guarded import GuardedStorage, local_backend
 from crashproof.storage._local import REPLACED_PREFIX, TRASH_PREFIX, LocalStorage
 from crashproof.storage._memory import MemoryStorage
 
@@ -18,11 +19,13 @@ __all__ = [
     "REPLACED_PREFIX",
     "TRASH_PREFIX",
     "FsspecStorage",
+    "GuardedStorage",
     "LocalStorage",
     "MemoryStorage",
     "ReadStream",
     "Storage",
     "WriteStream",
+    "local_backend",
     "read_all",
     "storage_for",
     "write_all",

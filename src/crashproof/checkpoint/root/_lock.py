@@ -54,9 +54,11 @@ from crashproof.checkpoint.root._lock_file import (
 )
 from crashproof.checkpoint.root._lock_holder import Holder, is_alive, process_start
 from crashproof.errors import CheckpointWriteError, RootLockedError
+from crashproof.storage import GuardedStorage, Storage, local_backend
 
 __all__ = [
     "RootLock",
+    "hold_root",
     "lock_root",
     "read_holder",
 ]
@@ -208,6 +210,19 @@ def read_holder(root: str) -> Holder | None:
         return read_holder_at(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def hold_root(storage: Storage, root: str) -> tuple[Storage, RootLock | None]:
+    """Where ``storage`` can lock ``root`` (a local or network filesystem), make it and take its
+    writer's lock: the storage to write through (every change checks the hold first:
+    :class:`~crashproof.storage.GuardedStorage`) and the lock, to release when done. Object
+    stores cannot be locked: ``storage`` itself and None. Every writer into a root comes through
+    here: a manager, a tier's replicator, ``crashproof prune``."""
+    if local_backend(storage) is None:
+        return storage, None
+    storage.make_dirs(root)
+    lock = lock_root(root)
+    return GuardedStorage(storage, lock.check), lock
 
 
 def lock_root(root: str) -> RootLock:
