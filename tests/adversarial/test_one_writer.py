@@ -826,3 +826,93 @@ def test_tier_retention_across_two_runs_keeps_this_runs_newest(tmp_path: Path) -
     assert "step_0000000102" in names  # the newest of the tier stays too
     with cp.CheckpointManager(str(tier), read_only=True) as reader:
         assert reader.restore(_state(0), step=3) == 3
+
+
+# -- every spelling of a local path is the same locked root ------------------------------------
+
+_SPELLINGS = {
+    "file-uri": "file://{root}",
+    "file-localhost": "file://localhost{root}",
+    "file-one-slash": "file:{root}",
+    "local-uri": "local://{root}",
+    "local-one-slash": "local:{root}",
+    "upper-case": "FILE://{root}",
+    "asynclocal": "asynclocal://{root}",
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+def test_no_spelling_of_a_locked_root_admits_a_second_writer(tmp_path: Path, spelling: str) -> None:
+    """``local:///ROOT`` (fsspec's local filesystem) used to be an object store: no lock, and a
+    second writer removed the first one's save in progress at start."""
+    root = tmp_path / "run"
+    first = _manager(root)
+    first.save(1, _state(1))
+    inflight = root / ".tmp-step_0000000002-abcd1234-1"
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"half a shard")
+    before = _tree(root)
+    uri = _SPELLINGS[spelling].format(root=root)
+    try:
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
+            cp.CheckpointManager(uri, async_save=False, handle_signals=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", uri, "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and "locked by" in proc.stderr, proc.stderr
+        assert _tree(root) == before
+    finally:
+        first.close()
+    with cp.CheckpointManager(uri, read_only=True) as reader:  # and it is the same root
+        assert reader.storage.describe(reader.root) == str(root)
+        assert [c.step for c in reader.list()] == [1]
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "file://gpu-node-17/ckpt",  # another host's file
+        "local://relative/ckpt",  # a host, for RFC 8089
+        "file:///ckpt?x=1",
+        "file:///ckpt#frag",
+        "generic:///ckpt",  # fsspec routers and wrappers that reach local files
+        "dir:///ckpt",
+        "simplecache::file:///ckpt",
+        "zip:///ckpt",
+        "nosuchprotocol://ckpt",
+    ],
+)
+def test_a_uri_that_is_not_plainly_local_nor_an_object_store_is_refused(uri: str) -> None:
+    with pytest.raises(ConfigError, match="ckpt"):
+        cp.CheckpointManager(uri, handle_signals=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", "ls", uri], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_an_fsspec_storage_over_local_files_is_refused() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    from crashproof.storage import FsspecStorage
+
+    with pytest.raises(ConfigError, match="lock"):
+        FsspecStorage(fsspec.filesystem("file"), "file")
+    with pytest.raises(ConfigError, match="lock"):
+        cp.CheckpointManager(
+            "memory://fsspec-local-tier",
+            handle_signals=False,
+            remote=cp.Tier("simplecache://t", storage_options={"target_protocol": "file"}),
+        )
+
+
+def test_a_local_tier_spelled_as_a_uri_is_locked_too(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    with _manager(tier, keep=cp.KeepAll()) as other_run:
+        other_run.save(100, _state(100))
+        before = _tree(tier)
+        for uri in (f"file://{tier}", f"local://{tier}", f"file:{tier}"):
+            with pytest.raises(RootLockedError):
+                _tier_manager(tmp_path / "a", uri, tier_keep=cp.KeepLast(1))
+        assert _tree(tier) == before
