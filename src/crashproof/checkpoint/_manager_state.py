@@ -48,6 +48,10 @@ class ManagerState:
     known: dict[int, float | None] = field(default_factory=dict)
     """Where no lock can be held (object stores): the commit time of every checkpoint this manager
     knows of (None: not looked at yet), to tell a second writer's checkpoints (docs/storage.md)."""
+    corrupt: set[int] = field(default_factory=set)
+    """Steps whose local copy a restore of this run found corrupt (and skipped): retention does
+    not count them among what it keeps and removes them first when the disk is full. A step
+    leaves the set when this run commits or downloads a good copy of it."""
     second_writer: str | None = None
     """Why the next call into the manager fails: a second writer was seen."""
     retention_off: bool = False
