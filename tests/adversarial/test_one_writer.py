@@ -916,3 +916,63 @@ def test_a_local_tier_spelled_as_a_uri_is_locked_too(tmp_path: Path) -> None:
             with pytest.raises(RootLockedError):
                 _tier_manager(tmp_path / "a", uri, tier_keep=cp.KeepLast(1))
         assert _tree(tier) == before
+
+
+# -- every change in a root checks the hold first, not only the start of a save ----------------
+
+
+def _replace_lock(root: Path) -> None:
+    (root / LOCK_NAME).unlink()
+    (root / LOCK_NAME).write_text(json.dumps({"host": "gpu-node-17", "pid": 1, "since_unix": 1}))
+
+
+@pytest.mark.parametrize("then", ["write-on", "disk-full"])
+def test_a_lock_lost_during_a_background_save_stops_its_writes_publish_and_removals(
+    tmp_path: Path, then: str
+) -> None:
+    """The lock file is replaced while the async save writes its shard; the save then goes on
+    (or finds the disk full, and makes room by removing checkpoints): it used to publish, and
+    remove for space, in a root another writer now holds."""
+    from crashproof.storage import LocalStorage
+
+    root = tmp_path / "run"
+
+    class Storage(LocalStorage):
+        armed = False
+
+        def create(self, path: str) -> Any:
+            if Storage.armed and path.endswith("rank_00000.safetensors"):
+                Storage.armed = False
+                _replace_lock(root)
+                if then == "disk-full":
+                    raise OSError(28, "No space left on device", path)
+            return super().create(path)
+
+    writer = cp.CheckpointManager(
+        str(root), storage=Storage(), keep=cp.KeepLast(1), handle_signals=False
+    )
+    writer.save(1, _state(1))
+    writer.wait()
+    before = {k: v for k, v in _tree(root).items() if k != LOCK_NAME}
+    Storage.armed = True
+    writer.save(2, _state(2))  # async: the failure comes at the wait
+    with pytest.raises(RootLockedError, match="was replaced"):
+        writer.wait()
+    after = _tree(root)
+    assert {k: v for k, v in after.items() if k in before} == before, "something was removed"
+    assert not any(k.startswith("step_0000000002") for k in after), "published without the lock"
+    assert writer.stats.removed_for_space == 0
+    writer.close()
+
+
+def test_a_download_from_a_tier_is_not_published_into_a_root_whose_lock_was_lost(
+    tmp_path: Path,
+) -> None:
+    root, tier = tmp_path / "run", tmp_path / "tier"
+    with _manager(tier) as tier_writer:
+        tier_writer.save(5, _state(5))
+    writer = _manager(root, remote=str(tier), replicate=False)
+    _replace_lock(root)
+    assert writer.restore(_state(0)) == 0  # the tier's copy could not be brought in
+    assert sorted(p.name for p in root.iterdir()) == [LOCK_NAME]
+    writer.close()
