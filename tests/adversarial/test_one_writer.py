@@ -976,3 +976,85 @@ def test_a_download_from_a_tier_is_not_published_into_a_root_whose_lock_was_lost
     assert writer.restore(_state(0)) == 0  # the tier's copy could not be brought in
     assert sorted(p.name for p in root.iterdir()) == [LOCK_NAME]
     writer.close()
+
+
+# -- a lock file's fields are data from disk: out of range is garbage, never a traceback --------
+
+_GARBAGE_FIELDS = {
+    "pid-huge": {"pid": 10**30},
+    "pid-2^63": {"pid": 2**63},
+    "pid-0": {"pid": 0},  # kill(0, 0) is this process group: "alive"
+    "pid-minus-1": {"pid": -1},  # kill(-1, 0): every process we may signal
+    "pid-float-string": {"pid": "1e3"},
+    "since-nan": {"since_unix": float("nan")},
+    "since-inf": {"since_unix": float("inf")},
+    "since-1e300": {"since_unix": 1e300},
+    "since-negative": {"since_unix": -1e18},
+    "host-empty": {"host": ""},
+    "other-host-nan": {"host": "gpu-node-17", "since_unix": float("nan")},
+    "other-host-pid-0": {"host": "gpu-node-17", "pid": 0},
+}
+
+
+def _garbage_lock(fields: dict[str, Any]) -> str:
+    holder = {"host": socket.gethostname(), "pid": 999_999, "process_start": "x:1"}
+    return json.dumps(holder | {"since_unix": 1.0} | fields)  # NaN and Infinity as Python writes
+
+
+@pytest.mark.parametrize("case", sorted(_GARBAGE_FIELDS))
+def test_a_lock_file_naming_no_possible_process_is_taken_over_by_writer_and_prune(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _manager(tmp_path) as first:
+        first.save(1, _state(1))
+        first.save(2, _state(2))
+    garbage = _garbage_lock(_GARBAGE_FIELDS[case])
+    (tmp_path / LOCK_NAME).write_text(garbage)
+    with caplog.at_level(logging.WARNING, logger="crashproof.checkpoint"):
+        _manager(tmp_path).close()
+    assert any("taking over the lock" in r.getMessage() for r in caplog.records)
+    (tmp_path / LOCK_NAME).write_text(garbage)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["since-nan", "pid-0", "host-control-chars"])
+def test_a_held_lock_with_garbage_in_its_file_refuses_with_one_clean_message(
+    tmp_path: Path, case: str
+) -> None:
+    """The OS-level lock is held (a live writer) and its file was overwritten: refused, and
+    the message renders whatever the file says."""
+    with _manager(tmp_path) as first:
+        first.save(1, _state(1))
+    holder = _holder(tmp_path, "hold")
+    try:
+        fields = (
+            {"host": "node\x1b[2J\n7"} if case == "host-control-chars" else _GARBAGE_FIELDS[case]
+        )
+        with open(tmp_path / LOCK_NAME, "r+") as f:  # the holder's own file, rewritten
+            f.truncate(0)
+            f.write(_garbage_lock(fields))
+        with pytest.raises(RootLockedError) as info:
+            _manager(tmp_path)
+        message = str(info.value)
+        assert "\x1b" not in message and "\n" not in message
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_renders_any_field_safely() -> None:
+    for since in (float("nan"), float("inf"), 1e300, -1e300):
+        text = _lock_holder.Holder("h\x07st", 5, "", since).describe()
+        assert "pid 5" in text and "\x07" not in text

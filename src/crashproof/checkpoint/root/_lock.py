@@ -281,9 +281,17 @@ def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
             if found is None or identity(found) != identity(mine):
                 os.close(fd)  # deleted (and perhaps made again) meanwhile: lock the new one
                 continue
-            previous = Holder.parse(os.pread(fd, MAX_LOCK_BYTES, 0))
+            raw = os.pread(fd, MAX_LOCK_BYTES, 0)
+            previous = Holder.parse(raw)
             if previous is not None:
                 _check_stale(root, path, previous, me)
+            elif raw.strip():  # no one holds its lock, and it names no process that could
+                log.warning(
+                    "taking over the lock of %s: its lock file names no process that could run "
+                    "(%d bytes that are not a holder: a pid of 0, a time that is not finite, ...)",
+                    root,
+                    len(raw),
+                )
             if mine.st_nlink != 1:
                 # A hard link: writing would change the file under its other names too (outside
                 # the root, perhaps). Drop this name only and make a file of our own.
