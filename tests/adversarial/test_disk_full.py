@@ -218,3 +218,125 @@ def test_a_real_full_filesystem_with_keep_last_2_keeps_saving(tmpfs: tuple[Path,
         checkpoint_dir_name(6),
     ]
     assert stats.failures == 0 and stats.disk_full_retries >= 1
+
+
+# -- a checkpoint the run found corrupt is not one of the kept, and goes first when full ------
+
+
+def _rot(disk: MemoryStorage, step: int) -> None:
+    """A same-size bit flip in the shard: the checkpoint still lists as valid, fails checksums."""
+    shard = f"/ck/{checkpoint_dir_name(step)}/rank_00000.safetensors"
+    data = bytearray(disk.get_bytes(shard))
+    data[-1] ^= 1
+    disk.put_bytes(shard, bytes(data))
+
+
+def test_a_full_disk_after_a_fallback_past_a_corrupt_checkpoint_keeps_saving() -> None:
+    """The attack: the newest checkpoint rots, the run restarts and falls back; KeepLast(2)
+    counted the corrupt copy as kept and spared it as "the step being saved", so no save ever
+    committed again."""
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    with _manager(disk, keep=cp.KeepLast(2)) as m:
+        for step in range(1, 6):
+            m.save(step, _state(step))
+    _rot(disk, 5)
+    with _manager(disk, keep=cp.KeepLast(2)) as m:
+        assert m.restore(_state(0)) == 4
+        for step in range(5, 10):
+            m.save(step, _state(step))
+            assert _steps(disk)[-1] == step, f"step {step} did not commit"
+        stats = m.stats
+    assert _steps(disk) == [8, 9]
+    assert stats.failures == 0 and stats.removed_for_space == 5
+    with cp.CheckpointManager("/ck", storage=disk, read_only=True, handle_signals=False) as r:
+        assert r.restore(_state(0)) == 9
+
+
+def test_two_corrupt_checkpoints_are_not_counted_among_the_newest_kept() -> None:
+    disk = _Disk(quota=3 * _checkpoint_bytes() + 512)
+    with _manager(disk, keep=cp.KeepLast(3)) as m:
+        for step in range(1, 6):
+            m.save(step, _state(step))
+    _rot(disk, 4)
+    _rot(disk, 5)
+    with _manager(disk, keep=cp.KeepLast(3)) as m:
+        assert m.restore(_state(0)) == 3
+        m.save(6, _state(6))  # room made from the two corrupt copies, never from step 3
+        assert _steps(disk) == [3, 6]
+        m.save(7, _state(7))
+        m.save(8, _state(8))
+        stats = m.stats
+    assert _steps(disk) == [6, 7, 8]
+    assert stats.failures == 0 and stats.removed_for_space >= 2
+
+
+def test_the_newest_valid_checkpoint_stays_while_a_corrupt_one_makes_room() -> None:
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    with _manager(disk, keep=cp.KeepLast(2)) as m:
+        for step in (1, 2, 3):
+            m.save(step, _state(step))
+    _rot(disk, 3)
+    removed: list[int] = []
+    real_remove = disk.remove
+
+    def remove(path: str) -> None:
+        name = path.rsplit("/", 1)[1]
+        if name.startswith("step_") and path.count("/") == 2:
+            removed.append(int(name[5:]))
+            assert 2 in _steps(disk) or removed[-1] != 2, "the newest valid one went first"
+        real_remove(path)
+
+    disk.remove = remove  # type: ignore[method-assign]
+    with _manager(disk, keep=cp.KeepLast(1)) as m:
+        assert m.restore(_state(0)) == 2
+        m.save(3, _state(3))  # a full disk: the corrupt old copy of 3 goes, never 2
+        assert removed[0] == 3, removed  # the corrupt old copy made the room
+        m.save(4, _state(4))
+    assert _steps(disk) == [4]
+
+
+def test_a_checkpoint_the_storage_could_not_read_is_not_taken_for_corrupt() -> None:
+    """A read refused (EIO, permissions) says nothing of the checkpoint: it is skipped by the
+    restore but not removed to make room, nor uncounted."""
+    disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
+    with _manager(disk, keep=cp.KeepLast(2)) as m:
+        for step in (1, 2, 3):
+            m.save(step, _state(step))
+    refused = f"/ck/{checkpoint_dir_name(3)}/rank_00000.safetensors"
+    real_open = disk.open
+
+    def open_(path: str) -> Any:
+        if path == refused and refuse:
+            raise OSError(errno.EIO, "I/O error", path)
+        return real_open(path)
+
+    refuse = True
+    disk.open = open_  # type: ignore[method-assign]
+    with _manager(disk, keep=cp.KeepLast(2)) as m:
+        assert m.restore(_state(0)) == 2
+        refuse = False
+        m.save(4, _state(4))  # KeepLast(2) keeps 3 and 4 (and 2, the newest valid): no room
+        stats = m.stats
+    assert _steps(disk) == [2, 3] and stats.removed_for_space == 0 and stats.failures == 1
+
+
+def test_a_real_full_filesystem_after_a_fallback_keeps_saving(tmpfs: tuple[Path, int]) -> None:
+    mount, _ = tmpfs
+    root = mount / "ck"
+    kw: dict[str, Any] = {"keep": cp.KeepLast(2), "async_save": False, "handle_signals": False}
+    with cp.CheckpointManager(str(root), **kw) as m:
+        for step in range(1, 6):
+            m.save(step, _state(step, 256))
+    shard = root / checkpoint_dir_name(5) / "rank_00000.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with cp.CheckpointManager(str(root), **kw) as m:
+        assert m.restore(_state(0, 256)) == 4
+        for step in range(5, 9):
+            m.save(step, _state(step, 256))
+            assert checkpoint_dir_name(step) in os.listdir(root), f"step {step} did not commit"
+        stats = m.stats
+    assert stats.failures == 0 and stats.removed_for_space >= 4

@@ -107,6 +107,36 @@ def test_a_symlinked_step_directory_is_not_listed_by_the_cli_nor_deleted_through
     assert _step_dir(root, 3).is_symlink()
 
 
+@pytest.mark.parametrize(
+    "spelling", ["file://{}", "file://localhost{}", "file:{}", "local://{}", "local:{}"]
+)
+def test_no_spelling_of_a_local_root_follows_a_link_out_of_it(
+    tmp_path: Path, spelling: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``local:///ROOT`` used to reach the root through fsspec, which follows links: a linked
+    step directory outside the root was restored and listed as the newest checkpoint."""
+    from crashproof.cli import main
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _save(root, {1: 1})
+    _save(elsewhere, {7: 7})
+    os.symlink(_step_dir(elsewhere, 7), _step_dir(root, 7))
+    uri = spelling.format(root)
+    state = _state(99)
+    with cp.CheckpointManager(uri, read_only=True, handle_signals=False) as mgr:
+        assert mgr.restore(state) == 1
+    assert torch.equal(_weights(state), _weights(_state(1)))
+    for command in ("ls", "verify"):
+        main([command, uri])
+        assert checkpoint_dir_name(7) not in capsys.readouterr().out
+    with cp.CheckpointManager(
+        uri, async_save=False, handle_signals=False, keep=cp.KeepLast(1)
+    ) as writer:  # a writer on that spelling removes nothing through the link
+        writer.save(8, _state(8))
+    assert sorted(p.name for p in (elsewhere / checkpoint_dir_name(7)).iterdir())
+    assert _step_dir(root, 7).is_symlink()
+
+
 def test_a_symlinked_delta_base_is_refused(tmp_path: Path) -> None:
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     _save(root, {1: 1, 2: 2}, delta=cp.Delta(full_every=4))

@@ -723,3 +723,338 @@ def test_a_fifo_swapped_in_for_a_held_lock_file_is_noticed_without_blocking(
         lock.check()
     lock.release()
     assert stat.S_ISFIFO(os.lstat(tmp_path / LOCK_NAME).st_mode), "left as it was"
+
+
+# -- a durable tier on a local path is a root like any other: its replicator is its writer ------
+
+
+def _tier_manager(root: Path, tier: str, **kw: Any) -> cp.CheckpointManager:
+    return _manager(root, remote=cp.Tier(tier, keep=kw.pop("tier_keep", None)), **kw)
+
+
+@pytest.mark.parametrize("spelling", ["path", "trailing-slash", "dot-dot"])
+def test_a_local_tier_that_is_another_runs_locked_root_is_refused_untouched(
+    tmp_path: Path, spelling: str
+) -> None:
+    """The attack: run A's tier is run B's live root. A's replicator used to write there without
+    the lock, remove B's manifest-less directories and apply A's tier retention to B's steps."""
+    theirs, ours = tmp_path / "b", tmp_path / "a"
+    other = _manager(theirs, keep=cp.KeepAll())
+    for step in (100, 101, 102):
+        other.save(step, _state(step))
+    inflight = theirs / ".tmp-step_0000000103-cafe-1"  # B's save in progress
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"half")
+    before = _tree(theirs)
+    uri = {
+        "path": str(theirs),
+        "trailing-slash": f"{theirs}/",
+        "dot-dot": f"{theirs}/../b",
+    }[spelling]
+    try:
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}") as info:
+            _tier_manager(ours, uri, keep=cp.KeepLast(1), tier_keep=cp.KeepLast(1))
+        assert LOCK_NAME in str(info.value)
+        assert _tree(theirs) == before
+        with _manager(ours) as again:  # the refused manager let go of its own root
+            again.save(1, _state(1))
+    finally:
+        other.close()
+
+
+def test_a_tier_held_by_a_replicating_run_refuses_a_writer_and_prune(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    with _tier_manager(tmp_path / "a", str(tier)) as replicating:
+        replicating.save(1, _state(1))
+        replicating.wait()
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
+            _manager(tier)
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", str(tier), "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and "locked by" in proc.stderr
+        with pytest.raises(RootLockedError):  # nor a second run's tier
+            _tier_manager(tmp_path / "c", str(tier))
+    assert not (tier / LOCK_NAME).exists(), "close() lets go of the tier's root"
+    with _manager(tier) as after:
+        assert [c.step for c in after.list()] == [1]
+
+
+def test_a_tier_replicator_that_lost_its_tiers_lock_removes_nothing_there(
+    tmp_path: Path,
+) -> None:
+    """The tier's lock file replaced (another writer, another host) while replication runs:
+    neither the tier's retention nor the clean-up of uploads that never committed acts."""
+    tier = tmp_path / "tier"
+    writer = _tier_manager(tmp_path / "a", str(tier), keep=cp.KeepAll(), tier_keep=cp.KeepLast(1))
+    try:
+        writer.save(1, _state(1))
+        assert writer._tiers._replicas[0].wait_durable(30)
+        (tier / LOCK_NAME).unlink()
+        (tier / LOCK_NAME).write_text(json.dumps({"host": "gpu-node-17", "pid": 1}))
+        (tier / "step_0000000050").mkdir()  # an upload of the other writer, in progress
+        before = _tree(tier)
+        writer.save(2, _state(2))
+        writer.wait()
+        deadline = time.monotonic() + 10
+        while not writer.replication_status()[0].last_error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "was replaced" in writer.replication_status()[0].last_error
+        assert _tree(tier) == before
+    finally:
+        writer._tiers.stop()
+        writer.close()
+
+
+def test_tier_retention_across_two_runs_keeps_this_runs_newest(tmp_path: Path) -> None:
+    """A tier that holds a finished run's later steps: KeepLast(1) there used to remove each of
+    this run's uploads right after it (the other run's step being the newest), so the run was
+    never durable while close() said it was."""
+    tier = tmp_path / "tier"
+    with _manager(tier, keep=cp.KeepAll()) as earlier:
+        for step in (100, 101, 102):
+            earlier.save(step, _state(step))
+    with _tier_manager(
+        tmp_path / "a", str(tier), keep=cp.KeepLast(2), tier_keep=cp.KeepLast(1)
+    ) as run:
+        for step in (1, 2, 3):
+            run.save(step, _state(step))
+    names = sorted(p.name for p in tier.iterdir())
+    assert "step_0000000003" in names, names
+    assert "step_0000000102" in names  # the newest of the tier stays too
+    with cp.CheckpointManager(str(tier), read_only=True) as reader:
+        assert reader.restore(_state(0), step=3) == 3
+
+
+# -- every spelling of a local path is the same locked root ------------------------------------
+
+_SPELLINGS = {
+    "file-uri": "file://{root}",
+    "file-localhost": "file://localhost{root}",
+    "file-one-slash": "file:{root}",
+    "local-uri": "local://{root}",
+    "local-one-slash": "local:{root}",
+    "upper-case": "FILE://{root}",
+    "asynclocal": "asynclocal://{root}",
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+def test_no_spelling_of_a_locked_root_admits_a_second_writer(tmp_path: Path, spelling: str) -> None:
+    """``local:///ROOT`` (fsspec's local filesystem) used to be an object store: no lock, and a
+    second writer removed the first one's save in progress at start."""
+    root = tmp_path / "run"
+    first = _manager(root)
+    first.save(1, _state(1))
+    inflight = root / ".tmp-step_0000000002-abcd1234-1"
+    inflight.mkdir()
+    (inflight / "rank_00000.safetensors").write_bytes(b"half a shard")
+    before = _tree(root)
+    uri = _SPELLINGS[spelling].format(root=root)
+    try:
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
+            cp.CheckpointManager(uri, async_save=False, handle_signals=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", uri, "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and "locked by" in proc.stderr, proc.stderr
+        assert _tree(root) == before
+    finally:
+        first.close()
+    with cp.CheckpointManager(uri, read_only=True) as reader:  # and it is the same root
+        assert reader.storage.describe(reader.root) == str(root)
+        assert [c.step for c in reader.list()] == [1]
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "file://gpu-node-17/ckpt",  # another host's file
+        "local://relative/ckpt",  # a host, for RFC 8089
+        "file:///ckpt?x=1",
+        "file:///ckpt#frag",
+        "generic:///ckpt",  # fsspec routers and wrappers that reach local files
+        "dir:///ckpt",
+        "simplecache::file:///ckpt",
+        "zip:///ckpt",
+        "nosuchprotocol://ckpt",
+    ],
+)
+def test_a_uri_that_is_not_plainly_local_nor_an_object_store_is_refused(uri: str) -> None:
+    with pytest.raises(ConfigError, match="ckpt"):
+        cp.CheckpointManager(uri, handle_signals=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", "ls", uri], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_an_fsspec_storage_over_local_files_is_refused() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    from crashproof.storage import FsspecStorage
+
+    with pytest.raises(ConfigError, match="lock"):
+        FsspecStorage(fsspec.filesystem("file"), "file")
+    with pytest.raises(ConfigError, match="lock"):
+        cp.CheckpointManager(
+            "memory://fsspec-local-tier",
+            handle_signals=False,
+            remote=cp.Tier("simplecache://t", storage_options={"target_protocol": "file"}),
+        )
+
+
+def test_a_local_tier_spelled_as_a_uri_is_locked_too(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    with _manager(tier, keep=cp.KeepAll()) as other_run:
+        other_run.save(100, _state(100))
+        before = _tree(tier)
+        for uri in (f"file://{tier}", f"local://{tier}", f"file:{tier}"):
+            with pytest.raises(RootLockedError):
+                _tier_manager(tmp_path / "a", uri, tier_keep=cp.KeepLast(1))
+        assert _tree(tier) == before
+
+
+# -- every change in a root checks the hold first, not only the start of a save ----------------
+
+
+def _replace_lock(root: Path) -> None:
+    (root / LOCK_NAME).unlink()
+    (root / LOCK_NAME).write_text(json.dumps({"host": "gpu-node-17", "pid": 1, "since_unix": 1}))
+
+
+@pytest.mark.parametrize("then", ["write-on", "disk-full"])
+def test_a_lock_lost_during_a_background_save_stops_its_writes_publish_and_removals(
+    tmp_path: Path, then: str
+) -> None:
+    """The lock file is replaced while the async save writes its shard; the save then goes on
+    (or finds the disk full, and makes room by removing checkpoints): it used to publish, and
+    remove for space, in a root another writer now holds."""
+    from crashproof.storage import LocalStorage
+
+    root = tmp_path / "run"
+
+    class Storage(LocalStorage):
+        armed = False
+
+        def create(self, path: str) -> Any:
+            if Storage.armed and path.endswith("rank_00000.safetensors"):
+                Storage.armed = False
+                _replace_lock(root)
+                if then == "disk-full":
+                    raise OSError(28, "No space left on device", path)
+            return super().create(path)
+
+    writer = cp.CheckpointManager(
+        str(root), storage=Storage(), keep=cp.KeepLast(1), handle_signals=False
+    )
+    writer.save(1, _state(1))
+    writer.wait()
+    before = {k: v for k, v in _tree(root).items() if k != LOCK_NAME}
+    Storage.armed = True
+    writer.save(2, _state(2))  # async: the failure comes at the wait
+    with pytest.raises(RootLockedError, match="was replaced"):
+        writer.wait()
+    after = _tree(root)
+    assert {k: v for k, v in after.items() if k in before} == before, "something was removed"
+    assert not any(k.startswith("step_0000000002") for k in after), "published without the lock"
+    assert writer.stats.removed_for_space == 0
+    writer.close()
+
+
+def test_a_download_from_a_tier_is_not_published_into_a_root_whose_lock_was_lost(
+    tmp_path: Path,
+) -> None:
+    root, tier = tmp_path / "run", tmp_path / "tier"
+    with _manager(tier) as tier_writer:
+        tier_writer.save(5, _state(5))
+    writer = _manager(root, remote=str(tier), replicate=False)
+    _replace_lock(root)
+    assert writer.restore(_state(0)) == 0  # the tier's copy could not be brought in
+    assert sorted(p.name for p in root.iterdir()) == [LOCK_NAME]
+    writer.close()
+
+
+# -- a lock file's fields are data from disk: out of range is garbage, never a traceback --------
+
+_GARBAGE_FIELDS = {
+    "pid-huge": {"pid": 10**30},
+    "pid-2^63": {"pid": 2**63},
+    "pid-0": {"pid": 0},  # kill(0, 0) is this process group: "alive"
+    "pid-minus-1": {"pid": -1},  # kill(-1, 0): every process we may signal
+    "pid-float-string": {"pid": "1e3"},
+    "since-nan": {"since_unix": float("nan")},
+    "since-inf": {"since_unix": float("inf")},
+    "since-1e300": {"since_unix": 1e300},
+    "since-negative": {"since_unix": -1e18},
+    "host-empty": {"host": ""},
+    "other-host-nan": {"host": "gpu-node-17", "since_unix": float("nan")},
+    "other-host-pid-0": {"host": "gpu-node-17", "pid": 0},
+}
+
+
+def _garbage_lock(fields: dict[str, Any]) -> str:
+    holder = {"host": socket.gethostname(), "pid": 999_999, "process_start": "x:1"}
+    return json.dumps(holder | {"since_unix": 1.0} | fields)  # NaN and Infinity as Python writes
+
+
+@pytest.mark.parametrize("case", sorted(_GARBAGE_FIELDS))
+def test_a_lock_file_naming_no_possible_process_is_taken_over_by_writer_and_prune(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _manager(tmp_path) as first:
+        first.save(1, _state(1))
+        first.save(2, _state(2))
+    garbage = _garbage_lock(_GARBAGE_FIELDS[case])
+    (tmp_path / LOCK_NAME).write_text(garbage)
+    with caplog.at_level(logging.WARNING, logger="crashproof.checkpoint"):
+        _manager(tmp_path).close()
+    assert any("taking over the lock" in r.getMessage() for r in caplog.records)
+    (tmp_path / LOCK_NAME).write_text(garbage)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["since-nan", "pid-0", "host-control-chars"])
+def test_a_held_lock_with_garbage_in_its_file_refuses_with_one_clean_message(
+    tmp_path: Path, case: str
+) -> None:
+    """The OS-level lock is held (a live writer) and its file was overwritten: refused, and
+    the message renders whatever the file says."""
+    with _manager(tmp_path) as first:
+        first.save(1, _state(1))
+    holder = _holder(tmp_path, "hold")
+    try:
+        fields = (
+            {"host": "node\x1b[2J\n7"} if case == "host-control-chars" else _GARBAGE_FIELDS[case]
+        )
+        with open(tmp_path / LOCK_NAME, "r+") as f:  # the holder's own file, rewritten
+            f.truncate(0)
+            f.write(_garbage_lock(fields))
+        with pytest.raises(RootLockedError) as info:
+            _manager(tmp_path)
+        message = str(info.value)
+        assert "\x1b" not in message and "\n" not in message
+        proc = subprocess.run(
+            [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 74 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_renders_any_field_safely() -> None:
+    for since in (float("nan"), float("inf"), 1e300, -1e300):
+        text = _lock_holder.Holder("h\x07st", 5, "", since).describe()
+        assert "pid 5" in text and "\x07" not in text

@@ -14,13 +14,13 @@ from crashproof.checkpoint._group import Group
 from crashproof.checkpoint.root import (
     RootLock,
     committed_steps,
+    hold_root,
     leftover_dirs,
-    lock_root,
     recover_interrupted,
 )
 from crashproof.checkpoint.save import DeltaBase
 from crashproof.errors import CheckpointWriteError, ConfigError
-from crashproof.storage import LocalStorage, Storage
+from crashproof.storage import Storage
 
 __all__ = ["ManagerState", "open_for_writing"]
 
@@ -48,6 +48,10 @@ class ManagerState:
     known: dict[int, float | None] = field(default_factory=dict)
     """Where no lock can be held (object stores): the commit time of every checkpoint this manager
     knows of (None: not looked at yet), to tell a second writer's checkpoints (docs/storage.md)."""
+    corrupt: set[int] = field(default_factory=set)
+    """Steps whose local copy a restore of this run found corrupt (and skipped): retention does
+    not count them among what it keeps and removes them first when the disk is full. A step
+    leaves the set when this run commits or downloads a good copy of it."""
     second_writer: str | None = None
     """Why the next call into the manager fails: a second writer was seen."""
     retention_off: bool = False
@@ -80,14 +84,15 @@ def open_for_writing(state: ManagerState, group: Group, policies: str) -> None:
     """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
     left, then announces the ``policies`` in force; every rank fails if it cannot (no collective
     left waiting)."""
-    storage, root = state.storage, state.root
+    root = state.root
     error: Exception | None = None
     if group.rank == 0:
         try:
-            storage.make_dirs(root)
-            inner = getattr(storage, "inner", storage)  # a wrapper (chaos faults)
-            if isinstance(inner, LocalStorage):
-                state.lock = lock_root(root)
+            # From here on every change rank 0 makes in the root checks first that it still
+            # holds it: the background writes, publishes, removals and downloads alike.
+            state.storage.make_dirs(root)
+            storage, state.lock = hold_root(state.storage, root)
+            state.storage = storage
             recover_interrupted(storage, root)
             for leftover in leftover_dirs(storage, root):
                 log.info(

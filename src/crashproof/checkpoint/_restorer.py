@@ -27,7 +27,13 @@ from crashproof.checkpoint.restore import (
     read_manifest,
     source_rank,
 )
-from crashproof.checkpoint.root import abandoned, committed_steps, read_marks, record_rollback
+from crashproof.checkpoint.root import (
+    abandoned,
+    committed_steps,
+    read_marks,
+    record_rollback,
+    unreadable,
+)
 from crashproof.checkpoint.save import exactness_environment, named_tensors
 from crashproof.checkpoint.tiers import download_checkpoint
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
@@ -210,6 +216,7 @@ class Restorer:
         except Exception as exc:
             log.warning("cannot restore checkpoint step %d from %s: %s", step, uri, exc)
             return f"{type(exc).__name__}: {exc}"
+        self._shared.corrupt.discard(step)  # a verified copy replaced the local one
         log.info(
             "downloaded checkpoint step %d from %s in %.2f s",
             step,
@@ -245,6 +252,8 @@ class Restorer:
             if problems:
                 log.warning("skipping checkpoint step %d: %s", candidate, "; ".join(problems))
                 skipped.append(f"step {candidate}: {problems[0]}")
+                if storage is self._shared.storage and any(s == "corrupt" for s, _ in statuses):
+                    self._shared.corrupt.add(candidate)  # the local copy: retention may free it
                 if any(s == "gone" for s, _ in statuses):
                     vanished.append(candidate)
                 return None
@@ -310,7 +319,8 @@ class Restorer:
         """Check and verify one candidate without touching the live state.
 
         Returns ``("ok", reader, "")`` (the caller finishes the read into the live tensors),
-        ``("corrupt", None, why)``, ``("gone", None, why)`` (it vanished while it was read) or
+        ``("corrupt", None, why)``, ``("unreadable", None, why)`` (the storage refused a read),
+        ``("gone", None, why)`` (it vanished while it was read) or
         ``("mismatch", None, why)``.
         """
         rank, world_size = self._group.rank, self._group.world_size
@@ -377,7 +387,9 @@ class Restorer:
         except StateMismatchError as exc:
             status, why = "mismatch", str(exc)
         except (CorruptCheckpointError, OSError) as exc:
-            status, why = "corrupt", str(exc)
+            # A file the storage refuses to read (an I/O error, permissions) says nothing of
+            # the checkpoint: skipped all the same, but never judged corrupt (and so removable).
+            status, why = "unreadable" if unreadable(exc) else "corrupt", str(exc)
             if not _still_there(storage, path):
                 status = "gone"  # removed while it was read: the listing is out of date
         if reader is not None:

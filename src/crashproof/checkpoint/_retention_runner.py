@@ -49,6 +49,11 @@ class RetentionRunner:
             keep.add(self._shared.delta_base.step)
         return keep | self._tiers.protected()  # not yet copied to a durable tier
 
+    def unusable(self) -> frozenset[int]:
+        """The steps whose local copy this run found corrupt: never counted as kept, removed
+        first (never the newest valid checkpoint, which verified)."""
+        return frozenset(self._shared.corrupt - {self._shared.newest_valid})
+
     def apply(self, *, keep_always: int) -> None:
         """Remove what the retention policy does not keep (never the newest valid checkpoint).
 
@@ -65,10 +70,18 @@ class RetentionRunner:
             facts = checkpoint_facts(shared.storage, found)
             if shared.lock is None and self._second_writer_in(facts, keep_always):
                 return
-            plan = retention_plan(shared.storage, found, self._keep, keep_always=keep, facts=facts)
+            plan = retention_plan(
+                shared.storage,
+                found,
+                self._keep,
+                keep_always=keep,
+                facts=facts,
+                unusable=self.unusable(),
+            )
             for step, path in plan:
                 log.info("retention: removing checkpoint step %d", step)
                 shared.storage.remove(path)
+                shared.corrupt.discard(step)
         except Exception as exc:  # a failed clean-up must not fail the save that just committed
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", shared.root, exc
@@ -129,16 +142,25 @@ class RetentionRunner:
         if snapshot.delta is not None:
             keep.add(snapshot.delta[1].step)
         found = committed_steps(shared.storage, shared.root)
-        facts = [f for f in checkpoint_facts(shared.storage, found) if f.step != snapshot.step]
+        unusable = self.unusable()
+        facts = [
+            f
+            for f in checkpoint_facts(shared.storage, found)
+            if f.step != snapshot.step and f.step not in unusable
+        ]
         facts.append(CheckpointFacts(snapshot.step, time.time(), snapshot.metadata))
-        plan = retention_plan(shared.storage, found, self._keep, keep_always=keep, facts=facts)
+        plan = retention_plan(
+            shared.storage, found, self._keep, keep_always=keep, facts=facts, unusable=unusable
+        )
         for step, path in plan:
             log.warning(
-                "disk full: retention removes checkpoint step %d before step %d commits",
+                "disk full: retention removes checkpoint step %d%s before step %d commits",
                 step,
+                " (found corrupt by this run's restore)" if step in unusable else "",
                 snapshot.step,
             )
             shared.storage.remove(path)
+            shared.corrupt.discard(step)
         if shared.lock is not None:  # the lock holder's own leftovers: trash of removals
             for leftover in leftover_dirs(shared.storage, shared.root):
                 if os.path.basename(leftover).startswith(".trash-"):

@@ -328,6 +328,7 @@ class SavePipeline:
                 shared.delta_base = None  # the full save failed: the next save is a full one
             raise
         shared.known.pop(snapshot.step, None)  # ours: its commit time is learnt at retention
+        shared.corrupt.discard(snapshot.step)  # a good copy replaced the one found corrupt
         if delta is not None and result.kind == "full" and not snapshot.sharded:
             # (Sharded state is never delta-encoded: a copy kept as a base would only cost memory.)
             shared.delta_base = keep_as_base(snapshot, result.checksums, shared.delta_base)

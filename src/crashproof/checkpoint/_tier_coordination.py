@@ -71,10 +71,19 @@ class TierCoordinator:
         if by_agent is not None:
             self.by_agent = True
             return list(by_agent)
-        return [
-            TierReplicator(storage, root, tier, keep=self._keep, emit=emit, on_durable=on_durable)
-            for tier in self.tiers
-        ]
+        replicas: list[Replica] = []
+        try:
+            for tier in self.tiers:
+                replicas.append(
+                    TierReplicator(
+                        storage, root, tier, keep=self._keep, emit=emit, on_durable=on_durable
+                    )
+                )
+        except BaseException:  # one tier refused (its root is another run's): none replicates
+            for replica in replicas:
+                replica.stop()
+            raise
+        return replicas
 
     @property
     def replicating(self) -> bool:

@@ -119,7 +119,9 @@ class CheckpointManager:
         try:
             replicate = self._group.rank == 0 and replicate and not read_only
             self._tiers.open(remote, replicate=replicate, on_durable=self._pipeline.queue_retention)
-        except BaseException:
+        except BaseException:  # (a tier's root locked by another run, a tier that cannot open)
+            self._shared.closed = True  # nothing was saved: no "never closed" error at exit
+            self._pipeline.stop()
             self._shared.release_lock()
             raise
         # Last, so a constructor that fails leaves no handler behind: SIGTERM, SIGUSR1 and

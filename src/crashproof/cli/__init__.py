@@ -134,7 +134,7 @@ def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
     what = f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " ")
     log.debug("%s failed", args.command, exc_info=exc)  # -v: the traceback
     if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
-        remote = "://" in subject and not subject.startswith("file://")
+        remote = "://" in subject and not subject.lower().startswith(("file:", "local:"))
         return fail(
             f"{subject}: cannot read or write the storage ({what}); check that it exists, "
             + ("the credentials (for S3: AWS_* variables, ~/.aws) and " if remote else "")

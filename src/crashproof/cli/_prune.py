@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from crashproof._units import DURATION_FORMS
-from crashproof.checkpoint import lock_root, prune_plan, published_steps
+from crashproof.checkpoint import hold_root, prune_plan, published_steps
 from crashproof.cli._conventions import duration, fail
 from crashproof.cli._roots import open_root
 from crashproof.errors import CrashproofError
@@ -22,7 +22,6 @@ from crashproof.policy import (
     KeepWithin,
     RetentionPolicy,
 )
-from crashproof.storage import LocalStorage
 
 __all__ = ["add_prune_parser"]
 
@@ -74,9 +73,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for more in policies[1:]:
         policy = policy | more
     lock = None  # prune removes checkpoints: it is a writer and must hold the root's lock
-    if not args.dry_run and isinstance(getattr(storage, "inner", storage), LocalStorage):
+    if not args.dry_run:
         try:
-            lock = lock_root(path)
+            storage, lock = hold_root(storage, path)  # every removal checks the hold first
         except CrashproofError as exc:  # a run is writing this root: its retention is in charge
             return fail(str(exc), EXIT_STORAGE)
     try:

@@ -16,7 +16,7 @@ from crashproof._rundir import EVENTS_FILE, RunDir
 from crashproof.checkpoint import committed_steps, located, parse_step_dir
 from crashproof.cli._conventions import fail, usage_error
 from crashproof.exitcodes import EXIT_STORAGE
-from crashproof.storage import Storage, storage_for
+from crashproof.storage import Storage, local_path, storage_for
 
 __all__ = ["open_root", "pick", "storage_refused"]
 
@@ -28,9 +28,10 @@ def open_root(root: str) -> tuple[str, Storage, list[tuple[int, str]]]:
             "ROOT is empty: give the checkpoint root (the directory passed to CheckpointManager)"
         )
     path, storage = storage_for(root)
-    local = "://" not in path
-    if local:
-        _check_local_root(root.removeprefix("file://"))
+    given = local_path(root)  # as given (a link as the root is named as such), if local
+    local = given is not None
+    if given is not None:
+        _check_local_root(given)
     # What the listing warns about (each stray name in the root) is news only beside checkpoints;
     # without any, the one line below says what the directory is instead.
     with _held_warnings() as held:

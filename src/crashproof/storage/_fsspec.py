@@ -33,9 +33,13 @@ import stat
 import threading
 from typing import Any
 
+from crashproof.errors import ConfigError
 from crashproof.storage._s3transfer import s3_uploader
 
-__all__ = ["PUT_CONCURRENCY", "FsspecStorage"]
+__all__ = ["LOCAL_PROTOCOLS", "PUT_CONCURRENCY", "FsspecStorage"]
+
+LOCAL_PROTOCOLS = ("file", "local", "asynclocal")
+"""fsspec's names for this machine's filesystem: a root there is a :class:`LocalStorage` root."""
 
 PUT_CONCURRENCY = 8
 """Parts of one file uploaded at once, where the store uploads in parts (multipart)."""
@@ -99,10 +103,34 @@ class _FsspecReadStream:
         pass
 
 
+_ROUTERS = ("generic",)
+"""fsspec filesystems that reach any other one by the URI given, local files included."""
+
+
+def _reaches_local_files(fs: Any) -> bool:
+    """Whether the fsspec filesystem ``fs``, or one it wraps (``dir::``, a cache), is the local
+    filesystem."""
+    for _ in range(8):
+        protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        if any(p in LOCAL_PROTOCOLS or p in _ROUTERS for p in protocols):
+            return True
+        fs = getattr(fs, "fs", None)
+        if fs is None or not hasattr(fs, "protocol"):
+            return False
+    return True  # wrappers this deep: refuse rather than guess
+
+
 class FsspecStorage:
     """Files under URIs of one fsspec filesystem (``fsspec.filesystem(protocol, **options)``)."""
 
     def __init__(self, fs: Any, protocol: str) -> None:
+        if _reaches_local_files(fs):
+            # No lock could hold such a root, and fsspec follows links: the promises of a
+            # local root (one writer, nothing leads elsewhere) would silently not hold.
+            raise ConfigError(
+                f"{protocol}:// reaches this machine's files through fsspec, without the lock "
+                "and the no-link rules of a local root; give the path itself (or file:///path)"
+            )
         self.fs, self.protocol = fs, protocol
         self._writing: set[str] = set()
         self._lock = threading.Lock()

@@ -17,7 +17,7 @@ from crashproof.checkpoint.root._catalog import (
     retention_plan,
 )
 from crashproof.checkpoint.root._listing import list_checkpoints, located, unreadable
-from crashproof.checkpoint.root._lock import RootLock, lock_root
+from crashproof.checkpoint.root._lock import RootLock, hold_root, lock_root
 from crashproof.checkpoint.root._rollbacks import (
     abandoned,
     abandoned_steps,
@@ -33,6 +33,7 @@ __all__ = [
     "checkpoint_facts",
     "committed_steps",
     "describe_checkpoint",
+    "hold_root",
     "leftover_dirs",
     "list_checkpoints",
     "located",

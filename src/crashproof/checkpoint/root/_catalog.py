@@ -254,16 +254,28 @@ def retention_plan(
     *,
     keep_always: set[int],
     facts: list[CheckpointFacts] | None = None,
+    unusable: frozenset[int] = frozenset(),
 ) -> list[tuple[int, str]]:
     """Of ``found``, the checkpoints to remove: what ``keep`` does not keep, sparing
     ``keep_always`` and every full checkpoint a kept delta needs.
 
     ``facts``: what ``keep`` judges by (default: read from each manifest of ``found``); may name
-    a checkpoint not yet in ``found`` (a save not yet committed, judged as if it were)."""
-    kept = retained(keep, checkpoint_facts(storage, found) if facts is None else facts)
-    kept |= keep_always
-    kept |= bases_of(storage, dict(found), kept)
-    return [(step, path) for step, path in found if step not in kept]
+    a checkpoint not yet in ``found`` (a save not yet committed, judged as if it were).
+    ``unusable``: steps whose copy in ``found`` the run found corrupt. They are not counted
+    among what ``keep`` keeps (a corrupt copy is not one of "the newest n") and their copies are
+    removed, even of a step in ``keep_always`` (the step being saved again replaces it anyway),
+    unless a kept delta names it as its base."""
+    if facts is None:
+        facts = checkpoint_facts(storage, found)
+    judged = [f for f in facts if f.step not in unusable or f.step in keep_always]
+    kept = retained(keep, judged) | keep_always
+    bases = bases_of(storage, dict(found), kept - unusable)
+    kept |= bases
+    return [
+        (step, path)
+        for step, path in found
+        if step not in kept or (step in unusable and step not in bases)
+    ]
 
 
 def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:

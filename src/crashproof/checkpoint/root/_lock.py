@@ -54,9 +54,11 @@ from crashproof.checkpoint.root._lock_file import (
 )
 from crashproof.checkpoint.root._lock_holder import Holder, is_alive, process_start
 from crashproof.errors import CheckpointWriteError, RootLockedError
+from crashproof.storage import GuardedStorage, Storage, local_backend
 
 __all__ = [
     "RootLock",
+    "hold_root",
     "lock_root",
     "read_holder",
 ]
@@ -210,6 +212,19 @@ def read_holder(root: str) -> Holder | None:
         os.close(dir_fd)
 
 
+def hold_root(storage: Storage, root: str) -> tuple[Storage, RootLock | None]:
+    """Where ``storage`` can lock ``root`` (a local or network filesystem), make it and take its
+    writer's lock: the storage to write through (every change checks the hold first:
+    :class:`~crashproof.storage.GuardedStorage`) and the lock, to release when done. Object
+    stores cannot be locked: ``storage`` itself and None. Every writer into a root comes through
+    here: a manager, a tier's replicator, ``crashproof prune``."""
+    if local_backend(storage) is None:
+        return storage, None
+    storage.make_dirs(root)
+    lock = lock_root(root)
+    return GuardedStorage(storage, lock.check), lock
+
+
 def lock_root(root: str) -> RootLock:
     """Take the writer's lock of the local ``root`` (which exists), or raise
     :class:`RootLockedError` naming who holds it (:class:`CheckpointWriteError` when what is at
@@ -266,9 +281,17 @@ def _lock_file(root: str, path: str, dir_fd: int, me: Holder) -> int:
             if found is None or identity(found) != identity(mine):
                 os.close(fd)  # deleted (and perhaps made again) meanwhile: lock the new one
                 continue
-            previous = Holder.parse(os.pread(fd, MAX_LOCK_BYTES, 0))
+            raw = os.pread(fd, MAX_LOCK_BYTES, 0)
+            previous = Holder.parse(raw)
             if previous is not None:
                 _check_stale(root, path, previous, me)
+            elif raw.strip():  # no one holds its lock, and it names no process that could
+                log.warning(
+                    "taking over the lock of %s: its lock file names no process that could run "
+                    "(%d bytes that are not a holder: a pid of 0, a time that is not finite, ...)",
+                    root,
+                    len(raw),
+                )
             if mine.st_nlink != 1:
                 # A hard link: writing would change the file under its other names too (outside
                 # the root, perhaps). Drop this name only and make a file of our own.

@@ -17,6 +17,12 @@ from typing import Any
 __all__ = ["Holder", "is_alive", "proc_stat", "process_start"]
 
 
+_MAX_PID = 2**31 - 1
+"""The largest ``pid_t``: a larger "pid" is no process (and overflows ``kill``)."""
+_MAX_UNIX = 2.0**37
+"""About the year 6325: a lock taken later than that is no lock this process could see."""
+
+
 @dataclass(frozen=True, slots=True)
 class Holder:
     """Who holds (or held) a root's lock, as its lock file says."""
@@ -29,8 +35,12 @@ class Holder:
     since_unix: float
 
     def describe(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_unix))
-        return f"pid {self.pid} on host {self.host} (since {since})"
+        try:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_unix))
+        except (ValueError, OverflowError, OSError):  # parse() refuses these: never in a message
+            since = "an unknown time"
+        host = self.host if self.host.isprintable() else ascii(self.host)
+        return f"pid {self.pid} on host {host[:300]} (since {since})"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,16 +52,25 @@ class Holder:
 
     @staticmethod
     def parse(data: bytes) -> Holder | None:
+        """The holder a lock file names; None when it names no one: not JSON, a field missing,
+        or fields no live process can have (a pid of 0 or -1, which ``kill`` takes for a process
+        group, or beyond ``pid_t``; a time not finite or not in this era). Such a file is
+        garbage: taken over by whoever gets the OS lock, never the name of a holder."""
         try:
             obj = json.loads(data)
-            return Holder(
+            holder = Holder(
                 str(obj["host"]),
                 int(obj["pid"]),
                 str(obj.get("process_start", "")),
                 float(obj["since_unix"]),
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             return None
+        if not 0 < holder.pid <= _MAX_PID or not 0.0 <= holder.since_unix <= _MAX_UNIX:
+            return None  # (NaN fails every comparison)
+        if not holder.host or len(holder.host) > 255:
+            return None
+        return holder
 
 
 def proc_stat(pid: int) -> list[bytes] | None:

@@ -36,7 +36,7 @@ from crashproof.checkpoint.format import (
     parse_manifest,
 )
 from crashproof.checkpoint.restore import verify_checkpoint
-from crashproof.checkpoint.root import abandoned_steps, committed_steps, read_marks
+from crashproof.checkpoint.root import abandoned_steps, committed_steps, hold_root, read_marks
 from crashproof.checkpoint.tiers._backlog import LocalCheckpoint, LocalCheckpoints, plan_backlog
 from crashproof.checkpoint.tiers._tier import Tier, TierStatus
 from crashproof.checkpoint.tiers._transfer import remove_checkpoint, upload_checkpoint
@@ -77,7 +77,12 @@ class TierReplicator:
         self._keep = tier.keep if tier.keep is not None else keep
         self._emit = emit
         self._on_durable = on_durable  # local retention may now remove what it had to spare
-        self._remote_root, self._remote = tier.open()
+        self._remote_root, remote = tier.open()
+        # A tier on a local or network filesystem is a root like any other: its replicator is
+        # its writer, holds its lock (a run writing there refuses this one, with
+        # RootLockedError naming it) and checks the hold before every change it makes there.
+        self._remote, self._hold = hold_root(remote, self._remote_root)
+        self._warned_foreign = False
         self._cond = threading.Condition()
         self._wake = False
         self._stopping = False
@@ -175,6 +180,8 @@ class TierReplicator:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
+        if self._hold is not None and not self._thread.is_alive():
+            self._hold.release()  # (a thread stuck in a transfer keeps it: the process's end frees it)
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -382,6 +389,9 @@ class TierReplicator:
             return
         kept = retained(self._keep, [facts.get(s, CheckpointFacts(s)) for s in durable])
         kept.add(max(durable))
+        ours = self._newest_ours(durable)
+        if ours is not None:
+            kept.add(ours)
         if any(s not in bases for s in kept):
             return
         kept |= {b for s in kept if (b := bases[s]) is not None}
@@ -391,6 +401,28 @@ class TierReplicator:
                 self._remote, self._remote.join(self._remote_root, checkpoint_dir_name(step))
             )
             self._forgot(step)
+
+    def _newest_ours(self, durable: dict[int, str]) -> int | None:
+        """The newest local checkpoint the tier holds as it is here. Tier retention keeps it
+        even when the tier holds newer steps (another run's, written there before): else
+        retention would remove each upload right after it, and the run would never be durable."""
+        local = self._local_checkpoints.scan()
+        same = [s for s, e in local.items() if durable.get(s) == digest(e.manifest)]
+        if not same:
+            return None
+        newer = sorted(s for s in durable if s > max(same) and s not in local)
+        if newer and not self._warned_foreign:
+            self._warned_foreign = True
+            log.warning(
+                "%s holds checkpoints of steps %s, newer than this run's newest (%d) and not in "
+                "%s: another run's? Its retention keeps this run's newest checkpoint as well; give "
+                "each run its own tier",
+                self.tier.uri,
+                newer[:10],
+                max(same),
+                self._local.describe(self._local_root),
+            )
+        return max(same)
 
     # -- failures ----------------------------------------------------------------------------
 

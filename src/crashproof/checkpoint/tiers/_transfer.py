@@ -18,7 +18,7 @@ from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, parse_manifest
 from crashproof.checkpoint.restore import read_manifest_bytes, verify_checkpoint
 from crashproof.checkpoint.save import new_tmp_name
 from crashproof.errors import CorruptCheckpointError
-from crashproof.storage import LocalStorage, ReadStream, Storage, write_all
+from crashproof.storage import ReadStream, Storage, local_backend, write_all
 
 __all__ = ["PART_BYTES", "download_checkpoint", "remove_checkpoint", "upload_checkpoint"]
 
@@ -121,7 +121,7 @@ def _copy_file(
     """One file from ``src`` to ``dst``. A local source goes through the destination's
     ``put_file`` (parallel multipart on object stores); any other is streamed in ranges, read
     ``readers`` (a pool and how many reads it may run at once) in parallel and written in order."""
-    if isinstance(src, LocalStorage):
+    if local_backend(src) is not None:
         dst.put_file(src_path, dst_path)
         return
     stream = src.open(src_path)
