@@ -214,7 +214,7 @@ def _decode_tagged(
     if tag == "$dtensor":
         return (load_sharded or load_tensor)(_index(body))
     if tag == "$ndarray":
-        return load_tensor(_index(body)).numpy()
+        return _ndarray(load_tensor(_index(body)), where)
     if tag == "$tuple":
         return tuple(sub(v) for v in _list(body))
     if tag == "$dict":
@@ -249,6 +249,24 @@ def _decode_tagged(
             return np_dtype.type(value)
     except (OverflowError, FloatingPointError):
         raise CorruptCheckpointError(f"{where}: {value} does not fit numpy {np_dtype}") from None
+
+
+def _ndarray(tensor: torch.Tensor, where: str) -> np.ndarray[Any, Any]:
+    """The array a ``$ndarray`` entry holds, sharing the tensor's memory.
+
+    A ``meta`` tensor (shapes only: ``crashproof verify``, a tensor not read yet) gives a
+    stand-in of the array's shape and dtype that costs no memory (a read-only broadcast of one
+    element), so a check of the tree sees an array where the checkpoint has one, and both
+    readers refuse a dtype NumPy lacks (bfloat16, float8) alike."""
+    try:
+        np_dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
+    except TypeError:
+        raise CorruptCheckpointError(
+            f"{where}: a NumPy array of dtype {tensor.dtype}, which NumPy does not have"
+        ) from None
+    if tensor.is_meta:
+        return np.broadcast_to(np.zeros((), dtype=np_dtype), tuple(tensor.shape))
+    return tensor.numpy()
 
 
 def _index(body: Any) -> int:
