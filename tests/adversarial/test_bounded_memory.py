@@ -532,3 +532,35 @@ def test_every_kind_of_value_passes_verify_and_restores_as_saved(
     assert target.extra["json"] == source.extra["json"]
     assert target.optimizer is not None and source.optimizer is not None
     assert target.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+
+
+class _Held:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+@pytest.mark.parametrize("kind", ["$ndarray", "$tensor"])
+def test_one_entry_referred_to_many_times_is_refused_before_any_copy(
+    tmp_path: Path, kind: str
+) -> None:
+    """The reported case: one 16 MiB array referred to 40 times by an extra's state; the trial
+    load copied each reference (225 -> 884 MiB). An entry is referred to once, so what the checks
+    and the load hold is bounded by the bytes read; verify refuses it for the same reason."""
+    value = np.zeros(1024) if kind == "$ndarray" else torch.zeros(1024)
+    with cp.CheckpointManager(tmp_path, handle_signals=False) as manager:
+        manager.save(STEP, cp.TrainState(model=_model((8, 4)), extra={"held": _Held(value)}))
+    ckpt = tmp_path / checkpoint_dir_name(STEP)
+
+    def many(rank: int, index: dict[str, Any]) -> None:
+        held = index["state"]["extra"]["held"]["state_dict"]
+        held["value"] = [held["value"]] * 40
+
+    _edit_indexes(ckpt, many)
+    message = _refused_alike(ckpt, "referred to twice")
+    assert "extra/held/state_dict/value/0" in message

@@ -33,14 +33,14 @@ from crashproof.state._check import (
     check_scaler,
     check_scheduler,
     class_name,
-    is_json_like,
     live_tensors_of,
     trial_load,
 )
 from crashproof.state._data import track_loader
 from crashproof.state._dtensor import is_dtensor
-from crashproof.state._rng import capture_rng, check_rng, restore_rng
+from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
+from crashproof.state._structure import check_structure, is_json_like
 
 __all__ = ["Stateful", "TrainState"]
 
@@ -390,14 +390,12 @@ class TrainState:
         (the manager then falls back to the next newest checkpoint). Each message names the
         component, the key, what was expected and what was found.
         """
-        if not isinstance(tree, Mapping):
-            raise CorruptCheckpointError(f"{where}: the state is {type(tree).__name__}, not a dict")
+        check_structure(tree, where)  # what verify checks too: malformed is corrupt
         for name in ("model", "optimizer", "scheduler", "scaler", "data"):
             if getattr(self, name) is not None and name not in tree:
                 raise StateMismatchError(
                     f"{where}: holds no {name} state, but this TrainState has a {name}"
                 )
-        check_rng(tree.get("rng"), where)
         live_classes = {
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
@@ -428,10 +426,6 @@ class TrainState:
         self._check_extra(tree.get("extra", {}), where, scratch)
 
     def _check_extra(self, saved_extra: Any, where: str, scratch: Scratch) -> None:
-        if not isinstance(saved_extra, dict):
-            raise CorruptCheckpointError(
-                f"{where}: 'extra' is {type(saved_extra).__name__}, not a dict of named entries"
-            )
         missing = sorted(set(self.extra) - set(saved_extra))
         if missing:
             raise StateMismatchError(
@@ -440,10 +434,6 @@ class TrainState:
         for key, value in self.extra.items():
             entry = saved_extra[key]
             here = f"{where}: extra[{key!r}]"
-            if not isinstance(entry, dict) or len(entry) != 1:
-                raise CorruptCheckpointError(
-                    f"{here}: expected {{'state_dict': ...}} or {{'value': ...}}, found {str(entry)[:200]}"
-                )
             wanted = "state_dict" if isinstance(value, Stateful) else "value"
             if wanted not in entry:
                 raise StateMismatchError(
