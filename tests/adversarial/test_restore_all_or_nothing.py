@@ -924,3 +924,155 @@ def test_an_rng_state_is_checked_by_value_by_verify_too(tmp_path: Path) -> None:
     _patch_tensor(tmp_path, 8, "rng/torch", _bad_mt19937)
     with pytest.raises(CorruptCheckpointError, match="rng/torch is not a generator's state"):
         _verify(tmp_path, 8)
+
+
+# -- a model's own loading code runs before anything live changes ------------------------------
+
+
+class _Guarded(nn.Module):
+    """A load-state-dict pre-hook that checks the incoming values (a sanity or version check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._register_load_state_dict_pre_hook(self._hook, with_module=False)
+
+    def _hook(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if state[prefix + "lin.weight"].abs().max() > 10:
+            raise ValueError(f"{prefix}lin.weight out of range")
+
+
+class _PostChecked(nn.Module):
+    """A post-hook that refuses what was loaded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_load_state_dict_post_hook(self._hook)
+
+    @staticmethod
+    def _hook(module: nn.Module, keys: Any) -> None:
+        if module.lin.bias.abs().max() > 10:  # type: ignore[union-attr, operator]
+            raise ValueError("bias out of range after loading")
+
+
+class _OwnLoad(nn.Module):
+    """A module with its own ``_load_from_state_dict`` that refuses a saved version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("version", torch.tensor(2))
+
+    def _load_from_state_dict(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if int(state[prefix + "version"]) != 2:
+            raise RuntimeError("unsupported version")
+        super()._load_from_state_dict(state, prefix, *args)
+
+
+class _LockedExtra(nn.Module):
+    """Cannot be deep-copied (a lock); its set_extra_state reads a renamed field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.tag = "v1"
+
+    def get_extra_state(self) -> Any:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.tag = state["format"]
+
+
+class _Derived(nn.Module):
+    """An honest module whose set_extra_state derives a cache from its just-loaded weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.amax = 0.0
+
+    def get_extra_state(self) -> Any:
+        return {"version": 1}
+
+    def set_extra_state(self, state: Any) -> None:
+        assert state["version"] == 1
+        self.amax = float(self.lin.weight.detach().abs().max())
+
+
+def _scale_weight(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[1].lin.weight.mul_(100)
+
+
+def _scale_bias(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[1].lin.bias.fill_(50)
+
+
+def _bump_version(model: nn.Module) -> None:
+    model[1].version.fill_(3)
+
+
+HOOKED = [
+    pytest.param(_Guarded, _scale_weight, StateMismatchError, id="pre-hook-refuses"),
+    pytest.param(_PostChecked, _scale_bias, StateMismatchError, id="post-hook-refuses"),
+    pytest.param(_OwnLoad, _bump_version, StateMismatchError, id="own-load-from-state-dict"),
+    pytest.param(_LockedExtra, None, CorruptCheckpointError, id="uncopyable-set-extra-state"),
+]
+
+
+@pytest.mark.parametrize(("kind", "change", "error"), HOOKED)
+def test_a_models_own_loading_code_that_refuses_changes_no_live_tensor(
+    tmp_path: Path, kind: type[nn.Module], change: Any, error: type[Exception]
+) -> None:
+    """The reported cases: a pre-hook, an overridden _load_from_state_dict and a module that
+    cannot be copied refused the checkpoint only once every model tensor was written. The
+    loading code now runs on a scratch copy first (or, where the model cannot be copied, the
+    live tensors are kept and put back): every live tensor is as it was."""
+    torch.manual_seed(1)
+    source = nn.Sequential(nn.Linear(4, 4), kind())
+    if change is not None:
+        change(source)
+    ema = nn.Sequential(nn.Linear(4, 4), kind())
+    _save(tmp_path, TrainState(model=source, extra={"ema": nn.Linear(2, 2)}), 1)
+    torch.manual_seed(2)
+    live = nn.Sequential(nn.Linear(4, 4), kind())
+    state = TrainState(model=live, extra={"ema": nn.Linear(2, 2)})
+    before = _clone({"model": live.state_dict(), "ema": state.extra["ema"].state_dict()})
+    del ema
+
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(error, match="step_0000000001"),
+    ):
+        manager.restore(state, step=1)
+
+    _assert_equal(
+        {"model": live.state_dict(), "ema": state.extra["ema"].state_dict()}, before, "live"
+    )
+
+
+@pytest.mark.parametrize("kind", [_Guarded, _PostChecked, _OwnLoad, _Derived])
+def test_a_model_with_its_own_loading_code_restores_its_honest_checkpoint(
+    tmp_path: Path, kind: type[nn.Module]
+) -> None:
+    """The other side: the trial runs that code on the checkpoint's own values, so a
+    set_extra_state reading the module's just-loaded weights (refused when the trial ran on
+    shape-only stand-ins) restores, as plain torch loads it."""
+    torch.manual_seed(1)
+    source = nn.Sequential(nn.Linear(4, 4), kind())
+    source.load_state_dict(source.state_dict())  # e.g. _Derived's cache, as a load sets it
+    _save(tmp_path, TrainState(model=source), 1)
+    torch.manual_seed(2)
+    live = nn.Sequential(nn.Linear(4, 4), kind())
+
+    assert _restore(tmp_path, TrainState(model=live)) == 1
+
+    _assert_equal(live.state_dict(), _clone(source.state_dict()), "model")
+    torch.manual_seed(2)
+    plain = nn.Sequential(nn.Linear(4, 4), kind())
+    plain.load_state_dict(source.state_dict())
+    assert getattr(live[1], "amax", None) == getattr(plain[1], "amax", None)  # as torch does

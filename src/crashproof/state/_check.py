@@ -33,6 +33,7 @@ from torch import nn
 
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state._dtensor import is_dtensor
+from crashproof.state._module_load import trial_module_load
 from crashproof.state._structure import EXTRA_STATE, check_state_dict
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "class_name",
     "live_tensors_of",
     "trial_load",
+    "trial_value",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,9 +90,11 @@ def check_classes(saved: Any, live: Mapping[str, Any], where: str) -> None:
 # -- model ----------------------------------------------------------------------------------
 
 
-def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | None = None) -> None:
+def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | None = None) -> bool:
     """Every key of ``module.state_dict()`` is saved with the same shape and dtype, and no
-    others; a submodule's extra state (``get_extra_state``) loads into a scratch copy of it."""
+    others; then, where loading runs code of the model's own (hooks, ``set_extra_state``), the
+    load is tried on a scratch copy (see :mod:`crashproof.state._module_load`). False when that
+    code could not be tried (the model cannot be copied): the caller protects the live tensors."""
     check_state_dict(saved, where)
     live = module.state_dict()
     missing = [k for k in live if k not in saved]
@@ -103,15 +107,13 @@ def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | N
     for key, tensor in live.items():
         value = saved[key]
         if key.rsplit(".", 1)[-1] == EXTRA_STATE:
-            # Any value get_extra_state returned; whether it loads is set_extra_state's to say.
-            owner = module.get_submodule(key.rpartition(".")[0])
-            _trial(owner, "set_extra_state", value, f"{where}: {key!r}", scratch)
-            continue
+            continue  # any value get_extra_state returned: set_extra_state judges it, below
         if value.shape != tensor.shape or value.dtype != tensor.dtype:
             raise StateMismatchError(
                 f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
                 f"checkpoint has {value.dtype}{list(value.shape)}"
             )
+    return trial_module_load(module, saved, where, scratch)
 
 
 # -- optimizer ------------------------------------------------------------------------------
@@ -320,9 +322,11 @@ class Scratch:
         self._tensors = list(tensors)
         self._shared = [s for s in shared if s is not None]
 
-    def copy(self, obj: Any) -> Any:
-        """A scratch copy of ``obj``, or None when it cannot be deep-copied."""
+    def copy(self, obj: Any, tensors: Mapping[int, Any] | None = None) -> Any:
+        """A scratch copy of ``obj``, or None when it cannot be deep-copied; ``tensors`` gives
+        some live tensors (by ``id``) other stand-ins than ``meta`` ones."""
         memo: dict[int, Any] = {id(s): s for s in self._shared}
+        memo.update(tensors or {})
         for t in [*self._tensors, *_tensors_in(_state_dict_or_none(obj))]:
             if id(t) not in memo:
                 memo[id(t)] = _meta_like(t)
@@ -358,7 +362,7 @@ def _trial(
     if copied is None:
         return
     try:
-        getattr(copied, method)(_trial_value(saved))
+        getattr(copied, method)(trial_value(saved))
     except Exception as exc:
         live = _state_dict_or_none(obj) if method == "load_state_dict" else None
         keys = ""
@@ -409,7 +413,7 @@ def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v, depth + 1)
 
 
-def _trial_value(value: Any, depth: int = 0) -> Any:
+def trial_value(value: Any, depth: int = 0) -> Any:
     """A copy of ``value`` for a trial load (which may change it, as LambdaLR's pops a key):
     small ``meta`` tensors become zeros, so a load may read them."""
     if depth > 64:
@@ -419,11 +423,11 @@ def _trial_value(value: Any, depth: int = 0) -> Any:
             return torch.zeros(value.shape, dtype=value.dtype)
         return value
     if isinstance(value, dict):
-        return {k: _trial_value(v, depth + 1) for k, v in value.items()}
+        return {k: trial_value(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_trial_value(v, depth + 1) for v in value]
+        return [trial_value(v, depth + 1) for v in value]
     if isinstance(value, tuple):
-        return tuple(_trial_value(v, depth + 1) for v in value)
+        return tuple(trial_value(v, depth + 1) for v in value)
     if isinstance(value, np.ndarray):
         return value.copy()
     return value
