@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import zstandard
 from torch import nn
 
 import crashproof as cp
@@ -313,6 +314,98 @@ def test_a_delta_that_does_not_fit_its_base_tensor_is_refused_before_any_read(
 
     monkeypatch.setattr(_shard_file.ShardRead, "verify", no_read)
     _refused_untouched(tmp_path, 2, "is a delta of a")
+
+
+def _replace_blob(ckpt: Path, name: str, blob: bytes) -> None:
+    """Store ``blob`` as tensor ``name``'s encoded bytes (its size may change): the shard is
+    rebuilt, every offset and checksum recomputed."""
+    index = json.loads((ckpt / INDEX).read_bytes())
+    shard = (ckpt / SHARD).read_bytes()
+    order = sorted(index["tensors"], key=lambda t: t["offset"])
+    out = bytearray(shard[: order[0]["offset"]])
+    for t in order:
+        data = blob if t["name"] == name else shard[t["offset"] : t["offset"] + t["nbytes"]]
+        if t["name"] == name:
+            t["shape"], t["nbytes"] = [len(data)], len(data)
+        t["offset"] = len(out)
+        out += data
+    (ckpt / SHARD).write_bytes(bytes(out))
+    _reseal(ckpt, index)
+
+
+def _frame_stating(size: int, content: bytes) -> bytes:
+    """A zstd frame whose header states ``size`` bytes of content and that holds ``content``
+    (one raw block): the header is the attacker's to write."""
+    header = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", size)  # single segment
+    block = (len(content) << 3 | 1).to_bytes(3, "little")  # last block, raw
+    return header + block + content
+
+
+def _bomb(count: int) -> bytes:
+    return _frame_stating(1 << 40, b"x")  # 16 bytes on disk asking for a TiB
+
+
+def _big_frame(count: int) -> bytes:  # a real frame: 256 MiB of one byte, compressed
+    return zstandard.ZstdCompressor(level=3).compress(b"\x01" * (256 << 20))
+
+
+def _unstated(count: int) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * count)
+
+
+def _holds_more(count: int) -> bytes:  # states the right size, holds 64 KiB more
+    return _frame_stating(count, b"\0" * (count + (64 << 10)))
+
+
+def _holds_less(count: int) -> bytes:
+    return _frame_stating(count, b"\0" * (count // 2))
+
+
+def _two_frames(count: int) -> bytes:
+    frame = zstandard.ZstdCompressor().compress(b"\0" * count)
+    return frame + frame
+
+
+def _trailing(count: int) -> bytes:
+    return zstandard.ZstdCompressor().compress(b"\0" * count) + b"garbage"
+
+
+def _cut_short(count: int) -> bytes:
+    return zstandard.ZstdCompressor().compress(bytes(range(256)) * (count // 256 + 1))[:-5]
+
+
+def _not_zstd(count: int) -> bytes:
+    return b"\0" * 32
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [_bomb, _big_frame, _unstated, _holds_more, _holds_less, _two_frames, _trailing,
+     _cut_short, _not_zstd],
+)  # fmt: skip
+def test_a_zstd_plane_of_any_other_size_is_refused_before_it_is_decompressed(
+    tmp_path: Path, frame: Any
+) -> None:
+    """The reported cases: python-zstandard ignores the maximum output size when a frame states
+    its content size, so a 53 KB file made restore and verify allocate 768 MiB, and a 16-byte
+    frame stating a TiB ended in a bare MemoryError (no fallback, every restart dying on it).
+    Every frame that does not decode to exactly the plane's size, stated or not, is corrupt:
+    refused by restore and verify alike, the live tensors untouched, the restore falling back."""
+    saved = _train(tmp_path, range(1, 3))
+    ckpt = _dir(tmp_path, 2)
+    _, delta, blob_entry = _delta_entry(ckpt, "xor-zstd")
+    count = 1
+    for n in delta["shape"]:
+        count *= n
+    itemsize = torch.empty(0, dtype=getattr(torch, delta["dtype"])).element_size()
+    hostile = frame(count)
+    raw = struct.pack("<BQ", 0, count) + b"\0" * count
+    blob = struct.pack("<BQ", 1, len(hostile)) + hostile + raw * (itemsize - 1)
+    _replace_blob(ckpt, blob_entry["name"], blob)
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < 4 << 20  # a small file on disk
+    _refused_untouched(tmp_path, 2, "plane 0")
+    got, values = _restore(tmp_path)
+    assert got == 1 and _equal(values, saved[1])
 
 
 def test_a_delta_whose_base_is_gone_or_is_a_delta_is_skipped(tmp_path: Path) -> None:

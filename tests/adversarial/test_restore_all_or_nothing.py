@@ -727,3 +727,352 @@ def test_a_load_failing_after_the_live_tensors_are_written_is_no_bare_error(
 
     with pytest.raises(CorruptCheckpointError, match="step 3 failed after the live tensors"):
         _restore(tmp_path, target)
+
+
+# -- restore and verify refuse the same malformed sections, through one check ----------------
+
+
+def _verify(root: Path, step: int) -> None:
+    from crashproof.checkpoint import verify_checkpoint
+    from crashproof.storage import LocalStorage
+
+    verify_checkpoint(LocalStorage(), str(root / f"step_{step:010d}"))
+
+
+# Every section whose form does not depend on the live object's class (the scheduler's, the
+# scaler's and the data's are judged against the live object by restore alone).
+STRUCTURAL = [
+    p for p in CORRUPTIONS
+    if not str(p.id).startswith(("scaler-", "sampler-"))
+] + [
+    pytest.param(_set("model/head.weight", {"$float": "nan"}), id="model-tensor-a-float"),
+    pytest.param(_set("model/head.weight", None), id="model-tensor-none"),
+    pytest.param(_set("rng", None), id="rng-none"),
+    pytest.param(_set("rng/torch", {"$bytes": "AAAA"}), id="rng-torch-bytes"),
+    pytest.param(_set("classes", {"optimizer": 3}), id="classes-a-number"),
+    pytest.param(_set("optimizer/state", {"$dict": [[99, {}]]}), id="state-of-no-parameter"),
+    pytest.param(_set("optimizer/param_groups/0/params", [0, 0]), id="param-listed-twice"),
+    pytest.param(_set("optimizer/param_groups/0/params", [True]), id="param-id-a-bool"),
+    pytest.param(_set("extra/tokens", {"value": 1, "state_dict": 2}), id="extra-two-forms"),
+    pytest.param(_set("extra/tokens", {"values": 1}), id="extra-unknown-form"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("corrupt", STRUCTURAL)
+def test_verify_refuses_every_malformed_section_a_restore_refuses(
+    tmp_path: Path, corrupt: Callable[[dict[str, Any]], None]
+) -> None:
+    """The reported cases: `crashproof verify` passed rng/python "x", rng/numpy None,
+    param_groups "ab", a model that is a list, classes "AdamW" and a NaN in a weight's place,
+    all of which restore called corrupt. One function judges the tree's form for both."""
+    _save(tmp_path, _run(seed=1), 4)
+    _save(tmp_path, _run(seed=3), 8)
+    _edit_state(tmp_path, 8, corrupt)
+    with pytest.raises(CorruptCheckpointError) as verified:
+        _verify(tmp_path, 8)
+    target = _run(seed=2)
+    before = _snapshot(target)
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(CorruptCheckpointError) as restored,
+    ):
+        manager.restore(target, step=8)
+    _assert_unchanged(target, before)
+    assert str(verified.value).split(": ", 1)[1] in str(restored.value)  # the same reason
+    assert _restore(tmp_path, target) == 4
+
+
+# -- the state refers to each tensor once, and a stand-in only where the load reads live memory --
+
+
+def _entry_of(root: Path, step: int, name: str) -> int:
+    index = json.loads((root / f"step_{step:010d}" / INDEX).read_bytes())
+    return next(i for i, t in enumerate(index["tensors"]) if t["name"] == name)
+
+
+def _refer(path: str, to: str) -> Callable[[Path], None]:
+    """Make the state at ``path`` (in the first parameter's optimizer state, or a top-level
+    path) refer to the tensor entry named ``to``."""
+
+    def edit(root: Path) -> None:
+        entry = _entry_of(root, 8, to)
+        if path.startswith("state/"):
+            _edit_state(
+                root, 8, lambda t: _param_state(t).__setitem__(path[6:], {"$tensor": entry})
+            )
+        else:
+            _edit_state(root, 8, _set(path, {"$tensor": entry}))
+
+    return edit
+
+
+ALIASES = [
+    pytest.param(_refer("state/exp_avg", "model/tagged.linear.weight"), id="exp-avg-is-the-live-weight"),
+    pytest.param(_refer("state/exp_avg_sq", "optimizer/state/0/exp_avg"), id="exp-avg-sq-is-exp-avg"),
+    pytest.param(_refer("extra/ema/state_dict/weight", "model/head.weight"),
+                 id="ema-weight-is-the-model-weight"),
+    pytest.param(_refer("model/head.bias", "extra/ema/state_dict/bias"),
+                 id="model-bias-is-the-ema-bias"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_one_tensor_referred_to_twice_is_refused_by_restore_and_verify(
+    tmp_path: Path, alias: Callable[[Path], None]
+) -> None:
+    """The reported case: exp_avg referring to the model weight's entry made the restored
+    optimizer state share memory with the live weight (each step then moved the weight twice).
+    A tensor is referred to once; two references are corrupt, whatever they point at."""
+    _save(tmp_path, _run(seed=1), 4)
+    _save(tmp_path, _run(seed=3), 8)
+    alias(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match="referred to twice"):
+        _verify(tmp_path, 8)
+    target = _run(seed=2)
+    before = _snapshot(target)
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(CorruptCheckpointError, match="referred to twice"),
+    ):
+        manager.restore(target, step=8)
+    _assert_unchanged(target, before)
+    assert _restore(tmp_path, target) == 4
+
+
+def test_a_live_tensors_entry_referred_to_from_elsewhere_is_no_live_destination(
+    tmp_path: Path,
+) -> None:
+    """Swap two same-shaped entries between the model and the optimizer state (each referred
+    to once): the checks must judge the values the load will hand over, so neither entry is
+    read straight into live memory; the checkpoint's numbers are loaded, and no optimizer state
+    shares memory with a live parameter."""
+    source = _run(seed=1)
+    _save(tmp_path, source, 8)
+    weight = _entry_of(tmp_path, 8, "model/head.weight")
+    params = [p for g in source.optimizer.param_groups for p in g["params"]]  # type: ignore[union-attr]
+    head = next(i for i, p in enumerate(params) if p is source.model.head.weight)  # type: ignore[union-attr]
+    moment = _entry_of(tmp_path, 8, f"optimizer/state/{head}/exp_avg")
+
+    def swap(tree: dict[str, Any]) -> None:
+        tree["model"]["head.weight"] = {"$tensor": moment}
+        state = dict(tree["optimizer"]["state"]["$dict"])[head]
+        state["exp_avg"] = {"$tensor": weight}
+
+    _edit_state(tmp_path, 8, swap)
+    _verify(tmp_path, 8)
+    target = _run(seed=2)
+    assert _restore(tmp_path, target) == 8
+    assert target.model is not None and target.optimizer is not None
+    live = target.model.head.weight
+    restored = target.optimizer.state[live]["exp_avg"]
+    assert torch.equal(live, source.optimizer.state[source.model.head.weight]["exp_avg"])  # type: ignore[union-attr]
+    assert torch.equal(restored, source.model.head.weight)  # type: ignore[union-attr]
+    assert restored.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+
+
+# -- a full checkpoint lists no deltas: no check runs on a stand-in ----------------------------
+
+
+def _fake_deltas(name: str, encoding: str) -> Callable[[Path], None]:
+    def edit(root: Path) -> None:
+        ckpt = root / "step_0000000008"
+        index = json.loads((ckpt / INDEX).read_bytes())
+        i = next(i for i, t in enumerate(index["tensors"]) if t["name"] == name)
+        entry = index["tensors"][i]
+        index["deltas"] = [
+            {"index": i, "encoding": encoding, "dtype": "uint8", "shape": [entry["nbytes"]],
+             "checksum": "0" * 32}
+        ]  # fmt: skip
+        data = dumps(index)
+        (ckpt / INDEX).write_bytes(data)
+        manifest = json.loads((ckpt / "manifest.json").read_bytes())
+        manifest["files"][INDEX] = {"size": len(data), "checksum": digest(data)}
+        (ckpt / "manifest.json").write_bytes(seal_manifest(manifest))
+
+    return edit
+
+
+@pytest.mark.parametrize("name", ["rng/torch", "optimizer/state/0/exp_avg", "model/head.weight"])
+def test_a_full_checkpoint_listing_deltas_is_corrupt_before_anything_changes(
+    tmp_path: Path, name: str
+) -> None:
+    """The reported case: a full checkpoint with an invalid torch RNG state and a 'deltas' entry
+    naming it: the check ran on a shape-only stand-in and skipped the RNG trial, verify passed,
+    and restore failed after the live tensors were written."""
+    _save(tmp_path, _run(seed=1), 4)
+    _save(tmp_path, _run(seed=3), 8)
+    if name == "rng/torch":
+        _patch_tensor(tmp_path, 8, "rng/torch", _bad_mt19937)
+    _fake_deltas(name, "xor-zstd")(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=r"lists deltas|not as the bytes of"):
+        _verify(tmp_path, 8)
+    target = _run(seed=2)
+    before = _snapshot(target)
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(CorruptCheckpointError, match=r"lists deltas|not as the bytes of"),
+    ):
+        manager.restore(target, step=8)
+    _assert_unchanged(target, before)
+    assert _restore(tmp_path, target) == 4
+
+
+def test_an_rng_state_is_checked_by_value_by_verify_too(tmp_path: Path) -> None:
+    """Same-size bytes no generator accepts: verify keeps the RNG states (a few KiB) and runs
+    the same trial as restore, instead of passing a shape-only stand-in."""
+    _save(tmp_path, _run(seed=1), 8)
+    _patch_tensor(tmp_path, 8, "rng/torch", _bad_mt19937)
+    with pytest.raises(CorruptCheckpointError, match="rng/torch is not a generator's state"):
+        _verify(tmp_path, 8)
+
+
+# -- a model's own loading code runs before anything live changes ------------------------------
+
+
+class _Guarded(nn.Module):
+    """A load-state-dict pre-hook that checks the incoming values (a sanity or version check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._register_load_state_dict_pre_hook(self._hook, with_module=False)
+
+    def _hook(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if state[prefix + "lin.weight"].abs().max() > 10:
+            raise ValueError(f"{prefix}lin.weight out of range")
+
+
+class _PostChecked(nn.Module):
+    """A post-hook that refuses what was loaded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_load_state_dict_post_hook(self._hook)
+
+    @staticmethod
+    def _hook(module: nn.Module, keys: Any) -> None:
+        if module.lin.bias.abs().max() > 10:  # type: ignore[union-attr, operator]
+            raise ValueError("bias out of range after loading")
+
+
+class _OwnLoad(nn.Module):
+    """A module with its own ``_load_from_state_dict`` that refuses a saved version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("version", torch.tensor(2))
+
+    def _load_from_state_dict(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if int(state[prefix + "version"]) != 2:
+            raise RuntimeError("unsupported version")
+        super()._load_from_state_dict(state, prefix, *args)
+
+
+class _LockedExtra(nn.Module):
+    """Cannot be deep-copied (a lock); its set_extra_state reads a renamed field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.tag = "v1"
+
+    def get_extra_state(self) -> Any:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.tag = state["format"]
+
+
+class _Derived(nn.Module):
+    """An honest module whose set_extra_state derives a cache from its just-loaded weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.amax = 0.0
+
+    def get_extra_state(self) -> Any:
+        return {"version": 1}
+
+    def set_extra_state(self, state: Any) -> None:
+        assert state["version"] == 1
+        self.amax = float(self.lin.weight.detach().abs().max())
+
+
+def _scale_weight(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[1].lin.weight.mul_(100)
+
+
+def _scale_bias(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[1].lin.bias.fill_(50)
+
+
+def _bump_version(model: nn.Module) -> None:
+    model[1].version.fill_(3)
+
+
+HOOKED = [
+    pytest.param(_Guarded, _scale_weight, StateMismatchError, id="pre-hook-refuses"),
+    pytest.param(_PostChecked, _scale_bias, StateMismatchError, id="post-hook-refuses"),
+    pytest.param(_OwnLoad, _bump_version, StateMismatchError, id="own-load-from-state-dict"),
+    pytest.param(_LockedExtra, None, CorruptCheckpointError, id="uncopyable-set-extra-state"),
+]
+
+
+@pytest.mark.parametrize(("kind", "change", "error"), HOOKED)
+def test_a_models_own_loading_code_that_refuses_changes_no_live_tensor(
+    tmp_path: Path, kind: type[nn.Module], change: Any, error: type[Exception]
+) -> None:
+    """The reported cases: a pre-hook, an overridden _load_from_state_dict and a module that
+    cannot be copied refused the checkpoint only once every model tensor was written. The
+    loading code now runs on a scratch copy first (or, where the model cannot be copied, the
+    live tensors are kept and put back): every live tensor is as it was."""
+    torch.manual_seed(1)
+    source = nn.Sequential(nn.Linear(4, 4), kind())
+    if change is not None:
+        change(source)
+    ema = nn.Sequential(nn.Linear(4, 4), kind())
+    _save(tmp_path, TrainState(model=source, extra={"ema": nn.Linear(2, 2)}), 1)
+    torch.manual_seed(2)
+    live = nn.Sequential(nn.Linear(4, 4), kind())
+    state = TrainState(model=live, extra={"ema": nn.Linear(2, 2)})
+    before = _clone({"model": live.state_dict(), "ema": state.extra["ema"].state_dict()})
+    del ema
+
+    with (
+        CheckpointManager(tmp_path, handle_signals=False) as manager,
+        pytest.raises(error, match="step_0000000001"),
+    ):
+        manager.restore(state, step=1)
+
+    _assert_equal(
+        {"model": live.state_dict(), "ema": state.extra["ema"].state_dict()}, before, "live"
+    )
+
+
+@pytest.mark.parametrize("kind", [_Guarded, _PostChecked, _OwnLoad, _Derived])
+def test_a_model_with_its_own_loading_code_restores_its_honest_checkpoint(
+    tmp_path: Path, kind: type[nn.Module]
+) -> None:
+    """The other side: the trial runs that code on the checkpoint's own values, so a
+    set_extra_state reading the module's just-loaded weights (refused when the trial ran on
+    shape-only stand-ins) restores, as plain torch loads it."""
+    torch.manual_seed(1)
+    source = nn.Sequential(nn.Linear(4, 4), kind())
+    source.load_state_dict(source.state_dict())  # e.g. _Derived's cache, as a load sets it
+    _save(tmp_path, TrainState(model=source), 1)
+    torch.manual_seed(2)
+    live = nn.Sequential(nn.Linear(4, 4), kind())
+
+    assert _restore(tmp_path, TrainState(model=live)) == 1
+
+    _assert_equal(live.state_dict(), _clone(source.state_dict()), "model")
+    torch.manual_seed(2)
+    plain = nn.Sequential(nn.Linear(4, 4), kind())
+    plain.load_state_dict(source.state_dict())
+    assert getattr(live[1], "amax", None) == getattr(plain[1], "amax", None)  # as torch does

@@ -15,6 +15,9 @@ import posixpath
 import time
 from typing import Any
 
+import torch
+from torch import nn
+
 from crashproof._console import announce
 from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group
@@ -258,6 +261,9 @@ class Restorer:
                     vanished.append(candidate)
                 return None
             assert reader is not None
+            # Loading code that could not be tried on a copy (its module cannot be copied)
+            # runs on the live model: keep its tensors to put back should that code refuse.
+            kept = _copy_tensors(state) if state.untried else None
             tree = reader.finish(reader.sharded_values)
         finally:
             if reader is not None:
@@ -265,6 +271,13 @@ class Restorer:
         try:
             state.restore(tree, where=where, checked=True)
         except Exception as exc:
+            if kept is not None:
+                _put_back(kept)
+                raise CorruptCheckpointError(
+                    f"{where}: loading step {candidate} failed in code that could not be tried "
+                    f"first ({', '.join(state.untried)} cannot be copied): {type(exc).__name__}: "
+                    f"{exc}. The model's tensors were put back as they were"
+                ) from exc
             # Checked and trial-loaded before, so only an object that cannot be copied for a trial
             # (or that loads differently the second time) gets here, with the live state partly
             # written: never a bare error, and never a silent fallback over a half-loaded state.
@@ -395,6 +408,27 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _copy_tensors(state: TrainState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor of the model and of module extras, with a copy of it in host memory: the
+    cost of loading code that could not be tried first (one copy of the model)."""
+    modules = [state.model, *state.extra.values()]
+    seen: set[int] = set()
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for module in modules:
+        if isinstance(module, nn.Module):
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    kept.append((tensor, tensor.detach().to("cpu", copy=True)))
+    return kept
+
+
+def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for tensor, copy in kept:
+            tensor.copy_(copy)
 
 
 def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:

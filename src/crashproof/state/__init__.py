@@ -6,6 +6,7 @@ from crashproof.state._batch import accumulation_steps
 from crashproof.state._dtensor import empty_like_piece, is_dtensor, local_piece
 from crashproof.state._reproducible import mkl_reproducible, set_reproducible_defaults
 from crashproof.state._sampler import ResumableSampler
+from crashproof.state._structure import check_structure, value_tensor_names
 from crashproof.state._train_state import Stateful, TrainState, unwrap_model
 from crashproof.state._value import Value
 
@@ -15,10 +16,12 @@ __all__ = [
     "TrainState",
     "Value",
     "accumulation_steps",
+    "check_structure",
     "empty_like_piece",
     "is_dtensor",
     "local_piece",
     "mkl_reproducible",
     "set_reproducible_defaults",
     "unwrap_model",
+    "value_tensor_names",
 ]

@@ -33,6 +33,8 @@ from torch import nn
 
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state._dtensor import is_dtensor
+from crashproof.state._module_load import trial_module_load
+from crashproof.state._structure import EXTRA_STATE, check_state_dict
 
 __all__ = [
     "Scratch",
@@ -43,14 +45,13 @@ __all__ = [
     "check_scaler",
     "check_scheduler",
     "class_name",
-    "is_json_like",
     "live_tensors_of",
     "trial_load",
+    "trial_value",
 ]
 
 log = logging.getLogger(__name__)
 
-_JSON_SCALARS = (type(None), bool, int, float, str)
 # Optimizer state entries that torch.optim keeps per element of the parameter (same shape).
 _PER_ELEMENT_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
@@ -59,7 +60,6 @@ _PER_ELEMENT_STATE = frozenset(
 # Param-group keys that are not the optimizer's own: torch's LR schedulers add "initial_lr", and
 # "param_names" is optional; neither says anything about the optimizer's class.
 _FOREIGN_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"})
-_EXTRA_STATE = "_extra_state"
 # A meta tensor this small is given zeros for a trial load (a load may call .item() on a step
 # count); larger ones stay meta, which copy_() into a meta stand-in accepts.
 _TRIAL_MATERIALIZE = 1 << 12
@@ -70,12 +70,11 @@ def class_name(obj: Any) -> str:
 
 
 def check_classes(saved: Any, live: Mapping[str, Any], where: str) -> None:
-    """The classes recorded at save time (``tree["classes"]``) are the live ones, by class name;
+    """The classes recorded at save time (``tree["classes"]``, well formed: see
+    :func:`~crashproof.state._structure.check_structure`) are the live ones, by class name;
     checkpoints from before they were recorded have none and pass."""
     if saved is None:
         return
-    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
-        raise CorruptCheckpointError(f"{where}: 'classes' is malformed: {str(saved)[:200]}")
     for name, obj in live.items():
         recorded = saved.get(name)
         if obj is None or recorded is None:
@@ -91,13 +90,12 @@ def check_classes(saved: Any, live: Mapping[str, Any], where: str) -> None:
 # -- model ----------------------------------------------------------------------------------
 
 
-def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | None = None) -> None:
+def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | None = None) -> bool:
     """Every key of ``module.state_dict()`` is saved with the same shape and dtype, and no
-    others; a submodule's extra state (``get_extra_state``) loads into a scratch copy of it."""
-    if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
-        raise CorruptCheckpointError(
-            f"{where}: saved state is {type(saved).__name__}, not a state dict of named tensors"
-        )
+    others; then, where loading runs code of the model's own (hooks, ``set_extra_state``), the
+    load is tried on a scratch copy (see :mod:`crashproof.state._module_load`). False when that
+    code could not be tried (the model cannot be copied): the caller protects the live tensors."""
+    check_state_dict(saved, where)
     live = module.state_dict()
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
@@ -108,45 +106,25 @@ def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | N
         )
     for key, tensor in live.items():
         value = saved[key]
-        if key.rsplit(".", 1)[-1] == _EXTRA_STATE:
-            # Any value get_extra_state returned; whether it loads is set_extra_state's to say.
-            owner = module.get_submodule(key.rpartition(".")[0])
-            _trial(owner, "set_extra_state", value, f"{where}: {key!r}", scratch)
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise CorruptCheckpointError(
-                f"{where}: {key!r} is saved as {type(value).__name__}, expected a tensor"
-            )
+        if key.rsplit(".", 1)[-1] == EXTRA_STATE:
+            continue  # any value get_extra_state returned: set_extra_state judges it, below
         if value.shape != tensor.shape or value.dtype != tensor.dtype:
             raise StateMismatchError(
                 f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
                 f"checkpoint has {value.dtype}{list(value.shape)}"
             )
+    return trial_module_load(module, saved, where, scratch)
 
 
 # -- optimizer ------------------------------------------------------------------------------
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) -> None:
-    """The saved optimizer state is well formed, has the live optimizer's parameter layout, and
-    its param groups hold exactly the live optimizer's hyperparameters (AdamW's state restored
-    into SGD would fail at the next step for want of ``momentum``)."""
-    if not isinstance(saved, Mapping) or "param_groups" not in saved or "state" not in saved:
-        raise CorruptCheckpointError(f"{where}: not an optimizer state dict (param_groups, state)")
+    """The saved optimizer state (well formed: see
+    :func:`~crashproof.state._structure.check_structure`) has the live optimizer's parameter
+    layout, and its param groups hold exactly the live optimizer's hyperparameters (AdamW's state
+    restored into SGD would fail at the next step for want of ``momentum``)."""
     saved_groups, saved_state = saved["param_groups"], saved["state"]
-    if not isinstance(saved_groups, list) or not all(
-        isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: 'param_groups' must be a list of dicts each with a 'params' list, found "
-            f"{str(saved_groups)[:200]}"
-        )
-    if not isinstance(saved_state, Mapping) or not all(
-        isinstance(s, Mapping) for s in saved_state.values()
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: 'state' must map parameter ids to dicts, found {str(saved_state)[:200]}"
-        )
     live_groups = optimizer.param_groups
     if len(saved_groups) != len(live_groups):
         raise StateMismatchError(
@@ -158,23 +136,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
             raise StateMismatchError(
                 f"{where}: param group {i} has {len(s['params'])} parameters saved, the optimizer has {len(g['params'])}"
             )
-        for param_id, param in zip(s["params"], g["params"], strict=True):
-            if not isinstance(param_id, (int, str)) or isinstance(param_id, bool):
-                raise CorruptCheckpointError(
-                    f"{where}: param group {i} lists {param_id!r}, not a parameter id"
-                )
-            if param_id in params:
-                raise CorruptCheckpointError(
-                    f"{where}: parameter id {param_id!r} is listed by two param groups"
-                )
-            params[param_id] = param
+        params.update(zip(s["params"], g["params"], strict=True))
     _check_group_keys(optimizer, saved_groups, where)
     own_state = type(optimizer).__module__.startswith("torch.optim")
     for param_id, param_state in saved_state.items():
-        if param_id not in params:
-            raise CorruptCheckpointError(
-                f"{where}: state for parameter id {param_id!r} that no param group lists"
-            )
         param = params[param_id]
         for name, value in param_state.items():
             if own_state and not _well_formed(name, value):
@@ -292,28 +257,15 @@ def check_scaler(scaler: Any, saved: Any, where: str, scratch: Scratch) -> None:
 
 
 def check_json_value(live: Any, saved: Any, where: str) -> None:
-    """A JSON-like extra is replaced whole: the saved value must be JSON-like, and of the kind
-    (number, string, list, dict) the live one is, unless either is None."""
-    if not is_json_like(saved):
-        raise CorruptCheckpointError(f"{where}: saved value is not JSON-like: {str(saved)[:200]}")
+    """A JSON-like extra is replaced whole: the saved value (JSON-like: see
+    :func:`~crashproof.state._structure.check_structure`) must be of the kind (number, string,
+    list, dict) the live one is, unless either is None."""
     kinds = (_kind(live), _kind(saved))
     if None not in kinds and kinds[0] != kinds[1]:
         raise StateMismatchError(
             f"{where}: this run holds a {kinds[0]} ({str(live)[:50]}), the checkpoint a "
             f"{kinds[1]} ({str(saved)[:50]}); is it the same quantity?"
         )
-
-
-def is_json_like(value: Any, depth: int = 0) -> bool:
-    if depth > 64:
-        return False
-    if isinstance(value, _JSON_SCALARS):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(is_json_like(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_json_like(v, depth + 1) for k, v in value.items())
-    return False
 
 
 def _kind(value: Any) -> str | None:
@@ -370,9 +322,11 @@ class Scratch:
         self._tensors = list(tensors)
         self._shared = [s for s in shared if s is not None]
 
-    def copy(self, obj: Any) -> Any:
-        """A scratch copy of ``obj``, or None when it cannot be deep-copied."""
+    def copy(self, obj: Any, tensors: Mapping[int, Any] | None = None) -> Any:
+        """A scratch copy of ``obj``, or None when it cannot be deep-copied; ``tensors`` gives
+        some live tensors (by ``id``) other stand-ins than ``meta`` ones."""
         memo: dict[int, Any] = {id(s): s for s in self._shared}
+        memo.update(tensors or {})
         for t in [*self._tensors, *_tensors_in(_state_dict_or_none(obj))]:
             if id(t) not in memo:
                 memo[id(t)] = _meta_like(t)
@@ -408,7 +362,7 @@ def _trial(
     if copied is None:
         return
     try:
-        getattr(copied, method)(_trial_value(saved))
+        getattr(copied, method)(trial_value(saved))
     except Exception as exc:
         live = _state_dict_or_none(obj) if method == "load_state_dict" else None
         keys = ""
@@ -459,7 +413,7 @@ def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v, depth + 1)
 
 
-def _trial_value(value: Any, depth: int = 0) -> Any:
+def trial_value(value: Any, depth: int = 0) -> Any:
     """A copy of ``value`` for a trial load (which may change it, as LambdaLR's pops a key):
     small ``meta`` tensors become zeros, so a load may read them."""
     if depth > 64:
@@ -469,11 +423,11 @@ def _trial_value(value: Any, depth: int = 0) -> Any:
             return torch.zeros(value.shape, dtype=value.dtype)
         return value
     if isinstance(value, dict):
-        return {k: _trial_value(v, depth + 1) for k, v in value.items()}
+        return {k: trial_value(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_trial_value(v, depth + 1) for v in value]
+        return [trial_value(v, depth + 1) for v in value]
     if isinstance(value, tuple):
-        return tuple(_trial_value(v, depth + 1) for v in value)
+        return tuple(trial_value(v, depth + 1) for v in value)
     if isinstance(value, np.ndarray):
         return value.copy()
     return value

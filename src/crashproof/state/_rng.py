@@ -65,13 +65,12 @@ def check_rng(state: Any, where: str) -> None:
             f"{exc}): {str(state['numpy'])[:100]}"
         ) from None
     _check_generator_state(state["torch"], torch.get_rng_state(), f"{where}: rng/torch")
-    if not state["torch"].is_meta:
-        try:
-            torch.Generator().set_state(state["torch"])
-        except RuntimeError as exc:
-            raise CorruptCheckpointError(
-                f"{where}: rng/torch is not a generator's state ({exc})"
-            ) from None
+    try:
+        torch.Generator().set_state(state["torch"])
+    except RuntimeError as exc:
+        raise CorruptCheckpointError(
+            f"{where}: rng/torch is not a generator's state ({exc})"
+        ) from None
     cuda_states = state.get("cuda")
     if cuda_states is None:
         return
@@ -118,7 +117,13 @@ def _numpy_state(value: Any) -> tuple[Any, ...]:
 
 
 def _check_generator_state(value: Any, like: torch.Tensor | None, where: str) -> None:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+    # Never a stand-in (a tensor not read, a piece of a sharded one): its value is what is checked.
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.is_meta
+        or value.dtype != torch.uint8
+        or value.dim() != 1
+    ):
         raise CorruptCheckpointError(
             f"{where}: expected a 1-d uint8 tensor, found "
             f"{f'{value.dtype}{list(value.shape)}' if isinstance(value, torch.Tensor) else type(value).__name__}"

@@ -33,14 +33,15 @@ from crashproof.state._check import (
     check_scaler,
     check_scheduler,
     class_name,
-    is_json_like,
     live_tensors_of,
     trial_load,
 )
 from crashproof.state._data import track_loader
 from crashproof.state._dtensor import is_dtensor
-from crashproof.state._rng import capture_rng, check_rng, restore_rng
+from crashproof.state._module_load import custom_loaders, under
+from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
+from crashproof.state._structure import check_structure, is_json_like
 
 __all__ = ["Stateful", "TrainState"]
 
@@ -100,6 +101,9 @@ class TrainState:
         self.data = data
         self.extra: dict[str, Any] = extra if extra is not None else {}
         self.sampler: ResumableSampler | None = None
+        self.untried: list[str] = []
+        """After :meth:`check`: the modules whose own loading code could not be tried on a
+        scratch copy (they cannot be copied); a restore protects the live tensors otherwise."""
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None and not isinstance(obj, Stateful):
                 raise ConfigError(
@@ -248,12 +252,16 @@ class TrainState:
         weights) are all listed; the reader writes such memory once.
         """
         live: dict[str, torch.Tensor] = {}
+        modules = [(f"extra/{k}/state_dict/", v) for k, v in self.extra.items()]
         if self.model is not None:
-            live.update({f"model/{k}": v for k, v in unwrap_model(self.model).state_dict().items()})
-        for key, value in self.extra.items():
-            if isinstance(value, nn.Module):
+            modules.insert(0, ("model/", unwrap_model(self.model)))
+        for prefix, module in modules:
+            if isinstance(module, nn.Module):
+                # Not the tensors of modules whose loading runs code of their own: the trial
+                # load runs that code on their values first (see _module_load).
+                own = custom_loaders(module)
                 live.update(
-                    {f"extra/{key}/state_dict/{k}": v for k, v in value.state_dict().items()}
+                    {f"{prefix}{k}": v for k, v in module.state_dict().items() if not under(k, own)}
                 )
         return {
             k: v
@@ -390,14 +398,12 @@ class TrainState:
         (the manager then falls back to the next newest checkpoint). Each message names the
         component, the key, what was expected and what was found.
         """
-        if not isinstance(tree, Mapping):
-            raise CorruptCheckpointError(f"{where}: the state is {type(tree).__name__}, not a dict")
+        check_structure(tree, where)  # what verify checks too: malformed is corrupt
         for name in ("model", "optimizer", "scheduler", "scaler", "data"):
             if getattr(self, name) is not None and name not in tree:
                 raise StateMismatchError(
                     f"{where}: holds no {name} state, but this TrainState has a {name}"
                 )
-        check_rng(tree.get("rng"), where)
         live_classes = {
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
@@ -405,8 +411,11 @@ class TrainState:
         }
         check_classes(tree.get("classes"), live_classes, where)
         scratch = self._scratch()
-        if self.model is not None:
-            check_module(unwrap_model(self.model), tree["model"], f"{where}: model", scratch)
+        self.untried = []
+        if self.model is not None and not check_module(
+            unwrap_model(self.model), tree["model"], f"{where}: model", scratch
+        ):
+            self.untried.append("model")
         if self.optimizer is not None:
             check_optimizer(self.optimizer, tree["optimizer"], f"{where}: optimizer")
             if not self.sharded:  # its layout fits: a load that fails now is malformed state
@@ -428,10 +437,6 @@ class TrainState:
         self._check_extra(tree.get("extra", {}), where, scratch)
 
     def _check_extra(self, saved_extra: Any, where: str, scratch: Scratch) -> None:
-        if not isinstance(saved_extra, dict):
-            raise CorruptCheckpointError(
-                f"{where}: 'extra' is {type(saved_extra).__name__}, not a dict of named entries"
-            )
         missing = sorted(set(self.extra) - set(saved_extra))
         if missing:
             raise StateMismatchError(
@@ -440,10 +445,6 @@ class TrainState:
         for key, value in self.extra.items():
             entry = saved_extra[key]
             here = f"{where}: extra[{key!r}]"
-            if not isinstance(entry, dict) or len(entry) != 1:
-                raise CorruptCheckpointError(
-                    f"{here}: expected {{'state_dict': ...}} or {{'value': ...}}, found {str(entry)[:200]}"
-                )
             wanted = "state_dict" if isinstance(value, Stateful) else "value"
             if wanted not in entry:
                 raise StateMismatchError(
@@ -451,7 +452,8 @@ class TrainState:
                     f"{'an object with state_dict()' if wanted == 'state_dict' else 'a JSON value'}"
                 )
             if isinstance(value, nn.Module):
-                check_module(value, entry["state_dict"], here, scratch)
+                if not check_module(value, entry["state_dict"], here, scratch):
+                    self.untried.append(f"extra[{key!r}]")
             elif isinstance(value, Stateful):
                 trial_load(value, entry["state_dict"], here, scratch)
             else:

@@ -34,7 +34,12 @@ from crashproof.checkpoint.format._rank_index import (
     parse_rank_index,
 )
 from crashproof.checkpoint.format._shard_file import ShardRead, tensor_bytes, write_shard
-from crashproof.checkpoint.format._state_tree import JSONValue, decode_tree, encode_tree
+from crashproof.checkpoint.format._state_tree import (
+    JSONValue,
+    decode_tree,
+    encode_tree,
+    tensor_references,
+)
 from crashproof.checkpoint.format._user_metadata import checked_metadata
 
 __all__ = [
@@ -68,5 +73,6 @@ __all__ = [
     "shard_name",
     "sharded_pieces",
     "tensor_bytes",
+    "tensor_references",
     "write_shard",
 ]

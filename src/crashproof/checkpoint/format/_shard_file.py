@@ -151,7 +151,7 @@ class ShardRead:
         where: str,
         *,
         into: Mapping[str, torch.Tensor] | None = None,
-        keep: bool = True,
+        keep: bool | Callable[[str], bool] = True,
         on_bytes: Callable[[int], None] | None = None,
         partial: bool = False,
     ) -> None:
@@ -159,7 +159,10 @@ class ShardRead:
         # Some tensors of another rank's shard (replicated state it wrote for everyone): each is
         # checked against its own checksum; the file as a whole is its writer's to verify.
         self._partial = partial
-        self._keep, self._on_bytes = keep, on_bytes
+        # Which tensors without a live destination are read into memory (by name): all, none
+        # (verify only hashes), or some (verify keeps the RNG states it checks by value).
+        self._keep: Callable[[str], bool] = keep if callable(keep) else (lambda _: keep)
+        self._on_bytes = on_bytes
         self._targets = {
             i: t
             for i, e in enumerate(entries)
@@ -235,7 +238,7 @@ class ShardRead:
 
     def _verify_one(self, i: int) -> None:
         entry = self._entries[i]
-        if i in self._targets or not self._keep:
+        if not self.has_value(i):
             self._check(entry, hash_range(self._stream, entry.offset, entry.nbytes))
         else:
             self._tensors[i] = self.read(i)
@@ -262,6 +265,11 @@ class ShardRead:
         """Whether entry ``i`` is read into a live tensor by :meth:`fill` (else :meth:`verify`
         read it into new memory, when ``keep``)."""
         return i in self._targets
+
+    def has_value(self, i: int) -> bool:
+        """Whether :meth:`verify` reads entry ``i`` into new memory (it has no live destination
+        and is kept), so :meth:`kept` holds its value."""
+        return i not in self._targets and self._keep(self._entries[i].name)
 
     def kept(self) -> list[torch.Tensor]:
         """After :meth:`verify`: the tensors read into new memory (``keep``), in entry order; an

@@ -40,7 +40,7 @@ from crashproof.checkpoint.format._dtypes import dtype_from_name, dtype_name
 from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
 from crashproof.state import is_dtensor
 
-__all__ = ["JSONValue", "decode_tree", "encode_tree"]
+__all__ = ["JSONValue", "decode_tree", "encode_tree", "tensor_references"]
 
 JSONValue = Any  # JSON-compatible value; a precise recursive alias buys nothing for mypy here
 
@@ -214,7 +214,7 @@ def _decode_tagged(
     if tag == "$dtensor":
         return (load_sharded or load_tensor)(_index(body))
     if tag == "$ndarray":
-        return load_tensor(_index(body)).numpy()
+        return _ndarray(load_tensor(_index(body)), where)
     if tag == "$tuple":
         return tuple(sub(v) for v in _list(body))
     if tag == "$dict":
@@ -249,6 +249,73 @@ def _decode_tagged(
             return np_dtype.type(value)
     except (OverflowError, FloatingPointError):
         raise CorruptCheckpointError(f"{where}: {value} does not fit numpy {np_dtype}") from None
+
+
+def _ndarray(tensor: torch.Tensor, where: str) -> np.ndarray[Any, Any]:
+    """The array a ``$ndarray`` entry holds, sharing the tensor's memory.
+
+    A ``meta`` tensor (shapes only: ``crashproof verify``, a tensor not read yet) gives a
+    stand-in of the array's shape and dtype that costs no memory (a read-only broadcast of one
+    element), so a check of the tree sees an array where the checkpoint has one, and both
+    readers refuse a dtype NumPy lacks (bfloat16, float8) alike."""
+    try:
+        np_dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
+    except TypeError:
+        raise CorruptCheckpointError(
+            f"{where}: a NumPy array of dtype {tensor.dtype}, which NumPy does not have"
+        ) from None
+    if tensor.is_meta:
+        return np.broadcast_to(np.zeros((), dtype=np_dtype), tuple(tensor.shape))
+    return tensor.numpy()
+
+
+_REFERENCES = ("$tensor", "$dtensor", "$ndarray")
+
+
+def tensor_references(node: JSONValue, where: str) -> dict[int, str]:
+    """Each tensor entry the encoded tree refers to, and the path it is referred to from: the name
+    :func:`encode_tree` gave it (for a dict key that is not a plain string or integer, a path
+    no tensor is named by). Raises :class:`CorruptCheckpointError` for an entry referred to
+    twice: the writer refers to each once, and two references would make two values (an
+    optimizer's state and a live weight, two arrays) share one tensor's memory."""
+    found: dict[int, str] = {}
+
+    def walk(value: JSONValue, path: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(
+                f"{where}: state tree nested deeper than {MAX_DEPTH} levels"
+            )
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}/{i}", depth + 1)
+            return
+        if not isinstance(value, dict):
+            return
+        tag = next((k for k in value if k.startswith("$")), None)
+        if tag in _REFERENCES and type(value[tag]) is int:
+            i = value[tag]
+            if i in found:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor #{i} is referred to twice in the state (at "
+                    f"{found[i].lstrip('/')[:100]!r} and {path.lstrip('/')[:100]!r}); each value "
+                    "has its own tensor"
+                )
+            found[i] = path
+        elif tag is None:
+            for k, v in value.items():
+                walk(v, f"{path}/{k}", depth + 1)
+        elif tag == "$tuple" and isinstance(value[tag], list):
+            walk(value[tag], path, depth)
+        elif tag == "$dict" and isinstance(value[tag], list):
+            for pair in value[tag]:
+                if isinstance(pair, list) and len(pair) == 2:
+                    key = pair[0]
+                    plain = isinstance(key, (str, int)) and not isinstance(key, bool)
+                    walk(pair[0], f"{path}/<key>", depth + 1)
+                    walk(pair[1], f"{path}/{key if plain else '<key>'}", depth + 1)
+
+    walk(node, "", 0)
+    return {i: path.lstrip("/") for i, path in found.items()}
 
 
 def _index(body: Any) -> int:

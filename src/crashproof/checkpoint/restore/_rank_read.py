@@ -27,6 +27,7 @@ from crashproof.checkpoint.format import (
     dtype_name,
     index_name,
     sharded_pieces,
+    tensor_references,
 )
 from crashproof.checkpoint.restore._read_manifest import (
     read_manifest,
@@ -35,6 +36,7 @@ from crashproof.checkpoint.restore._read_manifest import (
 )
 from crashproof.checkpoint.save import apply_delta
 from crashproof.errors import CorruptCheckpointError
+from crashproof.state import check_structure, value_tensor_names
 from crashproof.storage import ReadStream, Storage
 
 __all__ = [
@@ -47,12 +49,13 @@ __all__ = [
 class RankRead:
     """One rank's part of a checkpoint, read in steps the restore can interleave with its checks.
 
-    1. :meth:`meta_tree`: the state tree with shape-and-dtype-only tensors, to check it fits the
-       live state before a single tensor byte is read;
+    1. construction: the index parsed, a full checkpoint listing no deltas, each tensor referred
+       to once by the state, and a live destination only where the state refers to it from its
+       own name's place;
     2. :meth:`verify`: every byte checked against its checksum (raises on corruption), and every
-       tensor without a live destination read into memory; :meth:`check_tree` then gives the
-       tree with those real values (only tensors with a live destination are stand-ins), for the
-       checks and trial loads that need values;
+       tensor without a live destination read into memory (``keep``); :meth:`check_tree` then
+       gives the tree with those real values (only tensors with a live destination, or not
+       kept, are stand-ins), for the checks and trial loads that need values;
     3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
        state tree returned.
 
@@ -80,7 +83,7 @@ class RankRead:
         rank: int,
         *,
         into: Mapping[str, Any] | None = None,
-        keep: bool = True,
+        keep: bool | Callable[[str], bool] = True,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
@@ -90,7 +93,14 @@ class RankRead:
         self._base: RankRead | None = None
         self._keep = keep
         self._rebuilt: dict[int, torch.Tensor] = {}  # delta tensors rebuilt by verify(), by index
-        into = _distinct_memory(into or {})
+        if manifest.kind != "delta" and self._index.deltas:
+            # Never applied, but it would make the checks see a stand-in where the load sees
+            # the stored bytes: a full checkpoint has nothing to rebuild.
+            raise CorruptCheckpointError(
+                f"{self._index_where}: a {manifest.kind} checkpoint's index lists deltas"
+            )
+        self._references = _references(self._index, self._index_where)
+        into = _distinct_memory(_bound(into or {}, self._index, self._references))
         if manifest.kind == "delta":
             self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, keep, on_bytes)
             keep = True  # the encoded bytes are needed to rebuild the tensors
@@ -127,7 +137,7 @@ class RankRead:
         manifest: Manifest,
         rank: int,
         into: Mapping[str, Any] | None,
-        keep: bool,
+        keep: bool | Callable[[str], bool],
         on_bytes: Callable[[int], None] | None,
     ) -> RankRead:
         """The base's rank, its live destinations limited to the tensors the deltas rebuild.
@@ -206,22 +216,6 @@ class RankRead:
         """This rank's pieces of sharded tensors, by name (see :mod:`crashproof.checkpoint.restore._dcp_reader`)."""
         return {e.name: e for e in self._index.tensors if e.global_shape is not None}
 
-    def meta_tree(self) -> Any:
-        """The state tree with every tensor on the ``meta`` device: shapes and dtypes, no data.
-
-        A sharded tensor has its whole shape."""
-        shapes = {
-            i: (e.global_shape or e.shape, e.dtype) for i, e in enumerate(self._index.tensors)
-        }
-        shapes.update({d.index: (d.shape, d.dtype) for d in self._index.deltas})
-        return self._decode(
-            lambda i: torch.empty(
-                shapes[i][0],
-                dtype=dtype_from_name(shapes[i][1], where=self._index_where),
-                device="meta",
-            )
-        )
-
     def verify(self) -> None:
         try:
             for _, part, _ in self._parts:
@@ -267,25 +261,25 @@ class RankRead:
     def _kept(self, name: str) -> torch.Tensor | None:
         """After :meth:`verify`: tensor ``name`` as read into memory, or None where it has a
         live destination (or is not kept)."""
-        if not self._keep:
-            return None
         for positions, part, _ in self._parts:
             for at, i in enumerate(positions):
                 if self._index.tensors[i].name == name:
-                    return None if part.has_destination(at) else part.kept()[at]
+                    return part.kept()[at] if part.has_value(at) else None
         return None
 
     def check_tree(self) -> Any:
         """After :meth:`verify`: the state tree with the verified value of every tensor that has
         no live destination (optimizer state, RNG states, extras' tensors; a delta's rebuilt),
-        and a ``meta`` stand-in for each that has one (verified, not written yet) and for
-        sharded tensors (their whole shape). The restore checks and trial-loads this tree
-        before anything live changes; :meth:`finish` later decodes the same values."""
-        assert self._keep, "check_tree() of a RankRead that keeps no tensors (keep=False)"
+        and a ``meta`` stand-in for each that has one (verified, not written yet), for sharded
+        tensors (their whole shape) and for those not kept (``keep``). The restore checks and
+        trial-loads this tree before anything live changes; :meth:`finish` later decodes the
+        same values. A tensor is a live destination only where the state refers to it from
+        its own name's place (see :func:`_bound`), so a stand-in stands exactly where the load
+        will read the live tensor."""
         values: dict[int, torch.Tensor] = {}
         for positions, part, _ in self._parts:
             for at, (i, tensor) in enumerate(zip(positions, part.kept(), strict=True)):
-                if not part.has_destination(at):
+                if part.has_value(at):
                     values[i] = tensor
         for delta in self._index.deltas:
             values.pop(delta.index, None)  # the encoded blob is no value of the state
@@ -320,7 +314,7 @@ class RankRead:
     def finish(self, sharded: Mapping[str, torch.Tensor] | None = None) -> Any:
         """The state tree with its tensors; sharded ones from ``sharded`` (by name) when given,
         else this rank's pieces."""
-        assert self._keep, "finish() of a RankRead that keeps no tensors (keep=False: verify only)"
+        assert self._keep is True, "finish() of a RankRead that keeps not every tensor (verify)"
         tensors = self._tensors()
         names = [e.name for e in self._index.tensors]
         return self._decode(
@@ -392,6 +386,32 @@ class RankRead:
             self._base.close()
 
 
+def _references(index: RankIndex, where: str) -> dict[int, str]:
+    """Each tensor the state refers to, once (see
+    :func:`~crashproof.checkpoint.format._state_tree.tensor_references`), and the place it is
+    referred to from; every reference resolves to an entry of the index."""
+    references = tensor_references(index.state, where)
+    beyond = [i for i in references if i >= len(index.tensors)]
+    if beyond:
+        raise CorruptCheckpointError(
+            f"{where}: the state refers to tensor #{beyond[0]}, the index lists {len(index.tensors)}"
+        )
+    return references
+
+
+def _bound(
+    into: Mapping[str, Any], index: RankIndex, references: Mapping[int, str]
+) -> dict[str, Any]:
+    """``into`` without the names whose tensor the state does not refer to from that very place.
+
+    A live destination is named by where its value goes (``model/fc.weight``); an index whose
+    state refers to that entry from elsewhere (an optimizer's ``exp_avg``, an extra) would have
+    the checks judge a stand-in there while the load hands that place the live tensor. Such an
+    entry is read into new memory and checked by value like any other."""
+    at = {index.tensors[i].name: path for i, path in references.items()}
+    return {name: tensor for name, tensor in into.items() if at.get(name) == name}
+
+
 def _distinct_memory(into: Mapping[str, Any]) -> dict[str, Any]:
     """``into`` without the tensors whose memory overlaps one kept before them (tied weights, an
     EMA module sharing a parameter): every live byte has one destination, so a delta is applied
@@ -438,11 +458,17 @@ def verify_checkpoint(
     """
     manifest = read_manifest(storage, ckpt_dir)
     indexes: list[RankIndex] = []
+    where = storage.describe(ckpt_dir)
     for rank in range(manifest.world_size):
-        reader = RankRead(storage, ckpt_dir, manifest, rank, keep=False, on_bytes=on_bytes)
+        # Only the tensors judged by value are kept (the RNG states: a few KiB); the others
+        # are hashed and stand in by shape and dtype, as a restore's live destinations do.
+        reader = RankRead(
+            storage, ckpt_dir, manifest, rank, keep=value_tensor_names, on_bytes=on_bytes
+        )
         try:
             reader.verify()
-            reader.meta_tree()  # decodes the state tree: every tensor reference must resolve
+            # The checks of the tree a restore makes before it compares with the live objects.
+            check_structure(reader.check_tree(), where)
         finally:
             reader.close()
         indexes.append(reader.index)

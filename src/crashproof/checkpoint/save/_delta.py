@@ -166,14 +166,7 @@ def _unpack_planes(
         payload = data[pos : pos + length]
         pos += length
         if mode == _ZSTD:
-            try:
-                payload = memoryview(
-                    zstandard.ZstdDecompressor().decompress(payload, max_output_size=count)
-                )
-            except zstandard.ZstdError as exc:
-                raise CorruptCheckpointError(
-                    f"{where}: plane {k} cannot be decoded ({exc})"
-                ) from None
+            payload = memoryview(_decompress(payload, count, f"{where}: plane {k}"))
         if len(payload) != count:
             raise CorruptCheckpointError(
                 f"{where}: plane {k} holds {len(payload)} bytes, the tensor needs {count}"
@@ -182,6 +175,34 @@ def _unpack_planes(
     if pos != len(data):
         raise CorruptCheckpointError(f"{where}: {len(data) - pos} bytes after the last plane")
     return planes.reshape(-1)
+
+
+def _decompress(frame: memoryview, count: int, where: str) -> bytes:
+    """The ``count`` bytes one zstd frame holds; nothing larger is ever allocated.
+
+    python-zstandard ignores ``max_output_size`` when a frame's header states its content size
+    and allocates what the header says (16 bytes on disk could ask for a TiB). So the stated
+    size must be ``count`` (the writer always states it) before anything is decompressed, and
+    zstd itself refuses a frame that holds more than it states; bytes after the frame (a second
+    frame, garbage) are refused too, so one blob has one decoding."""
+    try:
+        stated = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"{where} is not a zstd frame ({exc})") from None
+    if stated != count:
+        said = "does not state its size" if stated < 0 else f"states {stated} bytes"
+        raise CorruptCheckpointError(f"{where}: its zstd frame {said}, the tensor needs {count}")
+    stream = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        data = stream.decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"{where} cannot be decoded ({exc})") from None
+    if not stream.eof or stream.unused_data:
+        raise CorruptCheckpointError(
+            f"{where}: the zstd frame is cut short or followed by {len(stream.unused_data)} "
+            "more bytes"
+        )
+    return data
 
 
 _LOCAL = threading.local()
