@@ -70,14 +70,13 @@ class RetentionRunner:
             facts = checkpoint_facts(shared.storage, found)
             if shared.lock is None and self._second_writer_in(facts, keep_always):
                 return
+            unusable = self.unusable()
             plan = retention_plan(
-                shared.storage,
-                found,
-                self._keep,
-                keep_always=keep,
-                facts=facts,
-                unusable=self.unusable(),
+                shared.storage, found, self._keep, keep_always=keep, facts=facts, unusable=unusable
             )
+            # A copy this run found corrupt is not counted among the kept, but only a full disk
+            # removes it (remove_early): until then it stays, for whoever looks into why.
+            plan = [(step, path) for step, path in plan if step not in unusable]
             for step, path in plan:
                 log.info("retention: removing checkpoint step %d", step)
                 shared.storage.remove(path)
