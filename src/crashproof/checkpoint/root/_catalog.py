@@ -179,6 +179,10 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
     """A quick look: manifest valid and files present with their sizes; no checksums read."""
     try:
         manifest = read_manifest(storage, path)
+        if manifest.step != step:  # read_manifest checks a step directory; this is any copy
+            raise CorruptCheckpointError(
+                f"{storage.describe(path)}: the manifest is for step {manifest.step}, not {step}"
+            )
         present = set(storage.list(path))
         for name, entry in manifest.files.items():
             if name not in present:
