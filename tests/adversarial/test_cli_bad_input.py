@@ -158,13 +158,16 @@ HOSTILE = ["", " ", "-", "--", "\x00", "0", "-1", "-3", "1e400", "nan", "inf", "
            "99999999999999999999999", "1.5", "é", "5GB", "infGB", "nanMB", "-5GB", "0B"]  # fmt: skip
 PATHS = ["root", "step-dir", "parent-of-root", "file", "under-file", "fifo", "dangling", "to-root",
          "empty", "missing", "run-dir", "garbage"]  # fmt: skip
+URIS = ["s3://", "memory://", "://x", "ftp://127.0.0.1:1/x", "reference://x", "github://a:b@/",
+        "data://x", "dir://x", "S3://b/x", "nosuch://x", "simplecache::s3://b"]  # fmt: skip
+"""Unsupported or malformed storage URIs: a usage error naming the URI (exit 2), never 70."""
 
 
 @st.composite
 def argv_for(draw: st.DrawFn, zoo: dict[str, str]) -> list[str]:
     value = st.sampled_from(HOSTILE)
     path = st.sampled_from(PATHS).map(lambda k: zoo[k])
-    where = st.one_of(path, value)
+    where = st.one_of(path, value, st.sampled_from(URIS))
     command = draw(
         st.sampled_from(["ls", "verify", "inspect", "prune", "export", "plan", "report"])
     )
@@ -216,8 +219,9 @@ def argv_for(draw: st.DrawFn, zoo: dict[str, str]) -> list[str]:
                         "--cluster-mtbf-hours",
                     ]
                 ),
-                value,
+                st.one_of(value, st.sampled_from(["1e-308", "1e308", "5e-324", "1e-300"])),
             ),
+            st.just(["--json"]),
         ],
         "report": [st.tuples(st.just("--html"), where), st.just(["--json"])],
     }
@@ -287,6 +291,23 @@ def test_a_reported_bad_input_gets_one_line_and_exit_2(
     assert code == 2, (argv, err)
     assert_one_line_naming(code, err, argv, [named.format(**zoo)])
     assert out == ""
+
+
+@pytest.mark.parametrize("uri", URIS)
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect", "prune", "export", "report"])
+def test_an_unsupported_or_malformed_storage_uri_is_one_line_and_exit_2(
+    uri: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported cases: ``ls ftp://127.0.0.1:1/x`` (and reference://, github://, data://) was
+    an internal error with a finalizer's traceback; ``s3://`` was read as the local path s3:."""
+    argv = [command, uri, *{"prune": ["--keep-last", "1"],
+                            "export": ["-o", str(tmp_path / "w.st")]}.get(command, [])]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2, (argv, err)
+    assert err.count("\n") == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+    assert uri in err, err
+    assert "s3:: " not in err and "/s3:" not in err, err  # never the local path s3:
+    assert not os.listdir(tmp_path)
 
 
 def test_ls_of_a_run_directory_says_so_and_where_its_checkpoints_are(
@@ -415,12 +436,37 @@ def test_chaos_refuses_bad_options_with_one_line_naming_them(
         ([*fault, "--dir", zoo["garbage"], *run], zoo["garbage"]),
         ([*fault, "--report", zoo["file"], "--dir", str(tmp_path / "c"), *run], zoo["file"]),
         ([*fault], "--"),
+        # the wrapped run's argv, checked by run's own checks before anything is made
+        ([*fault, "--", "nosuch.py"], "nosuch.py"),
+        ([*fault, "--", "--max-restarts", "-3", str(script)], "--max-restarts"),
+        ([*fault, "--", "--nproc-per-node", "0", str(script)], "--nproc-per-node"),
+        ([*fault, "--", "--nnodes", "1:x", str(script)], "--nnodes"),
+        ([*fault, "--", "--run-dir", zoo["file"], str(script)], "--run-dir"),
+        ([*fault, "--", "--monitor-interval", "nan", str(script)], "--monitor-interval"),
+        ([*fault, "--", "--bogus", str(script)], "--bogus"),
+        # a schedule too large to draw: refused at once, not drawn for ever
+        (["--mtbf", "0.000001", "--duration", "1w", *run], "--mtbf"),
+        (["--mtbf", "1e-300", "--duration", "1", *run], "--mtbf"),
     ]
     for options, named in cases:
         argv = ["chaos", *options]
         code, _, err = run_cli(argv, capsys)
         assert code == 2, (argv, err)
         assert_one_line_naming(code, err, argv, [named])
+    assert sorted(os.listdir(tmp_path)) == ["train.py"]  # nothing made
+
+
+@pytest.mark.usefixtures("no_launch")
+def test_chaos_takes_a_report_path_without_a_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported case: ``--report report.json`` was refused as "report.json:  is a file"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("raise SystemExit(0)\n")
+    argv = ["chaos", "--fault", "at=1s,rank=0,kind=kill", "--report", "report.json", "--",
+            "--nproc-per-node", "1", "train.py"]  # fmt: skip
+    _, _, err = run_cli(argv, capsys)
+    assert "would have launched" in err and "is a file" not in err, err
 
 
 @pytest.mark.usefixtures("no_launch")
@@ -627,3 +673,155 @@ def test_report_html_naming_a_directory_is_exit_2_naming_html(
         code, out, err = run_cli(["report", str(run_dir), "--html", html], capsys)
         assert code == 2 and out == "", err
         assert_one_line_naming(code, err, ["report", html], [f"--html {html}"])
+
+
+# -- a file the storage refuses to read: exit 74 naming it, never "invalid" -----------------------
+
+REFUSALS = [errno.EACCES, errno.EPERM, errno.EIO]
+
+
+@pytest.fixture
+def refusing(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``refuse(name, err_no)``: every open of a path named ``name`` fails with ``err_no``."""
+    real_open = os.open
+
+    def refuse(name: str, err_no: int) -> None:
+        def opener(path: Any, *args: Any, **kwargs: Any) -> int:
+            if os.path.basename(os.fsdecode(path)) == name:
+                raise OSError(err_no, os.strerror(err_no), os.fsdecode(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", opener)
+
+    return refuse
+
+
+@pytest.mark.parametrize("err_no", REFUSALS)
+@pytest.mark.parametrize(
+    "name", ["manifest.json", "rank_00000.json", "rank_00000.safetensors", "step_0000000002"]
+)
+@pytest.mark.parametrize(
+    "argv",
+    [["ls"], ["ls", "--verify"], ["verify"], ["verify", "--step", "2"], ["inspect"], ["export"]],
+)
+def test_a_file_the_storage_refuses_is_74_naming_it_in_every_command(
+    good_root: Path,
+    tmp_path: Path,
+    refusing: Any,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    name: str,
+    err_no: int,
+) -> None:
+    """The reported case: an unreadable manifest, step directory or index was `verify` INVALID
+    (exit 1), `inspect` and `export` exit 1 (or an older step exported), `ls --verify` a row
+    not verified."""
+    if argv == ["inspect"] and name == "rank_00000.safetensors":
+        pytest.skip("inspect reads no tensor data")
+    out = ["-o", str(tmp_path / "w.st")] if argv[0] == "export" else []
+    refusing(name, err_no)
+    full = [argv[0], str(good_root), *argv[1:], *out]
+    code, stdout, err = run_cli(full, capsys)
+    if argv == ["ls"]:  # a listing, no verdict: the row names the file (test_ls_honest.py)
+        assert code == 0 and err == "" and name in stdout and os.strerror(err_no) in stdout
+        return
+    assert code == 74, (full, stdout, err)
+    assert err.count("\n") == 1 and "INVALID" not in stdout + err, err
+    assert os.strerror(err_no) in err and name in err and str(good_root) in err, err
+    assert not os.path.exists(tmp_path / "w.st")
+
+
+@pytest.mark.parametrize("err_no", REFUSALS)
+def test_an_event_log_the_storage_refuses_is_74_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], err_no: int
+) -> None:
+    run_dir = _run_dir(tmp_path)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise OSError(err_no, os.strerror(err_no), str(run_dir / "events.jsonl"))
+
+    monkeypatch.setattr("crashproof.telemetry._ledger.read_events", refused)
+    code, _, err = run_cli(["report", str(run_dir), "--json"], capsys)
+    assert code == 74 and err.count("\n") == 1, err
+    assert str(run_dir / "events.jsonl") in err and os.strerror(err_no) in err, err
+
+
+def test_unreadable_files_are_74_as_processes_without_capabilities(
+    good_root: Path, tmp_path: Path
+) -> None:
+    """As the tester ran it: chmod 000, DAC capabilities dropped (root) or a plain user."""
+    setpriv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+               "--inh-caps=-dac_override,-dac_read_search", "--"]  # fmt: skip
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: permissions cannot be taken away")
+    prefix = setpriv if os.geteuid() == 0 else []
+    root = tmp_path / "root"
+    shutil.copytree(good_root, root, ignore=shutil.ignore_patterns(".crashproof.lock"))
+    manifest = root / "step_0000000002" / "manifest.json"
+    run_dir = _run_dir(tmp_path)
+    manifest.chmod(0)
+    (run_dir / "events.jsonl").chmod(0)
+    try:
+        for args, named in (
+            (["verify", str(root)], manifest),
+            (["report", str(run_dir), "--json"], run_dir / "events.jsonl"),
+        ):
+            done = subprocess.run(
+                [*prefix, sys.executable, "-m", "crashproof.cli", *args],
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            if "setpriv" in done.stderr and done.returncode != 74:
+                pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+            assert done.returncode == 74, done.stderr
+            assert done.stderr.count("\n") == 1 and str(named) in done.stderr, done.stderr
+    finally:
+        manifest.chmod(0o644)
+        (run_dir / "events.jsonl").chmod(0o644)
+
+
+# -- report: malformed events; plan: JSON that parses ---------------------------------------------
+
+
+@pytest.mark.parametrize("ts", ["1e300", "1e12", "-1e12", "-5", "NaN", "Infinity", '"x"', "true"])
+def test_report_skips_an_event_whose_time_is_not_a_time_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], ts: str
+) -> None:
+    """The reported cases: ``"ts": 1e300`` was exit 70 (OverflowError), ``1e12`` exit 2 with
+    "year 33658 is out of range" naming no path."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    events = run_dir / "events.jsonl"
+    events.write_text(
+        '{"event":"run_start","ts":1000,"run_id":"r"}\n'
+        f'{{"event":"replicated","ts":{ts}}}\n'
+        '{"event":"run_end","ts":1010,"outcome":"succeeded","exitcode":0}\n'
+    )
+    for extra in ([], ["--json"]):
+        code, out, err = run_cli(["report", str(run_dir), *extra], capsys)
+        assert code == 0, err
+        assert err.count("\n") == 1 and f"{events}: skipped malformed line 2" in err, err
+        if extra:
+            json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+
+
+@pytest.mark.parametrize(
+    "rate",
+    [
+        ["--mtbf-hours", "1e-308"],
+        ["--cluster-mtbf-hours", "5e-324"],
+        ["--mtbf-hours", "nan"],
+        ["--daily-failure-prob", "inf"],
+        ["--mtbf-hours", "1e308"],
+    ],
+)
+def test_plan_json_is_json_or_a_one_line_refusal(
+    rate: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported case: ``plan --json --mtbf-hours 1e-308`` printed ``Infinity``."""
+    argv = ["plan", "--json", "--devices", "8", "--days", "30", "--ckpt-minutes", "1",
+            "--restart-minutes", "5", "--cost-per-device-hour", "2", *rate]  # fmt: skip
+    code, out, err = run_cli(argv, capsys)
+    if code == 0:
+        json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+    else:
+        assert code == 2 and out == "" and err.count("\n") == 1 and rate[0] in err, err

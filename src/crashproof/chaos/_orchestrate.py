@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from crashproof._console import say
+from crashproof._files import check_parent
 from crashproof._rundir import RunDir
 from crashproof.chaos._schedule import Fault, draw_schedule, parse_fault
+from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RUN_PLACEHOLDER", "CampaignOptions", "RunOptions", "run_campaign"]
@@ -181,12 +183,11 @@ def _refuse_outputs(directory: str, report: str, *, force: bool) -> str | None:
     """Why the campaign must not write where it was told to (None: it may). It never writes into
     a directory that holds anything, nor over a file that is not an earlier campaign's report
     (and that only with ``--force``), nor under a file."""
-    for path in (directory, report):
-        parent = path
-        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
-            parent = os.path.dirname(parent)
-        if parent != path and not os.path.isdir(parent):
-            return f"{path}: {parent} is a file, not a directory; choose a path in a directory"
+    for option, path in (("--dir", directory), ("--report", report)):
+        try:
+            check_parent(path, option)
+        except ConfigError as exc:
+            return str(exc)
     if os.path.lexists(directory):
         if not os.path.isdir(directory) or os.path.islink(directory):
             return f"--dir {directory}: exists and is not a directory; give a new directory"

@@ -143,6 +143,12 @@ def parse_fault(text: str, *, index: int, seed: int, world_size: int) -> Fault:
         raise ValueError(f"--fault {text!r}: {exc}") from None
 
 
+MAX_DRAWN_FAULTS = 10_000
+"""The most faults ``--mtbf`` may draw: each is injected, detected and recovered from in turn
+(tens of seconds each), so more is no campaign anyone waits for; the mean is checked before
+drawing (``--mtbf 1e-300`` would draw for ever)."""
+
+
 def draw_schedule(
     *, seed: int, mtbf_s: float, duration_s: float, kinds: Sequence[str], world_size: int
 ) -> list[Fault]:
@@ -155,6 +161,12 @@ def draw_schedule(
         raise ValueError(f"--faults {','.join(kinds)}: choose from {', '.join(KINDS)}")
     if world_size < 1:
         raise ValueError(f"a run of {world_size} ranks has nothing to hit")
+    if duration_s / mtbf_s > MAX_DRAWN_FAULTS:  # drawing them alone would not end
+        raise ValueError(
+            f"--mtbf {mtbf_s:g} --duration {duration_s:g}: about {duration_s / mtbf_s:.3g} faults; "
+            f"a campaign injects at most {MAX_DRAWN_FAULTS}: give a longer --mtbf or a shorter "
+            "--duration"
+        )
     rng = random.Random(seed)
     faults: list[Fault] = []
     at = 0.0
@@ -162,6 +174,11 @@ def draw_schedule(
         at += rng.expovariate(1.0 / mtbf_s)
         if at >= duration_s:
             return faults
+        if len(faults) == MAX_DRAWN_FAULTS:  # an unlucky draw far above the mean
+            raise ValueError(
+                f"--mtbf {mtbf_s:g} --duration {duration_s:g}: more than {MAX_DRAWN_FAULTS} "
+                "faults drawn; give a longer --mtbf or a shorter --duration"
+            )
         kind = rng.choice(list(kinds))
         rank = rng.randrange(world_size)
         faults.append(

@@ -27,6 +27,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -93,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_main(argv[1:])
         except SystemExit as exc:  # its usage errors: said already, in one line
             return _exit_code(exc.code)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        except Exception as exc:  # what the checks could not foresee (a disk failing): one line
+            return _unexpected("run", "run", exc, traceback_by="run --log-level debug")
     # Die quietly when piped into `head`, like other Unix tools.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -104,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    hook, sys.unraisablehook = sys.unraisablehook, _log_unraisable
     try:
         code: int = args.func(args)
     except SystemExit as exc:
@@ -113,8 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CrashproofError, ValueError) as exc:
         return fail(str(exc), EXIT_USAGE)
     except Exception as exc:
-        return _unexpected(args, exc)
+        return _unexpected(args.command, _subject(args), exc)
+    finally:
+        gc.collect()  # what a failed storage client leaves half-made is finalized quietly here
+        sys.unraisablehook = hook
     return code
+
+
+def _log_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """An error in a finalizer (a storage client half-made by a bad URI cleaning up): for
+    ``-v``, not a traceback among the command's one line."""
+    log.info("ignored in %r", unraisable.object, exc_info=unraisable.exc_value)
 
 
 def _exit_code(code: object) -> int:
@@ -125,15 +140,38 @@ def _exit_code(code: object) -> int:
     return fail(str(code), EXIT_USAGE)
 
 
-def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
-    """An exception no command turned into a message: the storage's, or a bug."""
-    subject = next(
+def _raised_in_storage_code(exc: BaseException) -> bool:
+    """``exc`` was raised by a storage client's own code (fsspec, an SDK), not crashproof's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = str(tb.tb_frame.f_globals.get("__name__", "")) if tb is not None else ""
+    return module.split(".")[0] in _STORAGE_MODULES
+
+
+def _subject(args: argparse.Namespace) -> str:
+    """What a command's failure is about: its root, run directory or output, or the command."""
+    return next(
         (str(v) for k in ("root", "run_dir", "output", "dir") if (v := getattr(args, k, None))),
-        args.command,
+        str(args.command),
     )
+
+
+def _unexpected(command: str, subject: str, exc: Exception, traceback_by: str = "-v") -> int:
+    """An exception no command turned into a message: the storage's, or a bug. Its traceback
+    is logged for the option ``traceback_by`` (``-v``; ``run``'s ``--log-level debug``)."""
     what = f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " ")
-    log.debug("%s failed", args.command, exc_info=exc)  # -v: the traceback
-    if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES:
+    level = logging.INFO if traceback_by == "-v" else logging.DEBUG
+    log.log(level, "%s failed", command, exc_info=exc)
+    storage_error = type(exc).__module__.split(".")[0] in _STORAGE_MODULES
+    if not isinstance(exc, OSError) and not storage_error and _raised_in_storage_code(exc):
+        # A built-in error from a storage client's code: it refused what it was given, the URI.
+        return fail(
+            f"{subject}: crashproof cannot use this storage URI ({what}); give a local path or an "
+            "object-store URI such as s3://BUCKET/PATH",
+            EXIT_USAGE,
+        )
+    if isinstance(exc, OSError) or storage_error:
         remote = "://" in subject and not subject.lower().startswith(("file:", "local:"))
         return fail(
             f"{subject}: cannot read or write the storage ({what}); check that it exists, "
@@ -142,7 +180,7 @@ def _unexpected(args: argparse.Namespace, exc: Exception) -> int:
             EXIT_STORAGE,
         )
     return fail(
-        f"{args.command} {subject}: internal error ({what}); please report it, with the "
-        "traceback `crashproof -v` prints",
+        f"{command} {subject}: internal error ({what}); please report it, with the "
+        f"traceback `crashproof {traceback_by}` prints",
         EXIT_INTERNAL,
     )

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from crashproof._console import say
 from crashproof._units import DURATION_FORMS
@@ -77,12 +78,17 @@ def run_chaos(args: argparse.Namespace) -> int:
             "give the `crashproof run` arguments after --, e.g. -- --nproc-per-node 2 train.py "
             f"--run-dir {RUN_PLACEHOLDER}"
         )
-    from crashproof.cli._run import build_run_parser  # torch's launcher: only when needed
+    from crashproof.cli._run import build_run_parser, parse_run_args  # torch: only when needed
 
+    # Every option of the run checked as `crashproof run` checks it, before anything is made:
+    # {run} stands for a directory under --dir, whose own checks follow in the campaign.
+    where = os.path.join(os.path.abspath(args.dir or "crashproof-chaos"), "run")
     try:
-        run = build_run_parser().parse_args(run_args)
-    except SystemExit:  # its one line is said already
-        return _usage(f"the `crashproof run` arguments do not parse: {' '.join(run_args)}")
+        # The campaign's default --run-dir first: one given in run_args comes later and wins.
+        parse_run_args([a.replace(RUN_PLACEHOLDER, where) for a in ["--run-dir", where, *run_args]])
+    except SystemExit as exc:  # its one line is said already
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    run = build_run_parser().parse_args(run_args)  # as given: {run} is the campaign's to place
     options = CampaignOptions(
         seed=args.seed,
         faults=list(args.fault),

@@ -14,13 +14,14 @@ from tqdm import tqdm
 
 from crashproof.checkpoint import (
     list_checkpoints,
+    located,
     read_manifest,
     read_rank_index,
     unreadable,
     verify_checkpoint,
 )
-from crashproof.cli._conventions import fail
-from crashproof.cli._roots import open_root, pick, storage_refused
+from crashproof.cli._conventions import fail, print_json
+from crashproof.cli._roots import open_root, pick, refusal, storage_refused
 from crashproof.errors import CrashproofError
 from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from crashproof.storage import Storage
@@ -96,12 +97,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ) as bar:
         try:
             rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
+            for (step, ckpt), row in zip(found, rows, strict=True):
+                # --verify gives a verdict: none on what the storage would not let be read
+                # (plain ls lists such a row, its problem naming the file: test_ls_honest)
+                if args.verify and not row.info.valid:
+                    _raise_refusal(storage, step, ckpt)
         except OSError as exc:  # unreadable (not corrupt), named in full by list_checkpoints
             if not unreadable(exc):
                 raise
             return storage_refused(storage, path, exc)
     if args.json:
-        print(json.dumps([r.to_json() for r in rows], indent=2))
+        print_json([r.to_json() for r in rows])
         return EXIT_OK
     # The header says which checks stand behind each column (docs: README "Command line").
     checks = (
@@ -148,8 +154,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     {"step": step, "path": storage.describe(ckpt), "valid": True, "problem": ""}
                 )
             except (CrashproofError, OSError) as exc:
-                if isinstance(exc, OSError) and unreadable(exc):  # no verdict on the unread
-                    return storage_refused(storage, ckpt, exc)
+                refused = refusal(exc)
+                if refused is not None:  # no verdict on what could not be read
+                    return storage_refused(storage, ckpt, refused)
                 results.append(
                     {
                         "step": step,
@@ -159,11 +166,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     }
                 )
     if args.json:
-        print(json.dumps(results, indent=2))
+        print_json(results)
     else:
         for r in results:
             print(f"step {r['step']}: {'valid' if r['valid'] else 'INVALID: ' + r['problem']}")
     return EXIT_OK if results and all(r["valid"] for r in results) else EXIT_INVALID
+
+
+def _raise_refusal(storage: Storage, step: int, ckpt: str) -> None:
+    """Raise the OSError of a file of ``ckpt`` (an invalid row of ``ls``) that the storage
+    refused to read, named in full; return when the checkpoint is invalid on its own."""
+    try:
+        read_manifest(storage, ckpt)
+    except (CrashproofError, OSError) as exc:
+        refused = refusal(exc)
+        if refused is not None:
+            raise located(storage, ckpt, refused) from exc
+        return
+    # The manifest reads: a listed file the storage refuses is raised by the checkpoint's own
+    # listing, which reads no data for a checkpoint that failed the cheap checks.
+    list_checkpoints(storage, [(step, ckpt)], verify=True)
 
 
 def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
@@ -182,10 +204,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         manifest = read_manifest(storage, ckpt)
         ranks = [read_rank_index(storage, ckpt, manifest, r) for r in range(manifest.world_size)]
-    except CrashproofError as exc:
+    except (CrashproofError, OSError) as exc:
+        refused = refusal(exc)
+        if refused is not None:
+            return storage_refused(storage, ckpt, refused)
+        if isinstance(exc, OSError):
+            raise
         return fail(str(exc), EXIT_INVALID)
-    except OSError as exc:
-        return storage_refused(storage, ckpt, exc)
     rank_reports: list[dict[str, Any]] = [
         {
             "rank": idx.rank,
@@ -204,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     report = {"manifest": manifest.to_json(), "ranks": rank_reports}
     if args.json:
-        print(json.dumps(report, indent=2))
+        print_json(report)
         return EXIT_OK
     m = manifest
     print(f"checkpoint {storage.describe(ckpt)}")

@@ -7,6 +7,7 @@ is checked by one of a few typed validators (durations and sizes through
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -19,8 +20,10 @@ __all__ = [
     "OneLineParser",
     "duration",
     "fail",
+    "finite_number",
     "number_above",
     "or_auto",
+    "print_json",
     "size",
     "usage_error",
     "whole_number",
@@ -43,6 +46,23 @@ def fail(message: str, code: int) -> int:
     """Say ``crashproof: <message>`` in one line on stderr; returns ``code``, the exit code."""
     say("crashproof", message)
     return code
+
+
+def print_json(value: object) -> None:
+    """Print ``value`` as indented JSON that every parser reads: a non-finite number, which JSON
+    cannot hold (Python would write ``NaN``), is written as the string "NaN", "Infinity" or
+    "-Infinity"."""
+    print(json.dumps(_finite(value), indent=2, allow_nan=False))
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def usage_error(message: str) -> NoReturn:
@@ -111,6 +131,21 @@ def whole_number(
             value = None
         if value is None or value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"{text!r}: {accepted}")
+        return value
+
+    return parse
+
+
+def finite_number() -> Callable[[str], float]:
+    """Any finite number (its range is the command's to check)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a finite number")
         return value
 
     return parse

@@ -11,7 +11,7 @@ from crashproof._units import SIZE_FORMS
 from crashproof.checkpoint import check_target, export_dcp, export_safetensors
 from crashproof.cli._checkpoints import human
 from crashproof.cli._conventions import fail, size
-from crashproof.cli._roots import open_root, pick, storage_refused
+from crashproof.cli._roots import open_root, pick, refusal, storage_refused
 from crashproof.errors import ConfigError, CrashproofError
 from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_STORAGE, EXIT_USAGE
 
@@ -88,6 +88,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ConfigError as exc:  # the output path, or state safetensors cannot hold
             return fail(str(exc), EXIT_USAGE)
         except CrashproofError as exc:
+            refused = refusal(exc)
+            if refused is not None:  # not a verdict on the checkpoint: no older one instead
+                return storage_refused(storage, ckpt, refused)
             if args.step is not None:
                 return fail(str(exc), EXIT_INVALID)
             say("crashproof", f"skipping step {step}: {exc}")

@@ -8,10 +8,11 @@ the price are not: without them the plan gives what it can and says which flag t
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import re
 
 from crashproof._console import say
+from crashproof.cli._conventions import finite_number, print_json
 from crashproof.exitcodes import EXIT_OK, EXIT_USAGE
 from crashproof.telemetry import Plan, plan
 
@@ -30,27 +31,34 @@ def add_plan_parser(
     )
     p.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the job")
     rate = p.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--mtbf-hours", type=float, metavar="H", help="MTBF of one device")
+    rate.add_argument("--mtbf-hours", type=finite_number(), metavar="H", help="MTBF of one device")
     rate.add_argument(
-        "--daily-failure-prob", type=float, metavar="P", help="chance one device fails in a day"
+        "--daily-failure-prob",
+        type=finite_number(),
+        metavar="P",
+        help="chance one device fails in a day",
     )
-    rate.add_argument("--cluster-mtbf-hours", type=float, metavar="H", help="MTBF of the whole job")
-    p.add_argument("--days", type=float, required=True, help="wall-clock length of the run")
+    rate.add_argument(
+        "--cluster-mtbf-hours", type=finite_number(), metavar="H", help="MTBF of the whole job"
+    )
+    p.add_argument(
+        "--days", type=finite_number(), required=True, help="wall-clock length of the run"
+    )
     p.add_argument(
         "--ckpt-minutes",
-        type=float,
+        type=finite_number(),
         metavar="MIN",
         help="time training pauses for one checkpoint (for the checkpoint interval and goodput)",
     )
     p.add_argument(
         "--restart-minutes",
-        type=float,
+        type=finite_number(),
         metavar="MIN",
         help="from a failure to training again: detect, relaunch, load (for the goodput)",
     )
     p.add_argument(
         "--cost-per-device-hour",
-        type=float,
+        type=finite_number(),
         metavar="PRICE",
         help="price of one device for an hour, any currency (for the costs)",
     )
@@ -72,11 +80,29 @@ def run_plan(args: argparse.Namespace) -> int:
             daily_failure_prob=args.daily_failure_prob,
             cluster_mtbf_hours=args.cluster_mtbf_hours,
         )
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         say("crashproof", f"plan: {_as_flags(str(exc))}")
         return EXIT_USAGE
-    print(json.dumps(result.to_json(), indent=2) if args.json else _table(result))
+    beyond = _infinite(result.to_json())
+    if beyond:  # e.g. an MTBF of 1e-308 hours: more failures than a float holds
+        given = " ".join(
+            f"{_flag(n)} {getattr(args, n)}" for n in _INPUTS if getattr(args, n) is not None
+        )
+        say("crashproof", f"plan: {given}: the {', '.join(beyond)} of these inputs are beyond any "
+            "number (infinite); give a realistic failure rate and run length")  # fmt: skip
+        return EXIT_USAGE
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print(_table(result))
     return EXIT_OK
+
+
+def _infinite(value: object, key: str = "") -> list[str]:
+    """The keys of ``value`` (nested) holding a number that is not finite."""
+    if isinstance(value, dict):
+        return [k for name, v in value.items() for k in _infinite(v, name)]
+    return [key] if isinstance(value, float) and not math.isfinite(value) else []
 
 
 _INPUTS = (

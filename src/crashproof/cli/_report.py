@@ -10,12 +10,12 @@ file); 74 the page could not be written (a read-only or full disk, no permission
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from crashproof._console import output_unwritable, say
 from crashproof._files import check_parent
 from crashproof._rundir import RunDir
+from crashproof.cli._conventions import print_json
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_OK, EXIT_STORAGE, EXIT_USAGE
 from crashproof.telemetry import (
@@ -52,14 +52,27 @@ def add_report_parser(
 
 def run_report(args: argparse.Namespace) -> int:
     """``crashproof report``: print the summary and the page's path (or the JSON)."""
+    if "://" in args.run_dir:
+        say("crashproof", f"report: {args.run_dir}: give the local run directory, not a URI")
+        return EXIT_USAGE
+    events = RunDir(args.run_dir).events
+    malformed: list[tuple[int, str]] = []
     try:
-        ledger = read_ledger(args.run_dir)
+        ledger = read_ledger(args.run_dir, on_malformed=lambda n, why: malformed.append((n, why)))
     except FileNotFoundError as exc:
         say("crashproof", f"report: {exc}")
         return EXIT_USAGE
-    except OSError as exc:  # a directory named events.jsonl, no permission...
-        say("crashproof", f"report: cannot read the event log in {args.run_dir}: {exc}")
+    except OSError as exc:  # it is a file (read_ledger checked): the storage refused to read it
+        say("crashproof", f"report: {events}: cannot be read ({exc.strerror or exc}); check the "
+            "permissions and the device")  # fmt: skip
+        return EXIT_STORAGE
+    except UnicodeDecodeError as exc:
+        say("crashproof", f"report: {events}: not an event log (not UTF-8 text: {exc.reason})")
         return EXIT_USAGE
+    if malformed:  # as a torn line: skipped, but said (one line, whatever their number)
+        line, why = malformed[0]
+        more = f" and {len(malformed) - 1} more" if len(malformed) > 1 else ""
+        say("crashproof", f"report: {events}: skipped malformed line {line} ({why}){more}")
     html_path = args.html
     if html_path is None and not args.json:
         html_path = RunDir(args.run_dir).report_page
@@ -74,7 +87,7 @@ def run_report(args: argparse.Namespace) -> int:
             say("crashproof", f"report: {output_unwritable('--html', html_path, exc)}")
             return EXIT_STORAGE
     if args.json:
-        print(json.dumps(ledger.to_json(), indent=2))
+        print_json(ledger.to_json())
     else:
         print(format_summary(ledger))
         print(f"\nreport: {html_path}")

@@ -9,16 +9,17 @@ import contextlib
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Iterator
 
 from crashproof._rundir import EVENTS_FILE, RunDir
-from crashproof.checkpoint import committed_steps, located, parse_step_dir
+from crashproof.checkpoint import committed_steps, located, parse_step_dir, unreadable
 from crashproof.cli._conventions import fail, usage_error
 from crashproof.exitcodes import EXIT_STORAGE
 from crashproof.storage import Storage, local_path, storage_for
 
-__all__ = ["open_root", "pick", "storage_refused"]
+__all__ = ["open_root", "pick", "refusal", "storage_refused"]
 
 
 def open_root(root: str) -> tuple[str, Storage, list[tuple[int, str]]]:
@@ -27,7 +28,12 @@ def open_root(root: str) -> tuple[str, Storage, list[tuple[int, str]]]:
         usage_error(
             "ROOT is empty: give the checkpoint root (the directory passed to CheckpointManager)"
         )
-    path, storage = storage_for(root)
+    _check_uri(root)
+    try:
+        path, storage = storage_for(root)
+    except (TypeError, AttributeError, NotImplementedError, LookupError) as exc:
+        # A storage client that cannot be made from a URI alone (ftp://, github://...).
+        usage_error(f"{root}: crashproof cannot use {_scheme(root)}:// storage ({exc})")
     given = local_path(root)  # as given (a link as the root is named as such), if local
     local = given is not None
     if given is not None:
@@ -43,6 +49,28 @@ def open_root(root: str) -> tuple[str, Storage, list[tuple[int, str]]]:
     for record in held:
         logging.getLogger().handle(record)
     return path, storage, found
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\Z")
+"""A URI's scheme (RFC 3986): what comes before ``://``."""
+
+
+def _scheme(root: str) -> str:
+    return root.partition("://")[0]
+
+
+def _check_uri(root: str) -> None:
+    """A storage URI must name a scheme and something in it (``s3://`` alone names nothing,
+    and must not be read as the local path ``s3:``)."""
+    if "://" not in root or root.startswith("file://"):
+        return
+    scheme, _, rest = root.partition("://")
+    if not _SCHEME.match(scheme):
+        usage_error(
+            f"{root}: not a storage URI (SCHEME://PATH, e.g. s3://BUCKET/PATH) nor a local path"
+        )
+    if not rest.strip("/"):
+        usage_error(f"{root}: names nothing after {scheme}://; give e.g. {scheme}://BUCKET/PATH")
 
 
 def pick(found: list[tuple[int, str]], step: int | None, root: str) -> list[tuple[int, str]]:
@@ -65,6 +93,20 @@ def storage_refused(storage: Storage, ckpt: str, exc: OSError) -> int:
         "an I/O error), which says nothing about the checkpoint: fix the access and run this again",
         EXIT_STORAGE,
     )
+
+
+def refusal(exc: BaseException | None) -> OSError | None:
+    """The storage's refusal to read a file (:func:`~crashproof.checkpoint.unreadable`) that
+    ``exc`` is or was raised from, if any. The checkpoint reader words a manifest, index or
+    directory it could not read as corruption, with the OSError as its context; a command
+    answers it with exit 74 (:func:`storage_refused`), never with a verdict."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and unreadable(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class _Hold(logging.Handler):

@@ -13,9 +13,6 @@ Imports torch: loaded only for ``crashproof run`` and ``crashproof chaos``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import shutil
 from collections.abc import Sequence
 
 from torch.distributed.run import get_args_parser
@@ -28,6 +25,7 @@ from crashproof.cli._conventions import (
     or_auto,
     whole_number,
 )
+from crashproof.cli._run_checks import RunOptionError, check_run_args
 from crashproof.supervisor.launch import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_METRICS_PORT,
@@ -36,7 +34,7 @@ from crashproof.supervisor.launch import (
     launch,
 )
 
-__all__ = ["build_run_parser", "run_main"]
+__all__ = ["build_run_parser", "parse_run_args", "run_main"]
 
 _DURATION = f"a duration: {DURATION_FORMS}"
 
@@ -193,24 +191,16 @@ def _describe_default(parser: argparse.ArgumentParser, dest: str, text: str) -> 
 
 def run_main(argv: Sequence[str]) -> int:
     """``crashproof run ARGV``: parse, check, launch; a usage error exits 2 (SystemExit)."""
+    return launch(parse_run_args(argv))
+
+
+def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``crashproof run``'s options, each checked (:mod:`._run_checks`) before anything is
+    launched or created; a usage error is one line naming the option and exits 2 (SystemExit)."""
     parser = build_run_parser()
     args = parser.parse_args(argv)
-    _check(parser, args)
-    return launch(args)
-
-
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What the option types cannot check alone: torchrun's own options, and the script."""
-    if args.max_restarts < 0:
-        parser.error(f"argument --max-restarts: {args.max_restarts}: give 0 or more restarts")
-    if args.monitor_interval <= 0:
-        parser.error(f"argument --monitor-interval: {args.monitor_interval}: give positive seconds")
-    script = args.training_script
-    if args.module:
-        if importlib.util.find_spec(script.split(".")[0]) is None:  # imports nothing of it
-            parser.error(f"-m {script}: no module {script.split('.')[0]!r} on the Python path")
-    elif args.no_python:
-        if shutil.which(script) is None:
-            parser.error(f"--no-python {script}: no such program (not a file, not on PATH)")
-    elif not os.path.isfile(script):
-        parser.error(f"{script}: no such file (the training script: give its path)")
+    try:
+        check_run_args(args)
+    except RunOptionError as exc:
+        parser.error(str(exc))
+    return args

@@ -96,18 +96,36 @@ def emit(event: str, **fields: Any) -> None:
         events.emit(event, **fields)
 
 
-def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The events of a log, oldest first; a torn last line (a writer killed mid-write) is skipped."""
+MAX_TS = 253402300799.0
+"""The latest event time a calendar holds (the end of year 9999, UTC): a report prints each."""
+
+
+def read_events(
+    path: str | os.PathLike[str], on_malformed: Callable[[int, str], None] | None = None
+) -> Iterator[dict[str, Any]]:
+    """The events of a log, oldest first; a torn last line (a writer killed mid-write) is skipped.
+    So is a malformed line (not a JSON object, or a ``ts`` that is not a time from 0 to
+    :data:`MAX_TS` seconds), reported to ``on_malformed(line_number, why)`` if given."""
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 break
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
+                record = None
+            if not isinstance(record, dict):
+                if on_malformed is not None:
+                    on_malformed(number, "not a JSON object")
                 continue
-            if isinstance(record, dict):
-                yield record
+            ts = record.get("ts", 0.0)
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TS:
+                if on_malformed is not None:
+                    on_malformed(
+                        number, f"'ts' {ts!r} is not a time (seconds from 0 to {MAX_TS:.0f})"
+                    )
+                continue
+            yield record
 
 
 class EventTail:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,12 +342,15 @@ def _markers(
     return markers
 
 
-def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger:
+def read_ledger(
+    run_dir: str | os.PathLike[str], on_malformed: Callable[[int, str], None] | None = None
+) -> Ledger:
     """The ledger of the run in ``run_dir`` (``crashproof run --run-dir``), from its
-    ``events.jsonl``; raises FileNotFoundError naming the file when there is none."""
+    ``events.jsonl``; raises FileNotFoundError naming the file when there is none. Malformed
+    lines are skipped, each reported to ``on_malformed`` (:func:`read_events`)."""
     path = RunDir(os.fspath(run_dir)).events
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no event log at {path}: pass the directory given to `crashproof run --run-dir`"
         )
-    return compute_ledger(read_events(path), run_dir=os.fspath(run_dir))
+    return compute_ledger(read_events(path, on_malformed), run_dir=os.fspath(run_dir))
