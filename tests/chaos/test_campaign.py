@@ -205,7 +205,7 @@ def test_crashproof_chaos_on_the_command_line(tmp_path: Path) -> None:
         (["--mtbf", "5", "--", "t.py"], "needs --duration"),
         (["--", "t.py"], "give --mtbf"),
         (["--fault", "at=1s,kind=kill", "--", "--nproc-per-node", "2", "--bogus", "t.py"],
-         "do not parse"),
+         "unrecognized arguments: --bogus"),
         (["--fault", "at=1s,kind=kill", "--", "--nnodes", "2", "t.py"], "single-node jobs"),
         (["--fault", "at=1s,kind=kill", "--", "--nnodes", "1:4", "t.py"], "single-node jobs"),
     ],
@@ -216,6 +216,9 @@ def test_usage_errors_exit_2_before_anything_runs(
     if message is None:  # a rank the run does not have
         argv = [argv[0], "at=1s,kind=kill,rank=2", *argv[2:]]
         message = "the run has 2 rank(s)"
+    script = tmp_path / "t.py"  # a script that exists: the run's own checks pass
+    script.write_text("")
+    argv = [str(script) if a == "t.py" else a for a in argv]
     assert _chaos(["--dir", str(tmp_path / "c"), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
