@@ -39,6 +39,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
 
 TRASH_PREFIX = ".trash-"
 """A directory being deleted: renamed first, so a crash never leaves half of a checkpoint."""
@@ -105,17 +106,23 @@ def _refuse(path: str, why: str) -> FileNotFoundError:
 
 def _open_regular(path: str, *, parent_too: bool) -> int:
     """A read-only descriptor of the regular file ``path``, opened without following a link
-    (nor, with ``parent_too``, a link in place of its directory) and without blocking."""
-    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    (nor, with ``parent_too``, a link in place of its directory) and without blocking.
+
+    Anything but a regular file is refused before it is opened (``lstat``): opening a device
+    can act (a watchdog arms, a tape rewinds, a terminal becomes the controlling one); then the
+    descriptor is checked again (``fstat``), since the name may have changed in between."""
+    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _NOCTTY | _CLOEXEC
     parent, name = os.path.split(path)
     try:
         if parent_too:
             dir_fd = os.open(parent or ".", os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
             try:
+                _refuse_unless_regular(path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
                 fd = os.open(name, flags, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
         else:
+            _refuse_unless_regular(path, os.lstat(path))
             fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW met a link (or a non-dir)
@@ -132,6 +139,13 @@ def _open_regular(path: str, *, parent_too: bool) -> int:
         os.close(fd)
         raise _refuse(path, f"not a regular file ({stat.filemode(mode)})")
     return fd
+
+
+def _refuse_unless_regular(path: str, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, "refusing to follow a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, f"not a regular file ({stat.filemode(st.st_mode)}); not opened")
 
 
 class _LocalReadStream:
