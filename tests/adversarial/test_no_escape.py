@@ -301,3 +301,57 @@ def test_a_symlinked_root_itself_is_followed_once(tmp_path: Path) -> None:
     assert path == str(real)
     _save(link, {2: 2})
     assert _restore(link)[0] == 2
+
+
+# -- nothing is removed across a mount point --------------------------------------------------
+
+
+@pytest.fixture
+def bind_mount(tmp_path: Path) -> Any:
+    """``bind(source, target)`` bind-mounts a directory (root only: skipped else); every mount
+    is undone after the test."""
+    mounted: list[Path] = []
+
+    def bind(source: Path, target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["mount", "--bind", str(source), str(target)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.strip()}")
+        mounted.append(target)
+
+    yield bind
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.mark.parametrize(
+    "where", ["step-dir", "leftover", "inside-a-step-dir", "inside-a-leftover"]
+)
+def test_nothing_is_removed_across_a_mount_point_under_the_root(
+    tmp_path: Path, where: str, bind_mount: Any
+) -> None:
+    """A directory outside the root bind-mounted at a step directory or a leftover: renaming a
+    mount point fails (EBUSY) and the removal then deleted in place, through the mount."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    _save(root, {1: 1})
+    outside.mkdir()
+    (outside / "precious.txt").write_text("user data")
+    if where == "step-dir":
+        shutil.copytree(_step_dir(root, 1), outside, dirs_exist_ok=True)  # a valid copy there
+        shutil.rmtree(_step_dir(root, 1))
+        bind_mount(outside, _step_dir(root, 1))
+    elif where == "leftover":
+        bind_mount(outside, root / ".tmp-step_0000000009-abc")
+    elif where == "inside-a-step-dir":
+        bind_mount(outside, _step_dir(root, 1) / "sub")
+    else:
+        (root / ".trash-step_0000000008-abc").mkdir()
+        bind_mount(outside, root / ".trash-step_0000000008-abc" / "sub")
+    before = sorted(p.name for p in outside.iterdir())
+    _save(root, {2: 2, 3: 3}, keep=cp.KeepLast(1))  # start-up clean-up, then retention
+    assert sorted(p.name for p in outside.iterdir()) == before
+    assert (outside / "precious.txt").read_text() == "user data"
+    LocalStorage().remove(str(root))  # not even the whole root, asked directly
+    assert (outside / "precious.txt").read_text() == "user data"
