@@ -160,6 +160,59 @@ def test_a_symlinked_file_inside_a_checkpoint_is_refused(tmp_path: Path, name: s
     assert not describe_checkpoint(LocalStorage(), 2, str(_step_dir(root, 2))).valid
 
 
+@pytest.mark.parametrize(
+    "name", ["manifest.json", "rank_00000.safetensors", "rank_00000.json", "rollbacks.json"]
+)
+@pytest.mark.parametrize("kind", ["char", "block", "socket"])
+def test_a_device_in_place_of_a_file_is_never_opened(
+    tmp_path: Path, name: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a device can act (a watchdog arms, a tape rewinds): readers looked at what they
+    had opened, not before opening it. Every open of the planted name is recorded."""
+    import socket
+    import stat as stat_module
+
+    from crashproof.checkpoint.root import read_marks
+    from crashproof.cli import main
+
+    root = tmp_path / "root"
+    _save(root, {1: 1, 2: 2})
+    where = root / name if name == "rollbacks.json" else _step_dir(root, 2) / name
+    where.unlink(missing_ok=True)
+    if kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        monkeypatch.chdir(where.parent)  # (a socket's path is short)
+        sock.bind(where.name)
+        sock.close()
+    else:
+        mode = stat_module.S_IFCHR if kind == "char" else stat_module.S_IFBLK
+        try:
+            os.mknod(where, 0o600 | mode, os.makedev(1, 3) if kind == "char" else os.makedev(7, 0))
+        except PermissionError as exc:
+            pytest.skip(f"cannot make a device node here (needs CAP_MKNOD): {exc}")
+    planted = os.lstat(where).st_ino
+    opened: list[str] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        try:
+            st = os.stat(path, dir_fd=kw.get("dir_fd"), follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is not None and st.st_ino == planted:
+            opened.append(os.fsdecode(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    assert _restore(root)[0] == (2 if name == "rollbacks.json" else 1)
+    if name != "rollbacks.json":
+        assert not describe_checkpoint(LocalStorage(), 2, str(_step_dir(root, 2))).valid
+    for command in ("ls", "verify"):
+        main([command, str(root)])  # (whatever they conclude: the device is not opened)
+    assert read_marks(LocalStorage(), str(root)) == []  # what a writer with tiers reads
+    assert opened == [], f"opened: {opened}"
+
+
 @pytest.mark.parametrize("name", ["manifest.json", "rank_00000.safetensors", "rank_00000.json"])
 def test_a_fifo_in_place_of_a_file_blocks_nothing(tmp_path: Path, name: str) -> None:
     root = tmp_path / "root"
@@ -248,3 +301,57 @@ def test_a_symlinked_root_itself_is_followed_once(tmp_path: Path) -> None:
     assert path == str(real)
     _save(link, {2: 2})
     assert _restore(link)[0] == 2
+
+
+# -- nothing is removed across a mount point --------------------------------------------------
+
+
+@pytest.fixture
+def bind_mount(tmp_path: Path) -> Any:
+    """``bind(source, target)`` bind-mounts a directory (root only: skipped else); every mount
+    is undone after the test."""
+    mounted: list[Path] = []
+
+    def bind(source: Path, target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["mount", "--bind", str(source), str(target)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.strip()}")
+        mounted.append(target)
+
+    yield bind
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.mark.parametrize(
+    "where", ["step-dir", "leftover", "inside-a-step-dir", "inside-a-leftover"]
+)
+def test_nothing_is_removed_across_a_mount_point_under_the_root(
+    tmp_path: Path, where: str, bind_mount: Any
+) -> None:
+    """A directory outside the root bind-mounted at a step directory or a leftover: renaming a
+    mount point fails (EBUSY) and the removal then deleted in place, through the mount."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    _save(root, {1: 1})
+    outside.mkdir()
+    (outside / "precious.txt").write_text("user data")
+    if where == "step-dir":
+        shutil.copytree(_step_dir(root, 1), outside, dirs_exist_ok=True)  # a valid copy there
+        shutil.rmtree(_step_dir(root, 1))
+        bind_mount(outside, _step_dir(root, 1))
+    elif where == "leftover":
+        bind_mount(outside, root / ".tmp-step_0000000009-abc")
+    elif where == "inside-a-step-dir":
+        bind_mount(outside, _step_dir(root, 1) / "sub")
+    else:
+        (root / ".trash-step_0000000008-abc").mkdir()
+        bind_mount(outside, root / ".trash-step_0000000008-abc" / "sub")
+    before = sorted(p.name for p in outside.iterdir())
+    _save(root, {2: 2, 3: 3}, keep=cp.KeepLast(1))  # start-up clean-up, then retention
+    assert sorted(p.name for p in outside.iterdir()) == before
+    assert (outside / "precious.txt").read_text() == "user data"
+    LocalStorage().remove(str(root))  # not even the whole root, asked directly
+    assert (outside / "precious.txt").read_text() == "user data"

@@ -22,6 +22,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -39,6 +40,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
 
 TRASH_PREFIX = ".trash-"
 """A directory being deleted: renamed first, so a crash never leaves half of a checkpoint."""
@@ -105,17 +107,23 @@ def _refuse(path: str, why: str) -> FileNotFoundError:
 
 def _open_regular(path: str, *, parent_too: bool) -> int:
     """A read-only descriptor of the regular file ``path``, opened without following a link
-    (nor, with ``parent_too``, a link in place of its directory) and without blocking."""
-    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    (nor, with ``parent_too``, a link in place of its directory) and without blocking.
+
+    Anything but a regular file is refused before it is opened (``lstat``): opening a device
+    can act (a watchdog arms, a tape rewinds, a terminal becomes the controlling one); then the
+    descriptor is checked again (``fstat``), since the name may have changed in between."""
+    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _NOCTTY | _CLOEXEC
     parent, name = os.path.split(path)
     try:
         if parent_too:
             dir_fd = os.open(parent or ".", os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
             try:
+                _refuse_unless_regular(path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
                 fd = os.open(name, flags, dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
         else:
+            _refuse_unless_regular(path, os.lstat(path))
             fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW met a link (or a non-dir)
@@ -132,6 +140,13 @@ def _open_regular(path: str, *, parent_too: bool) -> int:
         os.close(fd)
         raise _refuse(path, f"not a regular file ({stat.filemode(mode)})")
     return fd
+
+
+def _refuse_unless_regular(path: str, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, "refusing to follow a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, f"not a regular file ({stat.filemode(st.st_mode)}); not opened")
 
 
 class _LocalReadStream:
@@ -237,28 +252,88 @@ class LocalStorage:
             self.remove(old)
 
     def remove(self, path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
-            # Rename first so the directory disappears in one step: a crash during the deletion
-            # leaves a ".trash-" leftover that readers ignore, never a half-deleted checkpoint.
-            name = os.path.basename(path.rstrip("/"))
-            if not name.startswith(TRASH_PREFIX):
-                trash = os.path.join(
-                    os.path.dirname(path.rstrip("/")),
-                    f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}",
-                )
-                try:
-                    os.rename(path, trash)
-                    path = trash
-                    _chaos_point("remove:renamed")
-                except OSError:
-                    pass  # e.g. a read-only parent: fall back to deleting in place
-            shutil.rmtree(path, ignore_errors=True)  # never follows links: deletes them
-        else:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(path)  # a file, or a link itself (never what it points to)
+            return
+        # Rename first so the directory disappears in one step: a crash during the deletion
+        # leaves a ".trash-" leftover that readers ignore, never a half-deleted checkpoint.
+        path = path.rstrip("/")
+        parent = os.path.dirname(os.path.abspath(path))
+        if _other_filesystem(path, os.lstat(parent).st_dev):
+            return
+        name = os.path.basename(path)
+        if not name.startswith(TRASH_PREFIX):
+            trash = os.path.join(parent, f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                # (EBUSY: a mount point; EACCES, EROFS: ...) Deleting in place could stop
+                # half-way through a checkpoint, or reach what is mounted there: leave it.
+                log.warning(
+                    "not removing %s: it cannot be renamed aside (%s); remove it by hand",
+                    os.path.abspath(path),
+                    exc.strerror or exc,
+                )
+                return
+            path = trash
+            _chaos_point("remove:renamed")
+        shutil.rmtree(path, ignore_errors=True)  # never follows links: deletes them
 
     def describe(self, path: str) -> str:
         return os.path.abspath(path)
+
+
+def _other_filesystem(path: str, dev: int) -> bool:
+    """Whether the directory ``path`` is, or holds, a mount point (a bind mount of a directory
+    outside the root, another filesystem): logged, and nothing there is removed, since deleting
+    would reach files that are not the root's. A bind mount of the same filesystem has the same
+    ``st_dev``: the kernel's mount table (Linux) tells those."""
+    found = path if os.lstat(path).st_dev != dev else _mount_under(path)
+    if found is None:
+        for top, dirs, _ in os.walk(path):  # (never into a link)
+            for name in dirs:
+                with contextlib.suppress(FileNotFoundError):
+                    if os.lstat(os.path.join(top, name)).st_dev != dev:
+                        found = os.path.join(top, name)
+                        break
+            if found is not None:
+                break
+    if found is None:
+        return False
+    log.warning(
+        "not removing %s: %s is a mount point (another filesystem, or a bind mount); crashproof "
+        "never removes across one. Unmount it, then remove the directory by hand",
+        os.path.abspath(path),
+        os.path.abspath(found),
+    )
+    return True
+
+
+def _mount_under(path: str) -> str | None:
+    """A mount point at or under ``path``, from ``/proc/self/mountinfo``; None if none (or
+    where the table cannot be read)."""
+    top = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            table = f.read().decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+    for line in table.splitlines():
+        fields = line.split(" ")
+        if len(fields) < 5:
+            continue
+        # Spaces, tabs, newlines and backslashes in the mount point are octal escapes.
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point == top or point.startswith(top.rstrip("/") + "/"):
+            return point
+    return None
 
 
 def _warn_link(path: str) -> None:
