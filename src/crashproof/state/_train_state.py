@@ -27,17 +27,17 @@ from crashproof.errors import (
 from crashproof.state._check import (
     Scratch,
     check_classes,
-    check_json_value,
     check_module,
     check_optimizer,
     check_scaler,
     check_scheduler,
-    class_name,
     live_tensors_of,
     trial_load,
 )
+from crashproof.state._classes import recorded_classes
 from crashproof.state._data import track_loader
 from crashproof.state._dtensor import is_dtensor
+from crashproof.state._kinds import check_same_kind
 from crashproof.state._module_load import custom_loaders, under
 from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
@@ -220,15 +220,11 @@ class TrainState:
             tree["data"] = self.sampler.state_dict()
         elif self.data is not None:
             tree["data"] = self.data.state_dict()
-        # The classes, so a restore into another optimizer, scheduler or scaler class is refused
-        # by name: their state dicts do not say (torch loads AdamW's state into SGD).
-        tree["classes"] = {
-            name: class_name(obj)
-            for name, obj in (
-                ("optimizer", self.optimizer), ("scheduler", self.scheduler), ("scaler", self.scaler)
-            )
-            if obj is not None
-        }  # fmt: skip
+        # The classes, so a restore into another optimizer, scheduler (or nested scheduler) or
+        # scaler class is refused by name: their state dicts do not say.
+        tree["classes"] = recorded_classes(
+            {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+        )
         tree["extra"] = {
             key: {"state_dict": value.state_dict()}
             if isinstance(value, Stateful)
@@ -457,7 +453,7 @@ class TrainState:
             elif isinstance(value, Stateful):
                 trial_load(value, entry["state_dict"], here, scratch)
             else:
-                check_json_value(value, entry["value"], here)
+                check_same_kind(value, entry["value"], here)
 
     def _scratch(self) -> Scratch:
         """Makes the scratch copies trial loads go into: every tensor of the model, the optimizer
