@@ -77,6 +77,12 @@ def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | N
     code could not be tried (the model cannot be copied): the caller protects the live tensors."""
     check_state_dict(saved, where)
     live = module.state_dict()
+    lazy = [k for k, t in live.items() if isinstance(t, torch.Tensor) and nn.parameter.is_lazy(t)]
+    if lazy:  # no shape to check a saved tensor against, nor memory to read it into
+        raise StateMismatchError(
+            f"{where}: {lazy[:10]} are uninitialized (lazy modules): run one forward pass on a "
+            "batch to create them, then restore. Nothing was changed."
+        )
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
