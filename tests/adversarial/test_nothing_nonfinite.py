@@ -328,3 +328,36 @@ def test_metadata_at_the_bounds_is_kept() -> None:
     assert checked_metadata(big) == big
     deep = _nested(32)
     assert checked_metadata(deep) == deep
+
+
+class _Renamed(nn.Module):
+    """A compatibility layer: its state dict names the parameter ``w``, or holds a copy of it."""
+
+    def __init__(self, *, copy: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+        self.register_buffer("mask", torch.full((3,), -INF))  # infinities by design: allowed
+
+        def rename(module: nn.Module, sd: dict[str, Any], prefix: str, local: Any) -> None:
+            weight = sd.pop(prefix + "weight")
+            sd[prefix + "w"] = weight.double() if copy else weight
+
+        def back(sd: dict[str, Any], prefix: str, *args: Any) -> None:
+            sd[prefix + "weight"] = sd.pop(prefix + "w").float()
+
+        self._register_state_dict_hook(rename)
+        self._register_load_state_dict_pre_hook(back)
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["renamed", "renamed-copy"])
+def test_a_parameter_saved_under_another_name_is_still_checked(tmp_path: Path, copy: bool) -> None:
+    """What is committed is checked, not what named_parameters() calls it."""
+    model = _Renamed(copy=copy)
+    with CheckpointManager(tmp_path, async_save=False, handle_signals=False) as manager:
+        manager.save(1, TrainState(model=model))  # the -inf buffer is no reason to refuse
+        with torch.no_grad():
+            model.weight[1] = NAN
+        with pytest.raises(NonFiniteStateError, match="model/w"):
+            manager.save(2, TrainState(model=model))
+
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000000001"]

@@ -1076,3 +1076,204 @@ def test_a_model_with_its_own_loading_code_restores_its_honest_checkpoint(
     plain = nn.Sequential(nn.Linear(4, 4), kind())
     plain.load_state_dict(source.state_dict())
     assert getattr(live[1], "amax", None) == getattr(plain[1], "amax", None)  # as torch does
+
+
+# -- a value of another kind over a live one: StateMismatchError, nothing changes ------------
+
+
+def _param_state0(tree: dict[str, Any]) -> dict[str, Any]:
+    return dict(tree["optimizer"]["state"]["$dict"])[0]  # type: ignore[no-any-return]
+
+
+def _pop_state(*keys: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(tree: dict[str, Any]) -> None:
+        for key in keys:
+            del _param_state0(tree)[key]
+
+    return mutate
+
+
+def _state_value(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda tree: _param_state0(tree).__setitem__(key, value)
+
+
+WRONG_KINDS = [
+    pytest.param(_set("optimizer/param_groups/0/lr", "abc"), "'lr'", id="lr-a-string"),
+    pytest.param(_set("optimizer/param_groups/0/lr", None), "'lr'", id="lr-none"),
+    pytest.param(_set("optimizer/param_groups/0/lr", True), "'lr'", id="lr-a-bool"),
+    pytest.param(_set("optimizer/param_groups/0/betas", {"$tuple": [0.9]}), "'betas'", id="betas-one"),
+    pytest.param(_set("optimizer/param_groups/0/betas", "ab"), "'betas'", id="betas-a-string"),
+    pytest.param(_set("optimizer/param_groups/0/betas", [0.9, 0.99]), "'betas'", id="betas-a-list"),
+    pytest.param(_set("optimizer/param_groups/0/weight_decay", [1]), "'weight_decay'", id="wd-a-list"),
+    pytest.param(_set("optimizer/param_groups/0/amsgrad", 0), "'amsgrad'", id="flag-a-number"),
+    pytest.param(_pop_state("exp_avg_sq"), "exp_avg_sq", id="state-without-exp-avg-sq"),
+    pytest.param(_pop_state("exp_avg", "exp_avg_sq"), "exp_avg", id="state-without-moments"),
+    pytest.param(_state_value("extra_moment", 1.0), "extra_moment", id="state-extra-entry"),
+    pytest.param(_set("scheduler/last_epoch", "abc"), "last_epoch", id="sched-epoch-a-string"),
+    pytest.param(_set("scheduler/base_lrs", None), "base_lrs", id="sched-base-lrs-none"),
+    pytest.param(_set("scheduler/base_lrs", [0.1, 0.2]), "base_lrs", id="sched-base-lrs-longer"),
+    pytest.param(_set("scheduler/step_size", "x"), "step_size", id="sched-step-size-a-string"),
+    pytest.param(_set("scheduler/_last_lr", ["x"]), "_last_lr", id="sched-last-lr-strings"),
+    pytest.param(_set("extra/tokens/value", None), "tokens", id="json-extra-none"),
+    pytest.param(_set("extra/tokens/value", True), "tokens", id="json-extra-a-bool"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "key"), WRONG_KINDS)
+def test_a_value_of_another_kind_is_refused_before_anything_changes(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None], key: str
+) -> None:
+    """Hand-edited, resealed values torch's load_state_dict takes and the next step trips over."""
+    _save(tmp_path, _run(seed=1), 4)
+    _save(tmp_path, _run(seed=3), 8)
+    _edit_state(tmp_path, 8, edit)
+    target = _run(seed=2)  # stepped: its optimizer has state for every parameter
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=key) as caught:
+        _restore(tmp_path, target)
+
+    assert "step_0000000008" in str(caught.value)
+    _assert_unchanged(target, before)
+
+
+def _fresh_adamw(seed: int) -> TrainState:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    return TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("keys", [("exp_avg_sq",), ("exp_avg", "exp_avg_sq")], ids=["one", "both"])
+def test_a_parameter_state_lacking_what_its_group_holds_is_corrupt_even_for_a_fresh_optimizer(
+    tmp_path: Path, keys: tuple[str, ...]
+) -> None:
+    """A fresh optimizer has no state to compare with: the checkpoint's states must agree."""
+    for seed, step in ((1, 4), (3, 8)):
+        source = _fresh_adamw(seed)
+        assert source.model is not None and source.optimizer is not None
+        source.model(torch.randn(2, 4)).sum().backward()
+        source.optimizer.step()
+        _save(tmp_path, source, step)
+    _edit_state(tmp_path, 8, _pop_state(*keys))
+    target = _fresh_adamw(2)
+
+    assert _restore(tmp_path, target) == 4
+    assert target.optimizer is not None and len(target.optimizer.state) == 2
+
+
+def _sched_chained(child: Any) -> Callable[[torch.optim.Optimizer], Any]:
+    def make(optimizer: torch.optim.Optimizer) -> Any:
+        first = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
+        return torch.optim.lr_scheduler.ChainedScheduler([first, child(optimizer, lambda e: 0.5)])
+
+    return make
+
+
+def _sched_sequential_child(child: Any) -> Callable[[torch.optim.Optimizer], Any]:
+    def make(optimizer: torch.optim.Optimizer) -> Any:
+        first = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
+        then = child(optimizer, lambda e: 0.5)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, then], milestones=[2])
+
+    return make
+
+
+@pytest.mark.parametrize("outer", [_sched_chained, _sched_sequential_child], ids=["chained", "seq"])
+def test_a_nested_scheduler_of_another_class_is_refused(tmp_path: Path, outer: Any) -> None:
+    """LambdaLR and MultiplicativeLR have the same fields: only the recorded class differs."""
+    lr = torch.optim.lr_scheduler
+    _save(tmp_path, _run(seed=1, scheduler=outer(lr.LambdaLR)), 5)
+    target = _run(seed=2, scheduler=outer(lr.MultiplicativeLR))
+    before = _snapshot(target)
+
+    with pytest.raises(StateMismatchError, match=r"scheduler\._schedulers\[1\].*LambdaLR"):
+        _restore(tmp_path, target)
+
+    _assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize("outer", [_sched_chained, _sched_sequential_child], ids=["chained", "seq"])
+def test_a_checkpoint_without_nested_classes_still_restores(tmp_path: Path, outer: Any) -> None:
+    """Written before nested classes were recorded: the outer class alone is checked."""
+    lr = torch.optim.lr_scheduler
+    source = _run(seed=1, scheduler=outer(lr.LambdaLR))
+    _save(tmp_path, source, 5)
+    _edit_state(
+        tmp_path, 5, lambda tree: tree.__setitem__(
+            "classes", {k: v for k, v in tree["classes"].items() if "." not in k}
+        ),
+    )  # fmt: skip
+    target = _run(seed=2, scheduler=outer(lr.LambdaLR))
+
+    assert _restore(tmp_path, target) == 5
+    assert target.scheduler is not None and source.scheduler is not None
+    _assert_equal(target.scheduler.state_dict(), source.scheduler.state_dict(), "scheduler")
+
+
+VALUE_KINDS = [
+    pytest.param(20.0, "twenty", id="float-to-str"),
+    pytest.param(20.0, torch.zeros(2, 3), id="float-to-tensor"),
+    pytest.param(torch.ones(2, 3), torch.zeros(5, 7, dtype=torch.float64), id="tensor-shape-dtype"),
+    pytest.param(torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.float64), id="tensor-dtype"),
+    pytest.param((torch.ones(1, 2), torch.ones(1, 2)), torch.zeros(1, 2), id="tuple-to-tensor"),
+    pytest.param((torch.ones(1, 2), torch.ones(1, 2)), (torch.ones(1, 2),), id="tuple-shorter"),
+    pytest.param({"a": 1}, [1, 2], id="dict-to-list"),
+    pytest.param({"a": 1}, {"b": 1}, id="dict-other-keys"),
+    pytest.param(3, True, id="int-to-bool"),
+    pytest.param(None, 3, id="none-to-int"),
+]
+
+
+@pytest.mark.parametrize(("saved", "live"), VALUE_KINDS)
+def test_a_value_of_another_kind_is_refused_and_the_value_kept(
+    tmp_path: Path, saved: Any, live: Any
+) -> None:
+    from crashproof import Value
+
+    _save(tmp_path, TrainState(model=nn.Linear(2, 2), extra={"v": Value(saved)}), 1)
+    value = Value(live)
+    kept = _clone(live)
+    target = TrainState(model=nn.Linear(2, 2), extra={"v": value})
+    weight = _clone(target.model.state_dict()) if target.model is not None else None
+
+    with pytest.raises(StateMismatchError, match=r"extra\['v'\]"):
+        _restore(tmp_path, target)
+
+    _assert_equal(value.value, kept, "value")
+    assert target.model is not None
+    _assert_equal(target.model.state_dict(), weight, "model")
+
+
+@pytest.mark.parametrize(
+    ("saved", "live"),
+    [
+        pytest.param(torch.ones(2, 3), None, id="none-takes-a-tensor"),
+        pytest.param((torch.ones(1, 2), torch.ones(1, 2)), None, id="none-takes-a-tuple"),
+        pytest.param(2, 20.5, id="int-float"),
+        pytest.param([1.0, 2.0, 3.0], [], id="a-longer-history"),
+        pytest.param({"a": 1, "b": 2}, {"a": 0}, id="more-keys"),
+        pytest.param(torch.ones(2, 3), torch.zeros(2, 3), id="tensor"),
+    ],
+)
+def test_a_value_of_the_same_kind_restores(tmp_path: Path, saved: Any, live: Any) -> None:
+    from crashproof import Value
+
+    _save(tmp_path, TrainState(extra={"v": Value(saved)}), 1)
+    value = Value(live)
+
+    assert _restore(tmp_path, TrainState(extra={"v": value})) == 1
+    _assert_equal(value.value, saved, "value")
+
+
+def test_a_fresh_lazy_model_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.LazyLinear(3))
+    source(torch.randn(2, 5))
+    _save(tmp_path, TrainState(model=source), 1)
+
+    with pytest.raises(StateMismatchError, match=r"uninitialized.*forward pass"):
+        _restore(tmp_path, TrainState(model=nn.Sequential(nn.LazyLinear(3))))
+
+    ready = nn.Sequential(nn.LazyLinear(3))
+    ready(torch.randn(2, 5))
+    assert _restore(tmp_path, TrainState(model=ready)) == 1
+    assert torch.equal(ready[0].weight, source[0].weight)

@@ -32,14 +32,16 @@ import torch
 from torch import nn
 
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
+from crashproof.state._classes import check_classes, class_name
 from crashproof.state._dtensor import is_dtensor
+from crashproof.state._kinds import check_same_kind
 from crashproof.state._module_load import trial_module_load
+from crashproof.state._optim_values import check_optimizer_values
 from crashproof.state._structure import EXTRA_STATE, check_state_dict
 
 __all__ = [
     "Scratch",
     "check_classes",
-    "check_json_value",
     "check_module",
     "check_optimizer",
     "check_scaler",
@@ -65,28 +67,6 @@ _FOREIGN_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"})
 _TRIAL_MATERIALIZE = 1 << 12
 
 
-def class_name(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def check_classes(saved: Any, live: Mapping[str, Any], where: str) -> None:
-    """The classes recorded at save time (``tree["classes"]``, well formed: see
-    :func:`~crashproof.state._structure.check_structure`) are the live ones, by class name;
-    checkpoints from before they were recorded have none and pass."""
-    if saved is None:
-        return
-    for name, obj in live.items():
-        recorded = saved.get(name)
-        if obj is None or recorded is None:
-            continue
-        now = class_name(obj)
-        if recorded.rsplit(".", 1)[-1] != now.rsplit(".", 1)[-1]:
-            raise StateMismatchError(
-                f"{where}: {name}: the checkpoint was saved from a {recorded}, this run's {name} is "
-                f"a {now}. Create the {name} the saving run used, or start a new run directory."
-            )
-
-
 # -- model ----------------------------------------------------------------------------------
 
 
@@ -97,6 +77,12 @@ def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | N
     code could not be tried (the model cannot be copied): the caller protects the live tensors."""
     check_state_dict(saved, where)
     live = module.state_dict()
+    lazy = [k for k, t in live.items() if isinstance(t, torch.Tensor) and nn.parameter.is_lazy(t)]
+    if lazy:  # no shape to check a saved tensor against, nor memory to read it into
+        raise StateMismatchError(
+            f"{where}: {lazy[:10]} are uninitialized (lazy modules): run one forward pass on a "
+            "batch to create them, then restore. Nothing was changed."
+        )
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
@@ -123,7 +109,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
     """The saved optimizer state (well formed: see
     :func:`~crashproof.state._structure.check_structure`) has the live optimizer's parameter
     layout, and its param groups hold exactly the live optimizer's hyperparameters (AdamW's state
-    restored into SGD would fail at the next step for want of ``momentum``)."""
+    restored into SGD would fail at the next step for want of ``momentum``), of the kinds the
+    live ones are (:mod:`crashproof.state._optim_values`)."""
     saved_groups, saved_state = saved["param_groups"], saved["state"]
     live_groups = optimizer.param_groups
     if len(saved_groups) != len(live_groups):
@@ -158,6 +145,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, where: str) ->
                     f"{where}: state {name!r} of parameter {param_id} has shape {list(value.shape)}, "
                     f"the parameter has {list(param.shape)}; was the model or the parameter order changed?"
                 )
+    check_optimizer_values(optimizer, saved, params, _PER_ELEMENT_STATE, where)
 
 
 def _well_formed(name: Any, value: Any) -> bool:
@@ -219,7 +207,17 @@ def check_scheduler(scheduler: Any, saved: Any, where: str, scratch: Scratch) ->
             f"{where}: saved state is {type(saved).__name__}, expected a dict"
         )
     if isinstance(live, dict):
-        _same_shape(live, saved, where, public_only=True)
+        # Exactly the public fields; private ones only where both have them (torch adds and
+        # renames those between versions).
+        def public(d: dict[Any, Any]) -> dict[Any, Any]:
+            return {k: v for k, v in d.items() if not str(k).startswith("_")}
+
+        private = [k for k in live.keys() & saved.keys() if str(k).startswith("_")]
+        for live_part, saved_part in (
+            (public(live), public(saved)),
+            ({k: live[k] for k in private}, {k: saved[k] for k in private}),
+        ):
+            check_same_kind(live_part, saved_part, where, exact_keys=True, same_length=True)
     trial_load(scheduler, saved, where, scratch)
 
 
@@ -254,61 +252,6 @@ def check_scaler(scaler: Any, saved: Any, where: str, scratch: Scratch) -> None:
             )
         if key in ("growth_interval", "_growth_tracker") and not isinstance(value, int):
             raise CorruptCheckpointError(f"{where}: {key!r} is {value!r}, expected an integer")
-
-
-def check_json_value(live: Any, saved: Any, where: str) -> None:
-    """A JSON-like extra is replaced whole: the saved value (JSON-like: see
-    :func:`~crashproof.state._structure.check_structure`) must be of the kind (number, string,
-    list, dict) the live one is, unless either is None."""
-    kinds = (_kind(live), _kind(saved))
-    if None not in kinds and kinds[0] != kinds[1]:
-        raise StateMismatchError(
-            f"{where}: this run holds a {kinds[0]} ({str(live)[:50]}), the checkpoint a "
-            f"{kinds[1]} ({str(saved)[:50]}); is it the same quantity?"
-        )
-
-
-def _kind(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    return "dict"
-
-
-def _same_shape(live: Any, saved: Any, where: str, *, public_only: bool = False) -> None:
-    """Dicts have the same keys (at the top, ``_private`` ones aside: torch adds and renames
-    those between versions), lists the same length, recursively; scalars may differ freely."""
-    if isinstance(saved, dict) and not isinstance(live, dict):
-        raise StateMismatchError(
-            f"{where}: this run holds {str(live)[:80]}, the checkpoint a dict {str(saved)[:80]}"
-        )
-    if isinstance(live, dict):
-        if not isinstance(saved, dict):
-            raise StateMismatchError(
-                f"{where}: expected a dict, found {type(saved).__name__} {str(saved)[:80]}"
-            )
-        keys = {k for k in live if not (public_only and str(k).startswith("_"))}
-        found = {k for k in saved if not (public_only and str(k).startswith("_"))}
-        if keys != found:
-            raise StateMismatchError(
-                f"{where}: fields differ from this run's: missing in checkpoint "
-                f"{sorted(map(str, keys - found))}, unexpected in checkpoint "
-                f"{sorted(map(str, found - keys))}. Was another class or version saved?"
-            )
-        for key in live.keys() & saved.keys():
-            _same_shape(live[key], saved[key], f"{where}: {key!r}")
-    elif isinstance(live, (list, tuple)) and live and saved is not None:
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
-            raise StateMismatchError(
-                f"{where}: expected {len(live)} items like {str(live)[:80]}, found {str(saved)[:80]}"
-            )
-        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
-            _same_shape(a, b, f"{where}[{i}]")
 
 
 # -- scratch copies -------------------------------------------------------------------------
@@ -363,6 +306,8 @@ def _trial(
         return
     try:
         getattr(copied, method)(trial_value(saved))
+    except StateMismatchError as exc:  # it says itself what does not fit (a Value's kind)
+        raise StateMismatchError(f"{where}: {exc} Nothing was changed.") from exc
     except Exception as exc:
         live = _state_dict_or_none(obj) if method == "load_state_dict" else None
         keys = ""

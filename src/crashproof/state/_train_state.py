@@ -14,30 +14,29 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import nn
 
 from crashproof.errors import (
     ConfigError,
     CorruptCheckpointError,
-    NonFiniteStateError,
     StateMismatchError,
 )
 from crashproof.state._check import (
     Scratch,
     check_classes,
-    check_json_value,
     check_module,
     check_optimizer,
     check_scaler,
     check_scheduler,
-    class_name,
     live_tensors_of,
     trial_load,
 )
+from crashproof.state._classes import recorded_classes
 from crashproof.state._data import track_loader
 from crashproof.state._dtensor import is_dtensor
+from crashproof.state._finite import finite_names, parameter_names
+from crashproof.state._kinds import check_same_kind
 from crashproof.state._module_load import custom_loaders, under
 from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
@@ -220,15 +219,11 @@ class TrainState:
             tree["data"] = self.sampler.state_dict()
         elif self.data is not None:
             tree["data"] = self.data.state_dict()
-        # The classes, so a restore into another optimizer, scheduler or scaler class is refused
-        # by name: their state dicts do not say (torch loads AdamW's state into SGD).
-        tree["classes"] = {
-            name: class_name(obj)
-            for name, obj in (
-                ("optimizer", self.optimizer), ("scheduler", self.scheduler), ("scaler", self.scaler)
-            )
-            if obj is not None
-        }  # fmt: skip
+        # The classes, so a restore into another optimizer, scheduler (or nested scheduler) or
+        # scaler class is refused by name: their state dicts do not say.
+        tree["classes"] = recorded_classes(
+            {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+        )
         tree["extra"] = {
             key: {"state_dict": value.state_dict()}
             if isinstance(value, Stateful)
@@ -276,16 +271,16 @@ class TrainState:
         never be saved holding NaN or inf; raises :class:`NonFiniteStateError` at once for a
         Python float that is NaN or inf in the optimizer's state or param groups.
 
-        The model's parameters and every tensor and float of the optimizer's state and param
+        The model's parameters (what is captured, whatever a state-dict hook names it: see
+        :func:`~crashproof.state._finite.parameter_names`) and every tensor and float of the optimizer's state and param
         groups, at any depth (LBFGS keeps lists of tensors and a float loss; a learning rate
         may be a tensor). Buffers may hold infinities by design (attention masks).
         """
         names: set[str] = set()
-        if self.model is not None:
-            params = unwrap_model(self.model).named_parameters(remove_duplicate=False)
-            names.update(f"model/{k}" for k, _ in params)
+        if self.model is not None and "model" in tree:
+            names.update(parameter_names(unwrap_model(self.model), tree["model"], "model"))
         if "optimizer" in tree:
-            names.update(_finite_names(tree["optimizer"], "optimizer", step))
+            names.update(finite_names(tree["optimizer"], "optimizer", step))
         return frozenset(names)
 
     def replicated_names(self, names: Iterable[str]) -> frozenset[str]:
@@ -457,7 +452,7 @@ class TrainState:
             elif isinstance(value, Stateful):
                 trial_load(value, entry["state_dict"], here, scratch)
             else:
-                check_json_value(value, entry["value"], here)
+                check_same_kind(value, entry["value"], here)
 
     def _scratch(self) -> Scratch:
         """Makes the scratch copies trial loads go into: every tensor of the model, the optimizer
@@ -466,28 +461,4 @@ class TrainState:
         return Scratch(
             live_tensors_of(self.model, self.optimizer, *modules),
             shared=[getattr(self.data, "dataset", None)],
-        )
-
-
-def _finite_names(value: Any, path: str, step: int | None, depth: int = 0) -> Iterator[str]:
-    """The names of the tensors under ``value`` (named as the checkpoint names them); raises
-    :class:`NonFiniteStateError` for a NaN or infinite Python or NumPy float among them."""
-    if depth > 64:
-        return
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        yield path
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _finite_names(v, f"{path}/{k}", step, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _finite_names(v, f"{path}/{i}", step, depth + 1)
-    elif isinstance(value, (float, complex, np.floating, np.complexfloating)) and not np.isfinite(
-        value
-    ):
-        at = "" if step is None else f" at step {step}"
-        raise NonFiniteStateError(
-            f"{path!r} is {value!r}{at}: a checkpoint of diverged optimizer state is refused. "
-            "Resume from an earlier checkpoint; crashproof.NumericsGuard catches such steps "
-            "before they are applied"
         )

@@ -13,6 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from crashproof.state._kinds import check_same_kind
+
 __all__ = ["Value"]
 
 T = TypeVar("T")
@@ -36,6 +38,9 @@ class Value(Generic[T]):
         value = state["value"]
         if state.get("tuple") and isinstance(value, list):
             value = tuple(value)  # saved as a list (an LSTM's (h, c)): given back as it was
+        # Refused before anything changes: a value of another kind (a string for a number, a
+        # tensor of another shape) would only fail in the loop. A Value(None) takes anything.
+        check_same_kind(self.value, value, "Value")
         if isinstance(self.value, torch.Tensor) and isinstance(value, torch.Tensor):
             value = value.to(self.value.device)
         self.value = value
