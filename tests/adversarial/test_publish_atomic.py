@@ -264,3 +264,65 @@ def test_a_script_that_ends_without_close_is_told_its_last_save_may_be_lost(
     )
     assert done.returncode == 0, done.stderr
     assert "was not closed" in done.stderr and "ckpt.close()" in done.stderr, done.stderr
+
+
+def _linear_with(value: float) -> torch.nn.Linear:
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+@pytest.mark.parametrize("when", ["after the manifest", "after the index"])
+def test_a_reader_caught_mid_read_by_a_resave_reads_the_step_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Step 2 saved again (the copies swap names) between a reader's read of the manifest and
+    of the files: the reader sees one copy's manifest with the other's files. That is no
+    corruption: it reads step 2 again and gets the new copy, never falling back to step 1."""
+    root, other = tmp_path / "root", tmp_path / "other"
+    with cp.CheckpointManager(root, handle_signals=False, keep=cp.KeepAll()) as ckpt:
+        for step, value in ((1, 1.0), (2, 2.0)):
+            ckpt.save(step, cp.TrainState(model=_linear_with(value)))
+    with cp.CheckpointManager(other, handle_signals=False) as ckpt:
+        ckpt.save(2, cp.TrainState(model=_linear_with(5.0)))  # the new copy of step 2
+    step2 = root / checkpoint_dir_name(2)
+
+    from crashproof.checkpoint import _restorer
+    from crashproof.checkpoint.restore import _rank_read
+
+    swapped: list[bool] = []
+
+    def swap_once() -> None:
+        if not swapped:  # what the writer's exchange of names does, between two reads
+            swapped.append(True)
+            os.rename(step2, tmp_path / "old-copy")
+            os.rename(other / checkpoint_dir_name(2), step2)
+
+    if when == "after the manifest":
+        real = _restorer.read_manifest
+
+        def read_then_swap(storage: Any, path: str) -> Any:
+            manifest = real(storage, path)
+            if path.endswith(checkpoint_dir_name(2)):
+                swap_once()
+            return manifest
+
+        monkeypatch.setattr(_restorer, "read_manifest", read_then_swap)
+    else:
+        real_index = _rank_read.read_rank_index
+
+        def index_then_swap(storage: Any, path: str, *args: Any) -> Any:
+            index = real_index(storage, path, *args)
+            if path.endswith(checkpoint_dir_name(2)):
+                swap_once()
+            return index
+
+        monkeypatch.setattr(_rank_read, "read_rank_index", index_then_swap)
+
+    model = _linear_with(0.0)
+    with cp.CheckpointManager(root, handle_signals=False, read_only=True) as reader:
+        assert reader.restore(cp.TrainState(model=model)) == 2
+    assert swapped
+    assert all(bool((p == 5.0).all()) for p in model.parameters())

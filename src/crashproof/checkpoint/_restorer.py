@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import posixpath
 import time
 from typing import Any
@@ -41,7 +42,7 @@ from crashproof.checkpoint.save import exactness_environment, named_tensors
 from crashproof.checkpoint.tiers import download_checkpoint
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import TrainState
-from crashproof.storage import Storage
+from crashproof.storage import Storage, local_backend
 
 __all__ = ["Restorer"]
 
@@ -338,6 +339,7 @@ class Restorer:
         """
         rank, world_size = self._group.rank, self._group.world_size
         reader: RankRead | None = None
+        identity = _directory_identity(storage, path)
         try:
             manifest = read_manifest(storage, path)
             if manifest.step != step:
@@ -403,8 +405,11 @@ class Restorer:
             # A file the storage refuses to read (an I/O error, permissions) says nothing of
             # the checkpoint: skipped all the same, but never judged corrupt (and so removable).
             status, why = "unreadable" if unreadable(exc) else "corrupt", str(exc)
-            if not _still_there(storage, path):
-                status = "gone"  # removed while it was read: the listing is out of date
+            if not _still_there(storage, path) or _directory_identity(storage, path) != identity:
+                # Removed while it was read, or replaced: a writer saved this step again and
+                # swapped the copies mid-read (this manifest, the other copy's files). The
+                # listing is out of date; read the step again rather than judge it.
+                status = "gone"
         if reader is not None:
             reader.close()
         return status, None, why
@@ -436,6 +441,17 @@ def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:
         return read_manifest(storage, ckpt_dir).created_unix
     except (CorruptCheckpointError, OSError):
         return None
+
+
+def _directory_identity(storage: Storage, ckpt_dir: str) -> tuple[int, int] | None:
+    """Which directory ``ckpt_dir`` is on a local file system (device, inode), else None."""
+    if local_backend(storage) is None:
+        return None
+    try:
+        found = os.stat(ckpt_dir, follow_symlinks=False)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _still_there(storage: Storage, ckpt_dir: str) -> bool:
