@@ -310,7 +310,9 @@ def _launch(
     # First of all: whatever this process dies of from here on, what it starts dies with it.
     keeper = Keeper(events.path)
     try:
-        return _supervise(config, entrypoint, entry_args, start_method, supervisor, events, args)
+        return _supervise(
+            config, entrypoint, entry_args, start_method, supervisor, events, args, keeper
+        )
     finally:
         keeper.release()
 
@@ -323,6 +325,7 @@ def _supervise(
     supervisor: SupervisorConfig,
     events: EventLog,
     args: argparse.Namespace,
+    keeper: Keeper,
 ) -> int:
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -351,6 +354,7 @@ def _supervise(
         events=events,
         start_method=start_method,
         log_line_prefix_template=config.log_line_prefix_template,
+        keeper=keeper,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
