@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Literal
 
 from crashproof._rundir import RunDir
+from crashproof._runfiles import RunFileRefused, open_run_file
 
 __all__ = [
     "ENV_HEARTBEAT_DIR",
@@ -93,7 +95,8 @@ class HeartbeatWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # In the agent's own folder, made new for its session; never through a link.
+        self._fd = open_run_file(os.path.dirname(path), os.path.basename(path), "rewrite")
         self._pid = os.getpid()
         self._step = -1
         self._start_step = -1
@@ -191,7 +194,12 @@ def worker_heartbeat() -> HeartbeatWriter | None:
     if not directory:
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _writer = HeartbeatWriter(RunDir.heartbeat_file(directory, local_rank))
+    try:
+        _writer = HeartbeatWriter(RunDir.heartbeat_file(directory, local_rank))
+    except (RunFileRefused, OSError) as exc:
+        print(f"crashproof: no heartbeat (watched for its exit only): {exc}", file=sys.stderr)
+        os.environ.pop(ENV_HEARTBEAT_DIR, None)
+        return None
     return _writer
 
 

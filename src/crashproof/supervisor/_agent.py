@@ -47,6 +47,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from crashproof._rundir import ENV_RUN_DIR, RunDir
+from crashproof._runfiles import make_new_dir
 from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED
 from crashproof.supervisor._announce import (
     announce_crash_loop,
@@ -150,8 +151,15 @@ class CrashproofAgent(LocalElasticAgent):
         self._notice: tuple[signal.Signals, str] | None = None  # set by handlers, sent by the loop
         self._long_close = False
         self._grace = max(1, round(config.shutdown_grace_s))  # torch takes whole seconds
+        # A session of this agent's own: a requeued job reusing the run directory (same host,
+        # perhaps the same pid in a container) never writes into an earlier session's folders.
+        self.session = make_new_dir(
+            config.run_dir,
+            os.path.relpath(self.layout.heartbeats, config.run_dir),
+            f"{socket.gethostname()}-{os.getpid()}",
+        )
         self.heartbeats = GroupHeartbeats(
-            self.layout.heartbeat_dir(f"{socket.gethostname()}-{os.getpid()}"),
+            self.layout.heartbeat_dir(self.session),
             HangDetector(config.hang),
             StragglerDetector(config.straggler),
         )
@@ -232,7 +240,7 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._grace)
-        remove_empty_stack_dumps(self.layout, self.attempt)
+        remove_empty_stack_dumps(self.layout, self.session, self.attempt)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         membership_change = worker_group.state == WorkerState.HEALTHY
@@ -481,7 +489,10 @@ class CrashproofAgent(LocalElasticAgent):
         """Ask ``workers`` for their Python stacks; returns the files written, by global rank."""
         return dump_stacks(
             {w.global_rank: w.id for w in workers},
-            {w.global_rank: self.layout.stack_dump(self.attempt, w.global_rank) for w in workers},
+            {
+                w.global_rank: self.layout.stack_dump(self.session, self.attempt, w.global_rank)
+                for w in workers
+            },
             self.config.stack_dump_wait_s,
         )
 

@@ -47,6 +47,7 @@ import os
 import secrets
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -302,11 +303,16 @@ def _report(events_path: str, agent: int, polite: bool, killed: list[dict[str, o
     }
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     try:
-        fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # as every writer of the log: appended to, never through a link or into a FIFO (the agent
+        # checked it is its log when it started)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(events_path, flags, 0o644)
     except OSError:
         return
     try:
-        os.write(fd, line)
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            os.write(fd, line)
     finally:
         os.close(fd)
 
