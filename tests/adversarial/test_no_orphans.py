@@ -189,8 +189,8 @@ def test_sigkill_of_a_cold_started_run_with_the_keeper_gone(
 # -- programs started with an environment of their own ----------------------------------------
 # The reported case: `subprocess.Popen(["sleep", ...], env={"PATH": ...})` from a trainer carries
 # no token and has no parent-death signal: it outlived a SIGKILL of the agent, and even a normal
-# end (exit 75, alive 8 s later). Every trainer leads a session of its own, and the keeper ends
-# what is left in those sessions.
+# end (exit 75, alive 8 s later). The trainers run in sessions of the run's own, and the keeper
+# ends what is left in those sessions.
 
 
 def _alive(pid: int, record: str) -> bool:

@@ -59,7 +59,7 @@ from crashproof.supervisor._done import AfterDone, all_finished
 from crashproof.supervisor._exits import ExitWatcher
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
-from crashproof.supervisor._keeper import Keeper
+from crashproof.supervisor._keeper import Keeper, forkserver_pid
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
@@ -195,8 +195,8 @@ class CrashproofAgent(LocalElasticAgent):
         self._stopped_by_us.clear()
         self._done.new_attempt()
         pids: dict[int, Any] = super()._start_workers(worker_group)
-        if self._keeper is not None:  # each trainer leads a session: what is left of it dies too
-            self._keeper.watch_sessions(pids.values())
+        if self._keeper is not None:  # what is left of the trainers' sessions dies with the run
+            self._keeper.watch_sessions([*pids.values(), forkserver_pid()])
         if self._exits is not None:
             self._exits.close()
         self._exits = ExitWatcher(list(pids.values()), on_exit=self._wake.set)

@@ -44,12 +44,6 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     ``atexit`` handlers run as at a normal interpreter exit.
     """
     is_module = kind == "module"
-    # A session of its own, as torch gives an exec'd trainer: what the script starts stays in it,
-    # and the agent's keeper ends what is left of it, even a program started with an
-    # environment of its own (no token to find it by). It also keeps a signal meant for the
-    # supervisor's process group from reaching the trainer before the supervisor handles it.
-    with contextlib.suppress(OSError):  # a session leader already (not forked by the server)
-        os.setsid()
     # A forkserver child inherits "forkserver" as its default start method; a fresh interpreter
     # has the platform's default. Without this, a DataLoader's workers would come from a new
     # forkserver of the trainer's, and outlive the trainer when it is killed.

@@ -16,10 +16,11 @@ keeper waits on a pidfd of the agent; when the agent is gone, it SIGKILLs every 
 carries the token, until none is left, and appends an ``orphans_stopped`` event naming them.
 
 The token alone misses a program a trainer starts with an environment of its own
-(``subprocess.Popen(cmd, env={...})``), which also gets no parent-death signal. So every trainer
-runs in a session of its own (torch starts exec'd trainers so; a warm trainer calls ``setsid``
-first thing), and the agent tells the keeper each trainer's pid, its session's id, as it starts
-it (a line ``session <pid>`` on the keeper's stdin). At the end the keeper also kills every
+(``subprocess.Popen(cmd, env={...})``), which also gets no parent-death signal. So the trainers
+run in sessions of the run's own: the warm forkserver's (it calls ``setsid`` when it starts, and
+its trainers share it), or, cold-started, each trainer's (torch starts exec'd trainers so). The
+agent tells the keeper the leaders' pids, the sessions' ids, as it starts each group (a line
+``session <pid>`` on the keeper's stdin). At the end the keeper also kills every
 process of those sessions, and every descendant of what it kills that is still linked to it by
 its parent. A session is checked before it is used: one whose leader's pid now belongs to
 another process (started later) is not the run's, and sessions of past attempts that hold no
@@ -94,8 +95,9 @@ class Keeper:
             os.close(script)
 
     def watch_sessions(self, pids: Iterable[int | None]) -> None:
-        """The trainers ``pids`` were just started, each the leader of a session of its own: the
-        keeper ends what is left of those sessions too."""
+        """The processes ``pids`` lead the trainers' sessions (the forkserver, cold-started
+        trainers; a pid that leads none matches nothing): the keeper ends what is left of those
+        sessions too."""
         self._tell("".join(f"session {pid}\n" for pid in pids if pid))
 
     def release(self) -> None:
@@ -112,6 +114,14 @@ class Keeper:
             proc.stdin.flush()
         except OSError:
             pass  # the keeper is gone already: nothing to tell
+
+
+def forkserver_pid() -> int | None:
+    """The warm forkserver's pid, the leader of its trainers' session (None: none runs)."""
+    import multiprocessing.forkserver
+
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 # -- the keeper process ---------------------------------------------------------------------------
