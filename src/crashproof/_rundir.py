@@ -60,16 +60,25 @@ class RunDir:
         a glob pattern of every rank's)."""
         return os.path.join(heartbeat_dir, f"local_rank_{local_rank}")
 
-    def stack_dir(self, attempt: int | str) -> str:
-        """``stacks/attempt_<k>/``: the stack dumps of attempt ``k``; the agent removes it when
-        it holds no dump."""
-        return self._join("stacks", f"attempt_{attempt}")
+    @staticmethod
+    def session_of(heartbeat_dir: str) -> str:
+        """The agent's session (``<host>-<pid>``, made unique) that ``heartbeat_dir`` is of: a
+        requeued job that reuses the run directory starts a new one and never writes into an
+        earlier one's folders."""
+        return os.path.basename(os.path.normpath(heartbeat_dir))
 
-    def stack_dump(self, attempt: int | str, rank: int | str) -> str:
-        """``stacks/attempt_<k>/rank_<r>.txt``: opened by each trainer at its start, written when
-        the agent asks for its stacks (a hang, a rank ended after it was done); named in the
-        ``hang`` and ``done_hang`` events. ``"*"``: a glob pattern of every rank's."""
-        return os.path.join(self.stack_dir(attempt), f"rank_{rank}.txt")
+    def stack_dir(self, session: str, attempt: int | str) -> str:
+        """``stacks/<session>/attempt_<k>/``: the stack dumps of the agent session's attempt
+        ``k`` (per session: an earlier session's dumps, a hang that made a job requeue, stay);
+        the agent removes it when it holds no dump."""
+        return self._join("stacks", session, f"attempt_{attempt}")
+
+    def stack_dump(self, session: str, attempt: int | str, rank: int | str) -> str:
+        """``stacks/<session>/attempt_<k>/rank_<r>.txt``: opened (created, or appended to) by
+        each trainer at its start, written when the agent asks for its stacks (a hang, a rank
+        ended after it was done); named in the ``hang`` and ``done_hang`` events. ``"*"``: a glob
+        pattern."""
+        return os.path.join(self.stack_dir(session, attempt), f"rank_{rank}.txt")
 
     @property
     def logs(self) -> str:

@@ -140,7 +140,9 @@ class ControlWatcher:
         line = json.dumps(
             {"id": fault_id, "rank": self.rank, "pid": os.getpid(), "ts": time.time(), **details}
         )
-        fd = os.open(self.path + FIRED_SUFFIX, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # appended to, never through a link or into a FIFO (the campaign's own folder)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(self.path + FIRED_SUFFIX, flags, 0o644)
         try:
             os.write(fd, (line + "\n").encode())
         finally:

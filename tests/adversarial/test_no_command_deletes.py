@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 import crashproof
 from crashproof.checkpoint.export._target import MARKER
 from crashproof.cli import main
+from tests.supervisor._runs import Run, output, start_run
 
 
 @pytest.fixture(autouse=True)
@@ -458,3 +459,129 @@ def test_prune_removes_only_checkpoints_and_counts_only_checkpoints(
     assert (root / "step_0000000005").read_text() == "a file"
     assert (root / "step_0000000002" / "manifest.json").is_file()
     assert (root / "step_0000000001").exists() is dry_run
+
+
+# -- crashproof run's and chaos's files in a run directory ---------------------------------------
+# Reported: `crashproof run` truncated a link's target at stacks/attempt_0/rank_0.txt, wrote its
+# metrics URL through a link, deleted a user's notice.json, appended events through a link, and a
+# requeue into the same run directory wiped the stack dumps of the hang that caused it; chaos
+# wrote a run into a --run-dir outside its --dir. Every file is now opened without following a
+# link, created new or appended to (crashproof's own only), replaced or removed only if its own.
+
+
+def test_run_files_are_never_written_through_a_link_nor_over_a_user_file(tmp_path: Path) -> None:
+    from crashproof._runfiles import RunFileRefused, open_run_file, remove_own, replace_own
+    from crashproof.telemetry import is_event_log
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (run / "link").symlink_to(victim)
+    (run / "hard").hardlink_to(victim)
+    (run / "dirlink").symlink_to(tmp_path)
+    os.mkfifo(run / "fifo")
+    (run / "mine.jsonl").write_text("my notes\n")
+    before = snapshot(tmp_path)
+    for rel, how in [("link", "append"), ("link", "rewrite"), ("hard", "append"),
+                     ("hard", "rewrite"), ("fifo", "append"), ("dirlink/x", "new"),
+                     ("mine.jsonl", "append"), ("mine.jsonl", "new"), ("../escape", "new")]:  # fmt: skip
+        with pytest.raises(RunFileRefused):
+            open_run_file(str(run), rel, how, own=is_event_log)
+    for rel in ("link", "hard", "mine.jsonl", "dirlink/x"):
+        with pytest.raises(RunFileRefused):
+            replace_own(str(run), rel, b"{}", own=lambda head: head == b"ours")
+        assert not remove_own(str(run / rel), own=lambda head: head == b"ours")
+    assert snapshot(tmp_path) == before
+    # crashproof's own: appended to, never truncated
+    (run / "events.jsonl").write_text('{"ts": 1, "event": "run_start"}\n')
+    os.close(open_run_file(str(run), "events.jsonl", "append", own=is_event_log))
+    assert (run / "events.jsonl").read_text() == '{"ts": 1, "event": "run_start"}\n'
+
+
+def _run_main(run_dir: Path, script: Path, *extra: str) -> int:
+    return main(["run", "--run-dir", str(run_dir), "--metrics-port", "-1", *extra, str(script)])
+
+
+@pytest.mark.parametrize("where", ["events.jsonl", "heartbeats", "stacks", "logs"])
+@pytest.mark.parametrize("what", ["link", "fifo", "user file"])
+def test_run_refuses_a_run_directory_whose_names_are_not_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, what: str
+) -> None:
+    """Refused before anything launches (one line, exit 2), the user's things untouched."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(0)\n")
+    mine = user_folder(tmp_path / "mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    target = run / where
+    if what == "link":
+        target.symlink_to(mine / "thesis.tex" if where == "events.jsonl" else mine)
+    elif what == "fifo":
+        os.mkfifo(target)
+    elif where == "events.jsonl":
+        target.write_text("my own log, not crashproof's\n")
+    else:
+        target.write_text("a file where a folder belongs")
+    before = snapshot(tmp_path)
+    code = _run_main(run, script)
+    refused(code, capsys.readouterr().err, target)
+    after = snapshot(tmp_path)  # (new files of its own in the run directory are no harm)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert snapshot(mine) == {k[5:]: v for k, v in before.items() if k.startswith("mine/")}
+
+
+def test_a_reused_run_directory_keeps_the_earlier_sessions_stack_dumps(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    """The reported case: a requeued job (examples/slurm_requeue.sbatch reuses its run
+    directory) wiped the stack dumps of the hang that made it requeue. And what a user put in
+    the run directory (a notice.json, a link at metrics_url and at the old stack file's name)
+    is left as it was."""
+    run_dir = tmp_path / "run"
+    (run_dir / "stacks" / "attempt_0").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (run_dir / "stacks" / "attempt_0" / "rank_0.txt").symlink_to(victim)
+    (run_dir / "metrics_url").symlink_to(victim)
+    (run_dir / "notice.json").write_text('{"mine": true}')
+    user = snapshot(tmp_path)
+    first = start_run(
+        run_dir,
+        ["--hang-timeout", "3", "--metrics-port", "0"],
+        ["--steps", "8", "--every", "2", "--stop-at", "3"],
+    )
+    runs.append(first)
+    assert first.wait(timeout=120) == 0, output(first)
+    dumps = {e["stacks"] for e in first.events("hang") if e["stacks"]}
+    assert dumps, output(first)
+    dumped = {path: Path(path).read_text() for path in dumps}
+    assert all("trainer.py" in text for text in dumped.values())
+    second = start_run(run_dir, ["--metrics-port", "0"], ["--steps", "8", "--every", "2"])
+    runs.append(second)
+    assert second.wait(timeout=120) == 0, output(second)
+    assert {path: Path(path).read_text() for path in dumps} == dumped
+    assert victim.read_text() == "precious"
+    assert (run_dir / "notice.json").read_text() == '{"mine": true}'
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in user} == user
+    assert len(second.events("run_start")) == 2  # one log, appended to
+
+
+def test_chaos_never_writes_a_run_outside_its_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reported case: --run-dir outside --dir put the run, and replaced chaos/nan.json, in a
+    user's directory."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(0)\n")
+    outside = user_folder(tmp_path / "X")
+    (outside / "chaos").mkdir()
+    (outside / "chaos" / "nan.json").write_text('{"faults": ["mine"]}')
+    before = snapshot(tmp_path)
+    fault = ["--fault", "at=step:2,rank=0,kind=nan"]
+    for run_dir in (str(outside), "{run}/../../X", str(tmp_path / "elsewhere")):
+        code = main(["chaos", *fault, "--dir", str(tmp_path / "c"), "--",
+                     "--nproc-per-node", "1", "--run-dir", run_dir, str(script)])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and "outside the campaign's --dir" in err, err
+    assert snapshot(tmp_path) == before

@@ -15,7 +15,11 @@ import os
 import signal
 import socket
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.supervisor._runs import Run, gone_within, output, start_run
 
@@ -180,3 +184,95 @@ def test_sigkill_of_a_cold_started_run_with_the_keeper_gone(
     _without_keeper(run)
     _kill_and_check(run)
     assert not run.events("orphans_stopped"), output(run)
+
+
+# -- programs started with an environment of their own ----------------------------------------
+# The reported case: `subprocess.Popen(["sleep", ...], env={"PATH": ...})` from a trainer carries
+# no token and has no parent-death signal: it outlived a SIGKILL of the agent, and even a normal
+# end (exit 75, alive 8 s later). The trainers run in sessions of the run's own, and the keeper
+# ends what is left in those sessions.
+
+
+def _alive(pid: int, record: str) -> bool:
+    """Whether ``pid`` is still a child the trainer recorded in the file named ``record``."""
+    tag = "0." + record.rsplit("-", 1)[1]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return tag.encode() in cmd and state != "Z"
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Path]:
+    """The file the trainer records its clean-environment children in; any left are killed."""
+    record = tmp_path / f"children-{uuid.uuid4().int % 10**12}"
+    yield record
+    if record.exists():
+        for pid in map(int, record.read_text().split()):
+            if _alive(pid, record.name):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _started_children(run: Run, record: Path) -> list[int]:
+    _wait_until(lambda: record.exists() and len(record.read_text().split()) >= 3, 60, "children")
+    pids = [int(p) for p in record.read_text().split()]
+    assert all(_alive(pid, record.name) for pid in pids), pids
+    return pids
+
+
+def _children_gone_within(record: Path, pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid, record.name) for pid in pids):
+        left = [pid for pid in pids if _alive(pid, record.name)]
+        assert time.monotonic() < deadline, f"still running {seconds} s after the agent: {left}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_sigkill_leaves_no_program_started_with_an_environment_of_its_own(
+    tmp_path: Path, runs: list[Run], children: Path, start: str
+) -> None:
+    run = start_run(
+        tmp_path / "run",
+        ["--cold-start"] if start == "cold" else [],
+        ["--steps", "100000", "--every", "2", "--clean-env-children", str(children)],
+    )
+    runs.append(run)
+    pids = _started_children(run, children)
+    run.wait_for("checkpoint", 90)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(timeout=10)
+    _children_gone_within(children, pids, WITHIN_S)
+    assert not gone_within(run, WITHIN_S)
+    _wait_until(lambda: run.events("orphans_stopped"), 10, "the keeper's report")
+    killed = {p["pid"] for e in run.events("orphans_stopped") for p in e["processes"]}
+    assert set(pids) <= killed
+
+
+@pytest.mark.parametrize("end", ["finished", "preempted"])
+def test_a_normal_end_leaves_no_program_started_with_an_environment_of_its_own(
+    tmp_path: Path, runs: list[Run], children: Path, end: str
+) -> None:
+    steps = "12" if end == "finished" else "100000"
+    run = start_run(
+        tmp_path / "run",
+        [],
+        ["--steps", steps, "--every", "4", "--clean-env-children", str(children)],
+    )
+    runs.append(run)
+    pids = _started_children(run, children)
+    if end == "preempted":
+        run.wait_for("checkpoint", 90)
+        os.kill(run.pid, signal.SIGTERM)
+    code = run.wait(timeout=90)
+    assert code == (0 if end == "finished" else 75), output(run)
+    # the keeper gives the run's own processes up to 2 s to exit by themselves first
+    _children_gone_within(children, pids, 2 + WITHIN_S)
+    _wait_until(lambda: run.events("orphans_stopped"), 10, "the keeper's report")
+    [stopped] = run.events("orphans_stopped")
+    assert stopped["agent_ended"] == "normally"
+    assert set(pids) <= {p["pid"] for p in stopped["processes"]}

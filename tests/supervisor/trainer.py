@@ -14,6 +14,16 @@ collective (a real hang), and a rank that dies leaves them with a broken connect
     --ignore-sigterm      ignore SIGTERM (keeps the supervisor waiting out its grace)
     --hang-after-close R  after closing the manager, rank R (or "all") never exits
     --work-after-close S  after closing the manager, work S seconds, beating, then exit
+    --after-close ACTION  after closing the manager, rank --after-close-rank (or "all"): segv,
+                          abort (crash on the way out) or beat-step-hang (crashproof.heartbeat(step),
+                          then never exit)
+    --work-before-close S rank 0 works S seconds, beating, before it closes its manager
+    --clean-env-children FILE  rank 0 of the first attempt starts programs with an environment
+                          of their own (so no marker of the run's), not detached: a child, one
+                          left behind by a shell (`cmd &`), one in a process group of its own;
+                          their pids are appended to FILE, their command lines the digits its name ends in
+    --raise-in-loop-at STEP  rank 1 raises after STEP on the first attempt; the manager is closed
+                          in a `finally` on the way out
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ def main() -> int:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--hang-after-close", default=None)
     p.add_argument("--work-after-close", type=float, default=0.0)
+    p.add_argument("--after-close", choices=["segv", "abort", "beat-step-hang"], default=None)
+    p.add_argument("--after-close-rank", default="1")
+    p.add_argument("--work-before-close", type=float, default=0.0)
+    p.add_argument("--raise-in-loop-at", type=int, default=None)
+    p.add_argument("--clean-env-children", default=None)
     p.add_argument("--remote", default=None, help="a durable tier (replicated by the agent)")
     p.add_argument(
         "--ckpt-per-world",
@@ -91,11 +106,91 @@ def main() -> int:
     for helper in helpers:
         helper.start()
         print(f"rank {rank} helper pid {helper.pid}", flush=True)
+    if args.clean_env_children and rank == 0 and attempt == 0:
+        clean_env_children(args.clean_env_children)
     start = ckpt.restore(state)
     print(
         f"attempt {attempt} starts at step {start} with world size {dist.get_world_size()}",
         flush=True,
     )
+    try:
+        train(args, ckpt, state, model, optimizer, start, attempt, rank)
+    finally:
+        if rank == 0:
+            beat_for(args.work_before_close)
+        ckpt.close()
+    if args.after_close is not None and args.after_close_rank in ("all", str(rank)):
+        after_close(args.after_close, args.steps, rank)
+    if args.hang_after_close in ("all", str(rank)):
+        print(f"rank {rank} hangs after close", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:  # as a deadlock in a destructor at exit: never beats, never exits
+            time.sleep(1)
+    beat_for(args.work_after_close)  # work after close that tells it is alive
+    for helper in helpers:
+        helper.terminate()
+    dist.destroy_process_group()
+    print(f"rank {rank} finished at step {args.steps}", flush=True)
+    if args.exit_zero:
+        sys.exit(0)
+    return 0
+
+
+def clean_env_children(record: str) -> None:
+    """Programs that carry nothing of the run's environment and stay in the trainer's session."""
+    import subprocess
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    # FILE's name ends in digits: in their command lines, so a test can tell them apart
+    tag = "0." + os.path.basename(record).rsplit("-", 1)[1]
+    sleep = ["sleep", "3600", tag]
+    pids = [
+        subprocess.Popen(sleep, env=env).pid,
+        subprocess.Popen(sleep, env=env, process_group=0).pid,
+    ]
+    # a shell that starts one in the background and exits at once: its parent is gone at once
+    shell = subprocess.run(
+        ["sh", "-c", f"sleep 3600 {tag} >/dev/null 2>&1 & echo $!"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pids.append(int(shell.stdout))
+    with open(record, "a") as f:
+        f.write("".join(f"{pid}\n" for pid in pids))
+
+
+def beat_for(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        cp.heartbeat()
+        time.sleep(0.05)
+
+
+def after_close(action: str, steps: int, rank: int) -> None:
+    """What a trainer does on its way out after its work is committed."""
+    print(f"rank {rank} after close: {action}", flush=True)
+    if action == "segv":  # as a native destructor crashing at interpreter exit
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif action == "abort":
+        os.abort()
+    elif action == "beat-step-hang":  # an evaluation loop reporting a step, then a deadlock
+        cp.heartbeat(steps + 1)
+        while True:
+            time.sleep(1)
+
+
+def train(
+    args: argparse.Namespace,
+    ckpt: cp.CheckpointManager,
+    state: cp.TrainState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    attempt: int,
+    rank: int,
+) -> None:
     for step in range(start, args.steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         loss = model(x).square().mean()
@@ -124,23 +219,8 @@ def main() -> int:
             time.sleep(args.peer_busy_s)  # the others' own work, before their next collective
         if args.stop_at == done and rank == args.stop_rank and attempt == 0:
             os.kill(os.getpid(), signal.SIGSTOP)
-    ckpt.close()
-    if args.hang_after_close in ("all", str(rank)):
-        print(f"rank {rank} hangs after close", flush=True)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        while True:  # as a deadlock in a destructor at exit: never beats, never exits
-            time.sleep(1)
-    deadline = time.monotonic() + args.work_after_close
-    while time.monotonic() < deadline:  # work after close that tells it is alive
-        cp.heartbeat()
-        time.sleep(0.05)
-    for helper in helpers:
-        helper.terminate()
-    dist.destroy_process_group()
-    print(f"rank {rank} finished at step {args.steps}", flush=True)
-    if args.exit_zero:
-        sys.exit(0)
-    return 0
+        if args.raise_in_loop_at == done and rank == 1 and attempt == 0:
+            raise RuntimeError(f"rank {rank} fails in its loop after step {done}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from crashproof._rundir import RunDir
+from crashproof._runfiles import open_run_file
 from crashproof._seams import ENV_CHAOS_NAN, ENV_CHAOS_STORAGE, read_fired, write_control
 from crashproof.chaos._analysis import Injection, assess
 from crashproof.chaos._faults import DutyCycle, corrupt_newest, send, stop_all
@@ -41,6 +42,7 @@ from crashproof.chaos._schedule import Fault
 from crashproof.chaos._watch import RunView
 from crashproof.checkpoint import committed_steps
 from crashproof.storage import LocalStorage
+from crashproof.telemetry import is_event_log
 
 __all__ = ["Campaign", "CampaignResult", "run_crashproof"]
 
@@ -48,6 +50,12 @@ log = logging.getLogger("crashproof.chaos")
 
 _POLL_S = 0.02
 _PROGRESS_EVERY_S = 0.25
+
+
+def open_console(directory: str, name: str) -> IO[str]:
+    """The file ``directory/name`` to append a run's console output to (the campaign's own
+    directory, new or empty when it began: never through a link)."""
+    return os.fdopen(open_run_file(directory, name, "append"), "a")
 
 
 def run_crashproof(
@@ -155,7 +163,7 @@ class Campaign:
         injections: list[Injection] = []
         current: Injection | None = None
         timed_out = False
-        with open(self.console_path, "a") as console:
+        with open_console(*os.path.split(self.console_path)) as console:
             launched = time.monotonic()
             proc = run_crashproof(self.run_args, env, console)
             if self.progress:
@@ -455,7 +463,9 @@ class Campaign:
     def _record(self, event: str, **fields: Any) -> None:
         line = json.dumps({"ts": time.time(), "event": event, **fields}, default=str)
         os.makedirs(self.run_dir, exist_ok=True)
-        with open(self._log_path, "a") as f:
+        name = os.path.relpath(self._log_path, self.run_dir)
+        fd = open_run_file(self.run_dir, name, "append", own=is_event_log)
+        with os.fdopen(fd, "a") as f:
             f.write(line + "\n")
 
     def _say(self, text: str) -> None:

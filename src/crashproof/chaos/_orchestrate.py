@@ -100,6 +100,14 @@ def run_campaign(options: CampaignOptions, run: RunOptions) -> int:
         options.directory or os.path.join("crashproof-chaos", f"{stamp}-{os.getpid()}")
     )
     faulted = _placed(run_args, run_dir_template, os.path.join(directory, "run"))
+    baseline = _placed(run_args, run_dir_template, os.path.join(directory, "baseline"))
+    for placed in (faulted, baseline) if options.compare_baseline else (faulted,):
+        if not _inside(placed.run_dir, directory):
+            return _usage(
+                f"--run-dir {placed.run_dir}: outside the campaign's --dir {directory}; a "
+                f"campaign writes only into its own directory: write --run-dir with "
+                f"{RUN_PLACEHOLDER}, or leave it out"
+            )
     if os.path.exists(RunDir(faulted.run_dir).events):
         return _usage(
             f"{faulted.run_dir} already holds a run's events: give the campaign a new --dir"
@@ -109,7 +117,6 @@ def run_campaign(options: CampaignOptions, run: RunOptions) -> int:
     if refused:
         return _usage(refused)
     os.makedirs(directory, exist_ok=True)
-    baseline = _placed(run_args, run_dir_template, os.path.join(directory, "baseline"))
     with _signals_end_the_campaign():
         return _campaign(options, schedule, directory, faulted, baseline, report_path)
 
@@ -127,6 +134,12 @@ def _placed(run_args: list[str], run_dir_template: str, directory: str) -> _Plac
         [a.replace(RUN_PLACEHOLDER, directory) for a in run_args],
         os.path.abspath(run_dir_template.replace(RUN_PLACEHOLDER, directory)),
     )
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or under it, links resolved (as far as they exist)."""
+    real, top = os.path.realpath(path), os.path.realpath(directory)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
 
 def _world_size(run: RunOptions) -> int:
@@ -253,7 +266,7 @@ def _campaign(
 ) -> int:
     from crashproof._seams import ENV_CHAOS_NAN, write_control
     from crashproof.chaos._baseline import Comparison, compare_final_checkpoints
-    from crashproof.chaos._campaign import Campaign, run_crashproof, stop_run
+    from crashproof.chaos._campaign import Campaign, open_console, run_crashproof, stop_run
     from crashproof.chaos._report import build_report, format_table, summary_line, write_report
     from crashproof.chaos._watch import RunView
 
@@ -299,7 +312,7 @@ def _campaign(
             print(
                 f"[chaos] baseline run without faults{' (same NaN steps)' if nans else ''}: {baseline_dir}"
             )
-        with open(os.path.join(directory, "baseline.log"), "a") as console:
+        with open_console(directory, "baseline.log") as console:
             proc = run_crashproof(baseline.args, env, console)
             try:
                 baseline_code = proc.wait(timeout=options.timeout_s)

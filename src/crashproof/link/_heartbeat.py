@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Literal
 
 from crashproof._rundir import RunDir
+from crashproof._runfiles import RunFileRefused, open_run_file
 
 __all__ = [
     "ENV_HEARTBEAT_DIR",
@@ -93,7 +95,8 @@ class HeartbeatWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # In the agent's own folder, made new for its session; never through a link.
+        self._fd = open_run_file(os.path.dirname(path), os.path.basename(path), "rewrite")
         self._pid = os.getpid()
         self._step = -1
         self._start_step = -1
@@ -111,9 +114,13 @@ class HeartbeatWriter:
         self._work_s += seconds
 
     def beat(self, step: int | None = None) -> None:
-        """A sign of life; with ``step``, that step just finished (and the phase is "step")."""
+        """A sign of life; with ``step``, that step just finished (and the phase is "step").
+
+        After "done" a beat only renews the done allowance: the phase is final (a step reported
+        after ``close()``, an evaluation's, must not turn a finished trainer back into a
+        training one, whose later crash or hang would cost restarts of committed work)."""
         now = time.monotonic()
-        if step is not None:
+        if step is not None and self._phase != "done":
             if step > self._step and self._last_step_s and self._phase == "step":
                 self._max_gap_s = max(
                     self._max_gap_s, (now - self._last_step_s) / (step - self._step)
@@ -127,8 +134,9 @@ class HeartbeatWriter:
             self._write(now)
 
     def set_phase(self, phase: Phase) -> None:
-        """Enter ``phase``: the supervisor allows each phase its own time without a beat."""
-        if phase != self._phase:
+        """Enter ``phase``: the supervisor allows each phase its own time without a beat. "done"
+        is final: nothing leaves it (see :meth:`beat`)."""
+        if phase != self._phase and self._phase != "done":
             now = time.monotonic()
             if phase == "step":
                 self._last_step_s = now  # the time spent restoring or saving is not a step
@@ -136,6 +144,8 @@ class HeartbeatWriter:
 
     def restored(self, step: int) -> None:
         """The trainer restored the state after ``step``: training resumes from there."""
+        if self._phase == "done":
+            return  # a manager opened after close(), to read: the trainer's work is done
         self._step = self._start_step = step
         self.set_phase("step")
 
@@ -184,7 +194,12 @@ def worker_heartbeat() -> HeartbeatWriter | None:
     if not directory:
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _writer = HeartbeatWriter(RunDir.heartbeat_file(directory, local_rank))
+    try:
+        _writer = HeartbeatWriter(RunDir.heartbeat_file(directory, local_rank))
+    except (RunFileRefused, OSError) as exc:
+        print(f"crashproof: no heartbeat (watched for its exit only): {exc}", file=sys.stderr)
+        os.environ.pop(ENV_HEARTBEAT_DIR, None)
+        return None
     return _writer
 
 

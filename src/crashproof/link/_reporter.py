@@ -10,6 +10,7 @@ their own phases (each with its own hang allowance), and rank 0 appends ``restor
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,7 +135,17 @@ class SupervisedReporter:
             )
 
     def closed(self) -> None:
-        self._heartbeat.set_phase("done")
+        # Done only when the training ended as it should: a close() on the way out of an error
+        # (a `with` block, a `finally`) leaves a failure to restart, not finished work. A
+        # PreemptedExit (exit 75) is the supervisor's to handle as a preemption.
+        if _ending_normally():
+            self._heartbeat.set_phase("done")
+
+
+def _ending_normally() -> bool:
+    """Whether no exception is on its way up through this call but ``sys.exit()`` / ``exit(0)``."""
+    exc = sys.exc_info()[1]
+    return exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
 
 
 def trainer_reporter(rank: int) -> SupervisedReporter | Unsupervised:

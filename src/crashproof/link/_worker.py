@@ -13,7 +13,8 @@ Under the supervisor (``CRASHPROOF_HEARTBEAT_DIR`` is set), ``import crashproof`
   peers stayed open until its workers noticed (up to 5 s, DataLoader's watchdog) and the peers
   sat in a collective all that time instead of failing at once;
 * registers :mod:`faulthandler` on ``SIGUSR2`` to write every thread's Python stack to
-  ``RUN_DIR/stacks/attempt_<k>/rank_<r>.txt``. The dump runs inside the signal handler, in C,
+  ``RUN_DIR/stacks/<agent session>/attempt_<k>/rank_<r>.txt`` (created, or appended to: never
+  truncated, never through a link). The dump runs inside the signal handler, in C,
   so it works while the interpreter is stuck in a collective or holds the GIL in native code.
 
 Outside the supervisor it does nothing.
@@ -30,6 +31,7 @@ import threading
 from typing import IO
 
 from crashproof._rundir import RunDir
+from crashproof._runfiles import RunFileRefused, open_run_file
 from crashproof.link._heartbeat import ENV_HEARTBEAT_DIR, worker_heartbeat
 
 __all__ = [
@@ -61,22 +63,35 @@ def attach_to_supervisor() -> None:
     _attached_pid = os.getpid()
     die_with_parent(int(os.environ.get(ENV_PARENT_PID) or 0) or None)
     _children_die_with_trainer()
+    session = RunDir.session_of(os.environ[ENV_HEARTBEAT_DIR])
     worker_heartbeat()
     # This process owns the record now; its children (spawned DataLoader workers, helper
-    # scripts) must not open it again, truncating the trainer's record and stack file.
+    # scripts) must not open it again, truncating the trainer's record.
     os.environ.pop(ENV_HEARTBEAT_DIR, None)
     run_dir = RunDir.from_env()
     if run_dir is not None:
         path = run_dir.stack_dump(
+            session,
             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             int(os.environ.get("RANK", "0")),
         )
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = open_run_file(
+                run_dir.path, os.path.relpath(path, run_dir.path), "append", own=_is_stack_dump
+            )
+        except (RunFileRefused, OSError) as exc:
+            print(f"crashproof: no stack dumps: {exc}", file=sys.stderr)
+            return
         # Kept open for the life of the process: the handler can only write to an open file.
         if _stack_file is not None:
             _stack_file.close()
-        _stack_file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        _stack_file = os.fdopen(fd, "w", encoding="utf-8")
         faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
+def _is_stack_dump(head: bytes) -> bool:
+    """Whether a file's first bytes are faulthandler's dump of every thread."""
+    return head.startswith((b"Thread 0x", b"Current thread 0x"))
 
 
 _hooked = False

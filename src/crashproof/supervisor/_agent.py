@@ -47,17 +47,19 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from crashproof._rundir import ENV_RUN_DIR, RunDir
+from crashproof._runfiles import make_new_dir
 from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED
 from crashproof.supervisor._announce import (
     announce_crash_loop,
-    announce_done_hang,
     announce_hang,
     announce_straggler,
 )
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
+from crashproof.supervisor._done import AfterDone, all_finished
 from crashproof.supervisor._exits import ExitWatcher
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
+from crashproof.supervisor._keeper import Keeper, forkserver_pid
 from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
@@ -122,6 +124,7 @@ class CrashproofAgent(LocalElasticAgent):
         start_method: str = "spawn",
         log_line_prefix_template: str | None = None,
         exit_barrier_timeout: float = 300,
+        keeper: Keeper | None = None,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -135,6 +138,7 @@ class CrashproofAgent(LocalElasticAgent):
         )
         self.config = config
         self.events = events
+        self._keeper = keeper
         self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
@@ -147,8 +151,15 @@ class CrashproofAgent(LocalElasticAgent):
         self._notice: tuple[signal.Signals, str] | None = None  # set by handlers, sent by the loop
         self._long_close = False
         self._grace = max(1, round(config.shutdown_grace_s))  # torch takes whole seconds
+        # A session of this agent's own: a requeued job reusing the run directory (same host,
+        # perhaps the same pid in a container) never writes into an earlier session's folders.
+        self.session = make_new_dir(
+            config.run_dir,
+            os.path.relpath(self.layout.heartbeats, config.run_dir),
+            f"{socket.gethostname()}-{os.getpid()}",
+        )
         self.heartbeats = GroupHeartbeats(
-            self.layout.heartbeat_dir(f"{socket.gethostname()}-{os.getpid()}"),
+            self.layout.heartbeat_dir(self.session),
             HangDetector(config.hang),
             StragglerDetector(config.straggler),
         )
@@ -162,8 +173,8 @@ class CrashproofAgent(LocalElasticAgent):
         self._exits: ExitWatcher | None = None
         self._stopped_by_us: set[int] = set()
         """Trainers SIGKILLed because a peer had failed (their exit is not a failure of theirs)."""
-        self._ended_after_done: set[int] = set()
-        """Trainers ended after they were done (work committed) but did not exit: no failure."""
+        self._done = AfterDone(events, config.hang.done_timeout_s)
+        """Trainers that ended after they were done (work committed): no failure."""
         # torch's loop sleeps a whole monitor interval between looks; ours waits on this event
         # instead, which the exit watcher sets when a trainer exits, so a failure is acted on the
         # moment it happens and a look still comes every interval when nothing does.
@@ -182,8 +193,10 @@ class CrashproofAgent(LocalElasticAgent):
         started = time.monotonic()
         self.attempt = self.restart_count
         self._stopped_by_us.clear()
-        self._ended_after_done.clear()
+        self._done.new_attempt()
         pids: dict[int, Any] = super()._start_workers(worker_group)
+        if self._keeper is not None:  # what is left of the trainers' sessions dies with the run
+            self._keeper.watch_sessions([*pids.values(), forkserver_pid()])
         if self._exits is not None:
             self._exits.close()
         self._exits = ExitWatcher(list(pids.values()), on_exit=self._wake.set)
@@ -227,7 +240,7 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._grace)
-        remove_empty_stack_dumps(self.layout, self.attempt)
+        remove_empty_stack_dumps(self.layout, self.session, self.attempt)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         membership_change = worker_group.state == WorkerState.HEALTHY
@@ -259,18 +272,28 @@ class CrashproofAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._wake.wait(self._monitor_interval_s)
         self._wake.clear()  # a wake-up after this is seen by the look below, or the next one
+        workers = worker_group.workers
+        self._note_done_crashes(worker_group)
         self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
-        result: RunResult = super()._monitor_workers(worker_group)
+        codes = self._exit_codes(worker_group)
+        if self._done.ended and not self._done.torch_may_look(
+            workers, codes, self.heartbeats.read(workers)
+        ):
+            result = RunResult(state=WorkerState.HEALTHY)  # a done one crashed; others work on
+        else:
+            result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED:
+            self._note_done_crashes(worker_group)  # those torch stopped, or that crashed since
         if result.state == WorkerState.FAILED and self._all_finished(worker_group):
-            # some ended by us after "done": every rank's work is committed
+            # some ended after "done" (by us, or crashed on the way out): all work is committed
             result = RunResult(
                 state=WorkerState.SUCCEEDED,
-                return_values={w.global_rank: None for w in worker_group.workers},
+                return_values={w.global_rank: None for w in workers},
             )
         if result.state == WorkerState.SUCCEEDED:
-            for worker in worker_group.workers:
-                ended = worker.id in self._ended_after_done
+            for worker in workers:
+                ended = worker.id in self._done.ended
                 self.events.emit(
                     "rank_exit",
                     rank=worker.global_rank,
@@ -280,7 +303,8 @@ class CrashproofAgent(LocalElasticAgent):
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result.failures)
         elif result.state == WorkerState.HEALTHY:
-            hung = self.heartbeats.hung(worker_group.workers)
+            codes = self._exit_codes(worker_group)
+            hung = self.heartbeats.hung([w for w in workers if codes[w.local_rank] is None])
             stuck = [(w, v) for w, v in hung if v.phase == "done"]
             hung = [(w, v) for w, v in hung if v.phase != "done"]
             if hung:
@@ -292,50 +316,32 @@ class CrashproofAgent(LocalElasticAgent):
         return result
 
     def _all_finished(self, worker_group: WorkerGroup) -> bool:
-        """Whether every trainer exited 0 or was ended by us after it was done."""
-        if not self._ended_after_done:
-            return False
+        """Whether every trainer exited 0 or ended after it was done (by us, or by a crash)."""
         codes = self._exit_codes(worker_group)
-        return all(
-            w.id in self._ended_after_done or codes[w.local_rank] == 0 for w in worker_group.workers
+        return bool(self._done.ended) and all_finished(
+            worker_group.workers, codes, self._done.ended
         )
+
+    def _note_done_crashes(self, worker_group: WorkerGroup) -> None:
+        codes = self._exit_codes(worker_group)
+        if any(code not in (None, 0) for code in codes.values()):  # else: nothing to look at
+            self._done.note_crashes(
+                worker_group.workers,
+                codes,
+                self.heartbeats.read(worker_group.workers),
+                lambda local_rank: last_error(self._pcontext, local_rank, None),
+            )
 
     def _end_stuck_after_done(
         self, worker_group: WorkerGroup, stuck: list[tuple[Worker, Verdict]]
     ) -> None:
-        """End trainers that closed their checkpoint manager (their work is committed) but did
-        not exit within the done allowance, once no rank of the group is still working.
-
-        All the done ones are ended together: torch's process context SIGTERMs the survivors of
-        any process that ends non-zero, and a done one SIGTERMed by torch would read as a failure.
-        """
-        codes = self._exit_codes(worker_group)
-        beats = self.heartbeats.read(worker_group.workers)
-        running = [w for w in worker_group.workers if codes[w.local_rank] is None]
-        if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
-            return  # a rank still works (its own allowance applies); the done ones wait for it
-        # Ended already, not yet reaped (a busy host): ended and reported once.
-        running = [w for w in running if w.id not in self._ended_after_done]
-        if not running:
-            return
-        past_timeout = {w.local_rank for w, _ in stuck}
-        states = {w.global_rank: process_state(w.id) for w in running}
-        stacks = self._dump_stacks(running)
-        now = time.monotonic()
-        self._ended_after_done.update(w.id for w in running)
-        signal_trainers((w.id for w in running), signal.SIGKILL)
-        for worker in running:
-            beat = beats[worker.local_rank]
-            announce_done_hang(
-                self.events,
-                worker,
-                beat,
-                silent_s=now - beat.beat_s,
-                timeout_s=self.config.hang.done_timeout_s,
-                past_timeout=worker.local_rank in past_timeout,
-                state=states.get(worker.global_rank),
-                stacks=stacks.get(worker.global_rank),
-            )
+        self._done.end_stuck(
+            worker_group.workers,
+            self._exit_codes(worker_group),
+            self.heartbeats.read(worker_group.workers),
+            stuck,
+            self._dump_stacks,
+        )
 
     def _stop_doomed_peers(self, worker_group: WorkerGroup) -> None:
         """When a trainer has failed, SIGKILL the ones still running, at once.
@@ -349,7 +355,7 @@ class CrashproofAgent(LocalElasticAgent):
         """
         codes = self._exit_codes(worker_group)
         if all(
-            codes[w.local_rank] in (None, 0, EXIT_PREEMPTED) or w.id in self._ended_after_done
+            codes[w.local_rank] in (None, 0, EXIT_PREEMPTED) or w.id in self._done.ended
             for w in worker_group.workers
         ):
             return
@@ -410,6 +416,8 @@ class CrashproofAgent(LocalElasticAgent):
                     {"seen_after_s": seen_after} if first is None and seen_after is not None else {}
                 ),
             )
+            if worker.id in self._done.ended:
+                continue  # finished after it was done: reported already, no one's failure
             if first is None and exitcode == EXIT_PREEMPTED:
                 self._on_preempted(worker.global_rank, furthest)
                 return
@@ -481,7 +489,10 @@ class CrashproofAgent(LocalElasticAgent):
         """Ask ``workers`` for their Python stacks; returns the files written, by global rank."""
         return dump_stacks(
             {w.global_rank: w.id for w in workers},
-            {w.global_rank: self.layout.stack_dump(self.attempt, w.global_rank) for w in workers},
+            {
+                w.global_rank: self.layout.stack_dump(self.session, self.attempt, w.global_rank)
+                for w in workers
+            },
             self.config.stack_dump_wait_s,
         )
 

@@ -15,7 +15,13 @@ from crashproof.supervisor._hang import Verdict, culprit
 from crashproof.supervisor._straggler import StragglerReport
 from crashproof.telemetry import EventLog
 
-__all__ = ["announce_crash_loop", "announce_done_hang", "announce_hang", "announce_straggler"]
+__all__ = [
+    "announce_crash_loop",
+    "announce_done_crash",
+    "announce_done_hang",
+    "announce_hang",
+    "announce_straggler",
+]
 
 ByRank = dict[int, str | None]
 
@@ -68,6 +74,27 @@ def announce_done_hang(
         past_timeout=past_timeout,
         process_state=state,
         stacks=stacks,
+    )
+
+
+def announce_done_crash(
+    events: EventLog,
+    worker: Worker,
+    beat: Heartbeat,
+    *,
+    exitcode: int,
+    signal: str | None,
+    error: str | None,
+) -> None:
+    """A trainer that finished its work, then crashed on its way out: no failure, no restart."""
+    events.emit(
+        "done_crash",
+        rank=worker.global_rank,
+        pid=worker.id,
+        step=beat.step,
+        exitcode=exitcode,
+        signal=signal,
+        error=error,
     )
 
 

@@ -1,8 +1,8 @@
 """What ``crashproof run``'s warm forkserver imports: the trainers' entry, signal immunity, and
 death with the agent.
 
-The forkserver is a process of the supervisor's process group. A signal sent to the whole group
-or to every process (a terminal's Ctrl-C, ``kill -- -PGID``, SLURM signalling a step's processes)
+The forkserver starts in the supervisor's process group (then leads a session of the run's own,
+which its trainers share). A signal sent to the whole group or to every process (a terminal's Ctrl-C, ``kill -- -PGID``, SLURM signalling a step's processes)
 would kill it, and its trainers with it (they are its children and die with their parent),
 before they could take their emergency checkpoint. So it ignores the signals the trainers handle;
 :func:`crashproof.supervisor._entry.run_script` gives each trainer the default dispositions
@@ -16,6 +16,7 @@ too; these signals hold even when the keeper is killed with the agent.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -26,6 +27,12 @@ __all__ = ["run_script"]
 
 for _sig in FORKSERVER_IGNORES:
     signal.signal(_sig, signal.SIG_IGN)
+
+# A session of the run's own, which its trainers share: what a trainer starts stays in it, and
+# the agent's keeper ends what is left of it, even a program started with an environment of its
+# own (no token to find it by). torch gives each exec'd trainer a session of its own the same way.
+with contextlib.suppress(OSError):  # a session leader already
+    os.setsid()
 
 _FORKSERVER_PID = os.getpid()
 _forking_here = False

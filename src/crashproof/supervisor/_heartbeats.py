@@ -35,10 +35,10 @@ class GroupHeartbeats:
         """The furthest step this attempt's heartbeats have shown."""
         self.seen_start_step = -1
         """The step this attempt's ranks restored, as their heartbeats showed it (-1: none)."""
-        os.makedirs(directory, exist_ok=True)
 
     def new_attempt(self) -> None:
-        """Forget the last attempt: its records must not vouch for the new trainers."""
+        """Forget the last attempt: its records must not vouch for the new trainers. (The folder
+        is this agent's own, made new: what is in it is its trainers'.)"""
         for stale in glob.glob(RunDir.heartbeat_file(self.directory, "*")):
             os.remove(stale)
         self.seen_step = self.seen_start_step = -1

@@ -15,9 +15,22 @@ initial environment in ``/proc/<pid>/environ``, and forked children share their 
 keeper waits on a pidfd of the agent; when the agent is gone, it SIGKILLs every process that
 carries the token, until none is left, and appends an ``orphans_stopped`` event naming them.
 
-A run that ends normally tells the keeper first (a line on its stdin): the processes then get a
-moment to exit by themselves (the forkserver and multiprocessing's resource tracker do, on their
-own pipes' end) before the keeper ends what is left.
+The token alone misses a program a trainer starts with an environment of its own
+(``subprocess.Popen(cmd, env={...})``), which also gets no parent-death signal. So the trainers
+run in sessions of the run's own: the warm forkserver's (it calls ``setsid`` when it starts, and
+its trainers share it), or, cold-started, each trainer's (torch starts exec'd trainers so). The
+agent tells the keeper the leaders' pids, the sessions' ids, as it starts each group (a line
+``session <pid>`` on the keeper's stdin). At the end the keeper also kills every
+process of those sessions, and every descendant of what it kills that is still linked to it by
+its parent. A session is checked before it is used: one whose leader's pid now belongs to
+another process (started later) is not the run's, and sessions of past attempts that hold no
+process any more are forgotten when a new attempt starts, so a pid reused long after never
+matches. What escapes: a process that leaves its session (``setsid``) *and* clears its
+environment.
+
+A run that ends normally tells the keeper first (a line ``end`` on its stdin): the processes
+carrying the token then get a moment to exit by themselves (the forkserver and multiprocessing's
+resource tracker do, on their own pipes' end) before the keeper ends what is left.
 
 The parent-death signals set along the way (the forkserver with the agent, trainers with the
 forkserver, a trainer's forked children with the trainer) stay: they also hold when the keeper
@@ -35,10 +48,12 @@ import os
 import secrets
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
-from typing import IO
+from collections.abc import Iterable
+from typing import IO, NamedTuple
 
 __all__ = ["ENV_AGENT_TOKEN", "Keeper"]
 
@@ -79,75 +94,197 @@ class Keeper:
         finally:
             os.close(script)
 
+    def watch_sessions(self, pids: Iterable[int | None]) -> None:
+        """The processes ``pids`` lead the trainers' sessions (the forkserver, cold-started
+        trainers; a pid that leads none matches nothing): the keeper ends what is left of those
+        sessions too."""
+        self._tell("".join(f"session {pid}\n" for pid in pids if pid))
+
     def release(self) -> None:
         """The run is ending normally: let the agent's processes exit before ending them."""
-        proc, self._proc = self._proc, None
-        if proc is None or proc.stdin is None:
+        self._tell("end\n")
+        self._proc = None
+
+    def _tell(self, lines: str) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None or not lines:
             return
         try:
-            proc.stdin.write(b"end\n")
+            proc.stdin.write(lines.encode())
             proc.stdin.flush()
         except OSError:
             pass  # the keeper is gone already: nothing to tell
 
 
+def forkserver_pid() -> int | None:
+    """The warm forkserver's pid, the leader of its trainers' session (None: none runs)."""
+    import multiprocessing.forkserver
+
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
 # -- the keeper process ---------------------------------------------------------------------------
 
 
-def _marked(token: bytes, me: int) -> dict[int, bytes]:
-    """Live processes whose environment carries ``token``, with their command lines."""
-    needle = b"\0" + ENV_AGENT_TOKEN.encode() + b"=" + token + b"\0"
+class _Proc(NamedTuple):
+    """What the keeper reads of a live process in ``/proc/<pid>/stat``."""
+
+    ppid: int
+    session: int
+    start: int
+    """Its start time (clock ticks since boot): a pid with another start time is another process."""
+
+
+def _stat(pid: int | str) -> _Proc | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None  # gone, or not readable
+    if fields[0] in (b"Z", b"X"):
+        return None  # a zombie is done
+    return _Proc(ppid=int(fields[1]), session=int(fields[3]), start=int(fields[19]))
+
+
+class _Sessions:
+    """The trainers' sessions the agent named, each with its leader's start time when named."""
+
+    def __init__(self) -> None:
+        self._leaders: dict[int, int | None] = {}
+        self._batch: set[int] = set()
+        self._partial = ""  # a line not yet complete
+
+    def add(self, text: str) -> bool:
+        """Take the agent's lines; returns whether one said the run ended normally."""
+        *lines, self._partial = (self._partial + text).split("\n")
+        words = [line.split() for line in lines]
+        named = [int(w[1]) for w in words if len(w) == 2 and w[0] == "session" and w[1].isdigit()]
+        if named:
+            self._forget_empty(keep=set(named))
+        for pid in named:
+            proc = _stat(pid)
+            self._leaders[pid] = proc.start if proc is not None else None
+        return ["end"] in words
+
+    def _forget_empty(self, keep: set[int]) -> None:
+        """Forget the sessions of earlier batches that no process is in any more: their ids
+        are free for the system to reuse. (The last batch's leaders may not have called setsid
+        yet.)"""
+        old = set(self._leaders) - self._batch
+        if old:
+            alive = {proc.session for proc in _processes(os.getpid()).values()}
+            for sid in old - alive:
+                del self._leaders[sid]
+        self._batch = keep
+
+    def ours(self, procs: dict[int, _Proc]) -> set[int]:
+        """The sessions of ``procs`` that are still the ones the agent named: not a session
+        whose leader's pid is now another process's."""
+        found = set()
+        for sid, start in self._leaders.items():
+            leader = procs.get(sid)
+            if leader is None or start is None or leader.start == start:
+                found.add(sid)
+        return found
+
+
+def _processes(me: int) -> dict[int, _Proc]:
+    """Every live process but ``me``."""
     found = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # gone, or not ours
-            continue
-        if needle in b"\0" + environ:  # a zombie's environment reads empty: it is done
-            found[int(name)] = cmdline
+        if name.isdigit() and int(name) != me:
+            proc = _stat(name)
+            if proc is not None:
+                found[int(name)] = proc
     return found
 
 
-def _wait_for(agent: int) -> None:
-    """Return when process ``agent`` (this process's parent) has exited."""
+def _carries(pid: int, token: bytes) -> bool:
+    needle = b"\0" + ENV_AGENT_TOKEN.encode() + b"=" + token + b"\0"
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in b"\0" + f.read()
+    except OSError:  # gone, or not ours
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _marked(token: bytes, me: int, sessions: _Sessions | None = None) -> dict[int, bytes]:
+    """Live processes of the run, with their command lines: those whose environment carries
+    ``token``, those in one of the trainers' ``sessions``, and every descendant of these."""
+    procs = _processes(me)
+    ours = sessions.ours(procs) if sessions is not None else set()
+    found = {pid for pid, proc in procs.items() if proc.session in ours or _carries(pid, token)}
+    children: dict[int, list[int]] = {}
+    for pid, proc in procs.items():
+        children.setdefault(proc.ppid, []).append(pid)
+    todo = list(found)
+    while todo:  # descendants still linked by their parent (a new session, a cleared environment)
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return {pid: _cmdline(pid) for pid in found}
+
+
+def _wait_for(agent: int, stdin: IO[bytes], sessions: _Sessions) -> bool:
+    """Return when process ``agent`` (this process's parent) has exited, taking in what it
+    says meanwhile; returns whether it said the run ended normally."""
     try:
         pidfd = os.pidfd_open(agent)
     except (AttributeError, OSError):
         pidfd = -1
-    if os.getppid() != agent:
-        return  # gone already (perhaps before the pidfd was opened)
-    if pidfd >= 0:
-        select.select([pidfd], [], [])
-        return
-    while os.getppid() == agent:  # no pidfds (Linux < 5.3): look every 50 ms
-        time.sleep(0.05)
+    fd = stdin.fileno()
+    os.set_blocking(fd, False)
+    ended, listening = False, True
+    while os.getppid() == agent:
+        watch = [f for f, on in ((pidfd, pidfd >= 0), (fd, listening)) if on]
+        # without pidfds (Linux < 5.3) the parent is looked at every 50 ms
+        ready, _, _ = select.select(watch, [], [], None if pidfd >= 0 else 0.05)
+        if fd in ready:
+            said, listening = _read(fd)
+            ended = sessions.add(said) or ended
+        if pidfd in ready:
+            break
+    return sessions.add(_read(fd)[0]) or ended  # what it wrote just before it went
 
 
-def _told_to_end(stdin: IO[bytes]) -> bool:
-    """Whether the agent said, before it went, that the run ended normally."""
-    os.set_blocking(stdin.fileno(), False)
-    try:
-        return bool(stdin.read())  # None: nothing written; b"": closed without a word
-    except OSError:
-        return False
+def _read(fd: int) -> tuple[str, bool]:
+    """What the agent wrote to this process's stdin since the last call, and whether the pipe
+    is still open."""
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # nothing more for now (or a broken pipe)
+            return b"".join(chunks).decode(errors="replace"), True
+        if not chunk:
+            return b"".join(chunks).decode(errors="replace"), False
+        chunks.append(chunk)
 
 
-def _stop(token: bytes, polite: bool) -> list[dict[str, object]]:
-    """SIGKILL every process carrying ``token`` until none is left; returns what was killed."""
+def _stop(token: bytes, polite: bool, sessions: _Sessions | None = None) -> list[dict[str, object]]:
+    """SIGKILL every process of the run until none is left; returns what was killed."""
     me = os.getpid()
     started = time.monotonic()
     helpers_wait_until = started + (_POLITE_WAIT_S if polite else 0.5)
-    if polite:
-        while _marked(token, me) and time.monotonic() < started + _POLITE_WAIT_S:
+    if polite:  # those carrying the token may exit by themselves; the others are not told
+        while (
+            any(_carries(pid, token) for pid in _processes(me))
+            and time.monotonic() < started + _POLITE_WAIT_S
+        ):
             time.sleep(0.05)
     killed: dict[int, bytes] = {}
     while time.monotonic() < started + _POLITE_WAIT_S + _KILL_ROUNDS_S:
-        found = _marked(token, me)
+        found = _marked(token, me, sessions)
         if not found:
             break
         for pid, cmd in found.items():
@@ -176,11 +313,16 @@ def _report(events_path: str, agent: int, polite: bool, killed: list[dict[str, o
     }
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     try:
-        fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # as every writer of the log: appended to, never through a link or into a FIFO (the agent
+        # checked it is its log when it started)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(events_path, flags, 0o644)
     except OSError:
         return
     try:
-        os.write(fd, line)
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            os.write(fd, line)
     finally:
         os.close(fd)
 
@@ -192,9 +334,9 @@ def _main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                 signal.SIGUSR2, signal.SIGPIPE):  # fmt: skip
         signal.signal(sig, signal.SIG_IGN)
-    _wait_for(agent)
-    polite = _told_to_end(sys.stdin.buffer)
-    killed = _stop(token, polite)
+    sessions = _Sessions()
+    polite = _wait_for(agent, sys.stdin.buffer, sessions)
+    killed = _stop(token, polite, sessions)
     if killed:
         _report(events_path, agent, polite, killed)
     return 0

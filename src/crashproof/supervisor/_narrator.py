@@ -208,6 +208,14 @@ _TELL: dict[str, Callable[[Event, _Story], Line | None]] = {
         f"{e.get('step')} committed) but did not exit for {_secs(number_field(e, 'silent_s'))}: ended "
         f"it; stacks in {e.get('stacks') or '(none written)'}",
     ),
+    "done_crash": lambda e, _: (
+        logging.WARNING,
+        f"done: rank {e.get('rank')} (pid {e.get('pid')}) finished its work (step "
+        f"{e.get('step')} committed), then "
+        + (f"was killed by {e.get('signal')}" if e.get("signal") else f"exited {e.get('exitcode')}")
+        + (f" on its way out ({e.get('error')})" if e.get("error") else " on its way out")
+        + ": not a failure, not restarted",
+    ),
     "crash_loop": lambda e, _: (
         logging.ERROR,
         f"crash loop: {e.get('attempts')} failed attempts in a row without getting past step "

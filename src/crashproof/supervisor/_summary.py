@@ -40,7 +40,7 @@ def summary(run_dir: str, *, outcome: str, code: int, log_dir: str | None, quiet
             ("final step", str(ledger.final_step)),
         ]
     # each trainer opens its file at start; only a hang or a stuck exit writes one
-    dumps = [p for p in glob.glob(layout.stack_dump("*", "*")) if os.path.getsize(p) > 0]
+    dumps = [p for p in glob.glob(layout.stack_dump("*", "*", "*")) if os.path.getsize(p) > 0]
     rows += [
         ("events", layout.events),
         ("logs", log_dir or layout.logs),

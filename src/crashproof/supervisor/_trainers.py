@@ -10,6 +10,7 @@ import contextlib
 import glob
 import os
 import signal
+import stat
 import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -66,14 +67,17 @@ def dump_stacks(pids: Mapping[int, int], paths: Mapping[int, str], wait_s: float
     return written
 
 
-def remove_empty_stack_dumps(layout: RunDir, attempt: int) -> None:
+def remove_empty_stack_dumps(layout: RunDir, session: str, attempt: int) -> None:
     """Each trainer opens its stack file at start: keep only those that hold a dump (and the
-    attempt's folder only if one does)."""
-    for path in glob.glob(layout.stack_dump(attempt, "*")):
-        if _size(path) == 0:
-            os.remove(path)
+    attempt's folder only if one does). Only in the agent's own session's folder, only empty
+    regular files (never a link's target)."""
+    for path in glob.glob(layout.stack_dump(session, attempt, "*")):
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_size == 0:
+                os.remove(path)
     with contextlib.suppress(OSError):
-        os.rmdir(layout.stack_dir(attempt))  # only if empty
+        os.rmdir(layout.stack_dir(session, attempt))  # only if empty
 
 
 def exit_code(pcontext: Any, local_rank: int) -> int | None:

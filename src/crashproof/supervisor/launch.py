@@ -20,10 +20,11 @@ SIGTERM to the supervisor, resumable (preempted: requeue me); 76 the restart bud
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -38,8 +39,8 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-from crashproof._files import write_json_atomically
 from crashproof._rundir import RunDir
+from crashproof._runfiles import RunFileRefused, make_dirs, remove_own, replace_own
 from crashproof.checkpoint import ENV_AGENT_REPLICATION, ReplicationHost
 from crashproof.errors import ConfigError
 from crashproof.exitcodes import (
@@ -146,8 +147,8 @@ def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> N
     forward: its agent stops the trainers with SIGTERM and waits ``--preemption-grace``.)
     """
     notice_file = RunDir(run_dir).notice
-    with contextlib.suppress(FileNotFoundError):  # a previous run's notice is not this one's
-        os.remove(notice_file)
+    # A previous run's notice is not this one's; a notice.json crashproof did not write stays.
+    remove_own(notice_file, _is_notice)
     os.environ[ENV_NOTICE_FILE] = notice_file
     signal.signal(
         signal.SIGUSR1, lambda signum, frame: agent.forward_notice(signal.SIGUSR1, "SIGUSR1")
@@ -158,12 +159,28 @@ def _watch_for_notices(agent: CrashproofAgent, provider: str, run_dir: str) -> N
         return None
 
     def on_notice(notice: CloudNotice) -> None:
-        write_json_atomically(
-            notice_file, {"source": notice.provider, "seconds_left": notice.seconds_left}
-        )
+        text = json.dumps({"source": notice.provider, "seconds_left": notice.seconds_left})
+        try:
+            replace_own(run_dir, os.path.basename(notice_file), text.encode(), _is_notice)
+        except (RunFileRefused, OSError) as exc:  # the trainers still save, without a deadline
+            log.error("cannot write the notice's deadline: %s", exc)
         agent.forward_notice(signal.SIGTERM, f"{notice.provider} preemption notice")
 
     return NoticePoller(provider, on_notice)
+
+
+def _is_notice(head: bytes) -> bool:
+    """Whether a file's first bytes are a notice this supervisor wrote (``notice.json``)."""
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and set(doc) == {"source", "seconds_left"}
+
+
+def _is_metrics_url(head: bytes) -> bool:
+    """Whether a file's first bytes are a URL this supervisor wrote (``metrics_url``)."""
+    return re.fullmatch(rb"https?://\S+/metrics\n?", head) is not None
 
 
 def _default_run_dir() -> str:
@@ -191,8 +208,8 @@ def _entrypoint(
 
 def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
     """Every rank's output in the run directory, and on the console, unless the user chose."""
-    if args.log_dir is None:
-        args.log_dir = RunDir(run_dir).logs
+    if args.log_dir is None:  # torch makes a new folder in it for each run
+        args.log_dir = make_dirs(run_dir, os.path.basename(RunDir(run_dir).logs))
     if args.redirects == "0" and args.tee == "0":
         args.tee = "3"
     if not os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
@@ -233,9 +250,16 @@ def launch(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     run_dir = os.path.abspath(args.run_dir or _default_run_dir())
     os.makedirs(run_dir, exist_ok=True)
+    try:  # a reused run directory: refused if what crashproof would write into is not its own
+        events = EventLog(RunDir(run_dir).events, node=os.uname().nodename, agent_pid=os.getpid())
+        for folder in ("heartbeats", "stacks"):
+            make_dirs(run_dir, folder)
+        _setup_logs(args, run_dir)
+    except (RunFileRefused, OSError) as exc:
+        print(f"crashproof run: --run-dir {run_dir}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     _resolve_rendezvous(args)
     _fresh_store_per_attempt()
-    _setup_logs(args, run_dir)
     config, cmd, cmd_args = config_from_args(args)
     entrypoint, entry_args, start_method = _entrypoint(args, cmd, cmd_args)
     if start_method == "forkserver":
@@ -251,7 +275,6 @@ def launch(args: argparse.Namespace) -> int:
         preemption_grace_s=args.preemption_grace,
         straggler=straggler,
     )
-    events = EventLog(RunDir(run_dir).events, node=os.uname().nodename, agent_pid=os.getpid())
     return _launch(config, entrypoint, entry_args, start_method, supervisor, events, args)
 
 
@@ -278,8 +301,11 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
         return None
     url = _metrics_url(args, metrics)
     log.info("Prometheus metrics at %s", url)
-    with open(RunDir(run_dir).metrics_url, "w") as f:
-        f.write(f"{url}\n")
+    try:  # an earlier run's URL is replaced; a file crashproof did not write is not
+        name = os.path.basename(RunDir(run_dir).metrics_url)
+        replace_own(run_dir, name, f"{url}\n".encode(), _is_metrics_url)
+    except (RunFileRefused, OSError) as exc:
+        log.warning("the metrics URL is not written to the run directory: %s", exc)
     return metrics
 
 
@@ -310,7 +336,9 @@ def _launch(
     # First of all: whatever this process dies of from here on, what it starts dies with it.
     keeper = Keeper(events.path)
     try:
-        return _supervise(config, entrypoint, entry_args, start_method, supervisor, events, args)
+        return _supervise(
+            config, entrypoint, entry_args, start_method, supervisor, events, args, keeper
+        )
     finally:
         keeper.release()
 
@@ -323,6 +351,7 @@ def _supervise(
     supervisor: SupervisorConfig,
     events: EventLog,
     args: argparse.Namespace,
+    keeper: Keeper,
 ) -> int:
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -351,6 +380,7 @@ def _supervise(
         events=events,
         start_method=start_method,
         log_line_prefix_template=config.log_line_prefix_template,
+        keeper=keeper,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.

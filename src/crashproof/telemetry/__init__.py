@@ -22,6 +22,7 @@ from crashproof.telemetry._events import (
     EventTail,
     LogFollower,
     emit,
+    is_event_log,
     read_events,
     worker_event_log,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "failure_kind",
     "format_summary",
     "int_field",
+    "is_event_log",
     "is_report_page",
     "number_field",
     "plan",

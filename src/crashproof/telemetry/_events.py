@@ -16,10 +16,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from crashproof._rundir import ENV_RUN_DIR, EVENTS_FILE, RunDir
+from crashproof._runfiles import RunFileRefused, open_run_file
 
 __all__ = [
     "ENV_RUN_DIR",
@@ -28,6 +28,7 @@ __all__ = [
     "EventTail",
     "LogFollower",
     "emit",
+    "is_event_log",
     "read_events",
     "worker_event_log",
 ]
@@ -42,8 +43,11 @@ class EventLog:
         self.path = os.fspath(path)
         self.common = common
         """Fields added to every event of this writer (e.g. the trainer's rank)."""
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Appended to, never truncated (a requeued run adds to it), never through a link, and
+        # only when it is an event log: RunFileRefused otherwise.
+        directory, name = os.path.split(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        self._fd = open_run_file(directory, name, "append", own=is_event_log)
         self._lock = threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -65,6 +69,11 @@ class EventLog:
                 self._fd = -1
 
 
+def is_event_log(head: bytes) -> bool:
+    """Whether a file's first bytes are an event log's: every writer's line starts so."""
+    return head.startswith(b'{"ts"')
+
+
 _worker_log: EventLog | None = None
 _worker_log_pid = 0
 
@@ -78,14 +87,18 @@ def worker_event_log() -> EventLog | None:
     run_dir = RunDir.from_env()
     if run_dir is None:
         return None
-    if _worker_log is None or _worker_log_pid != os.getpid():
-        _worker_log = EventLog(
-            run_dir.events,
-            rank=int(os.environ.get("RANK", "0")),
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            pid=os.getpid(),
-        )
+    if _worker_log_pid != os.getpid():  # once per process (None: refused)
         _worker_log_pid = os.getpid()
+        try:
+            _worker_log = EventLog(
+                run_dir.events,
+                rank=int(os.environ.get("RANK", "0")),
+                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                pid=os.getpid(),
+            )
+        except (RunFileRefused, OSError) as exc:  # the agent refused to start on it already
+            log.warning("no events from this trainer: %s", exc)
+            _worker_log = None
     return _worker_log
 
 
