@@ -110,8 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     hook, sys.unraisablehook = sys.unraisablehook, _log_unraisable
+    succeeded = False
     try:
         code: int = args.func(args)
+        succeeded = True
     except SystemExit as exc:
         return _exit_code(exc.code)
     except KeyboardInterrupt:
@@ -121,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         return _unexpected(args.command, _subject(args), exc)
     finally:
-        gc.collect()  # what a failed storage client leaves half-made is finalized quietly here
+        if not succeeded:  # what a failed storage client left half-made is finalized quietly
+            gc.collect(1)  # here; young objects only (a full collection with torch loaded
+            # takes a tenth of a second, and in-process callers pay it at every call)
         sys.unraisablehook = hook
     return code
 
