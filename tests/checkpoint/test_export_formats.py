@@ -5,6 +5,7 @@ and as safetensors, one file or sharded with an index; every tensor equal to the
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from crashproof.checkpoint import load_rank_state, read_manifest
+from crashproof.cli import main
 from crashproof.storage import LocalStorage
 from tests.checkpoint.test_reshard import _save_different_tensors
 from tests.conftest import EXAMPLES, free_port
@@ -127,10 +129,25 @@ def test_sharded_state_is_not_exported_as_if_it_were_replicated(tmp_path: Path) 
     assert not (tmp_path / "w.safetensors").exists()
 
 
+def _cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``crashproof ARGS`` in this process (``cli.main``): what it returns and prints."""
+    saved = signal.getsignal(signal.SIGPIPE)  # main() restores SIGPIPE's default, as a tool does
+    try:
+        code = main(list(args))
+    finally:
+        signal.signal(signal.SIGPIPE, saved)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def test_what_chooses_the_state_exported_the_ema_the_optimizer_everything_or_a_key_path(
-    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path
+    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """In-process: what --what chooses (the command as a process is tested above)."""
     root, state = ddp_checkpoint
+
+    def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return _cli_here(capsys, *args)
 
     def export(what: str, name: str, *more: str) -> dict[str, torch.Tensor]:
         out = tmp_path / f"{name}.safetensors"
