@@ -8,6 +8,7 @@ Notices come as SIGTERM to ``crashproof run`` (Kubernetes, SLURM), SIGUSR1 (SLUR
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from crashproof.link import PreemptionListener
 from crashproof.link._heartbeat import read_heartbeat
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES, step_records
@@ -166,3 +168,24 @@ def test_a_cloud_notice_stops_the_run_resumably(
     assert provider in notice["source"]
     notice_file = written
     assert notice_file["source"] == provider and notice_file["seconds_left"] > 0
+
+
+def test_listeners_of_many_managers_never_closed_all_hear_a_signal_without_recursing() -> None:
+    """Each manager's listener is installed over the one before; managers never closed leave
+    theirs in the chain. Thousands of them (more than Python's recursion allows) all get the
+    notice from one signal, and the user's own handler beyond them is called once."""
+    heard: list[int] = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: heard.append(signum))
+    listeners = [PreemptionListener((signal.SIGUSR1,)) for _ in range(3000)]
+    try:
+        for listener in listeners:
+            assert listener.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(1000):  # the signal is handled between bytecodes
+            pass
+        assert all(listener.notice is not None for listener in listeners)
+        assert heard == [signal.SIGUSR1]
+    finally:
+        for listener in reversed(listeners):
+            listener.uninstall()
+        signal.signal(signal.SIGUSR1, original)

@@ -105,9 +105,24 @@ class PreemptionListener:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.notice is not None:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        if self.notice is None:
-            self.notice = Notice(signal.Signals(signum).name, time.monotonic())
-        previous = self._previous.get(signum)
+        # Every manager's listener up the chain (each installed over the one before) records the
+        # notice, walked in a loop rather than by each calling the next: managers that were
+        # never closed leave their listeners in the chain, and a long-lived process could chain
+        # more of them than Python's recursion allows. A handler of the user's, found beyond
+        # them, is called once.
+        listener: PreemptionListener = self
+        seen: set[int] = set()
+        while True:
+            seen.add(id(listener))
+            if listener.notice is None:
+                listener.notice = Notice(signal.Signals(signum).name, time.monotonic())
+            previous = listener._previous.get(signum)
+            owner = getattr(previous, "__self__", None)
+            if not isinstance(owner, PreemptionListener) or id(owner) in seen:
+                break
+            listener = owner
+        if isinstance(owner, PreemptionListener):
+            return  # a loop of listeners: every one has the notice already
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
