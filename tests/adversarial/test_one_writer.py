@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -1058,3 +1059,53 @@ def test_a_holder_renders_any_field_safely() -> None:
     for since in (float("nan"), float("inf"), 1e300, -1e300):
         text = _lock_holder.Holder("h\x07st", 5, "", since).describe()
         assert "pid 5" in text and "\x07" not in text
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_another_users_stale_lock_file_is_one_clear_refusal_naming_it_and_what_to_do() -> None:
+    """A shared root whose lock file (0644) another user's dead process left: a writer of
+    another user cannot take it over itself. It gets a RootLockedError naming the file, its
+    owner, the holder it names and what to do, and prune exits 74 saying the same; nothing is
+    written."""
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="crashproof-shared-"))
+    try:
+        shared.chmod(0o777)  # a directory every user may write, as a group's shared root
+        root = shared / "ckpt"
+        with cp.CheckpointManager(root, async_save=False, handle_signals=False) as ckpt:
+            ckpt.save(1, cp.TrainState(model=torch.nn.Linear(2, 2)))
+        root.chmod(0o777)
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        lock = root / LOCK_NAME
+        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
+                                    "process_start": "x:1", "since_unix": 1.0}))  # fmt: skip
+        lock.chmod(0o644)
+        before = sorted(p.name for p in root.iterdir())
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        env = {**os.environ, "HOME": str(shared)}
+        code = (
+            "import crashproof as cp\n"
+            "try:\n"
+            f"    cp.CheckpointManager({str(root)!r}, handle_signals=False).close()\n"
+            "except cp.errors.RootLockedError as exc:\n"
+            "    print('REFUSED', exc)\n"
+        )
+        writer = subprocess.run([*as_nobody, sys.executable, "-c", code],
+                                capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+        said = writer.stdout + writer.stderr
+        assert writer.returncode == 0 and "REFUSED" in said, said
+        assert str(lock) in said and "user 0" in said and f"pid {dead.pid}" in said, said
+        assert f"remove {lock}" in said, said
+        prune = subprocess.run(
+            [*as_nobody, sys.executable, "-m", "crashproof.cli", "prune", str(root), "--keep-last", "1"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert prune.returncode == 74, prune.stderr
+        assert prune.stderr.count("\n") == 1 and str(lock) in prune.stderr, prune.stderr
+        assert sorted(p.name for p in root.iterdir()) == before
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

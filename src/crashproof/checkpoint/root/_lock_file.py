@@ -14,7 +14,7 @@ import os
 import stat
 
 from crashproof.checkpoint.root._lock_holder import Holder
-from crashproof.errors import CheckpointWriteError
+from crashproof.errors import CheckpointWriteError, RootLockedError
 
 __all__ = [
     "LOCK_NAME",
@@ -48,6 +48,17 @@ def open_lock_file(path: str, dir_fd: int) -> int:
         found = lstat_lock_file(dir_fd)
         if found is not None and not stat.S_ISREG(found.st_mode):
             raise not_a_lock_file(path, found.st_mode) from exc
+        if exc.errno in (errno.EACCES, errno.EPERM) and found is not None:
+            # Another user's lock file (a shared root): this process may not take it over
+            # itself, whoever it names. Say whose it is and what to do, not a bare errno.
+            holder = read_holder_at(dir_fd)
+            named = f"it names {holder.describe()}" if holder is not None else "it names no one"
+            raise RootLockedError(
+                exc.errno,
+                f"{path}: the root's lock file belongs to user {found.st_uid} and this process "
+                f"may not write it ({named}); if that process is gone, remove {path}, or give "
+                "this run a root of its own",
+            ) from None
         raise
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
