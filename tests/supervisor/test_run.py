@@ -113,7 +113,9 @@ def test_a_failed_rank_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_
     story = [
         line.split("] ", 1)[1]
         for line in output.splitlines()
-        if line.startswith("[crashproof run]") and "Prometheus" not in line
+        if line.startswith("[crashproof run]")
+        and "Prometheus" not in line
+        and "metrics port" not in line  # another test on this machine may hold 29600
     ]
     assert story[0].startswith("ERROR failure: rank 1 (pid "), story
     assert "exit code 3 after step 12: rank 1 fails after step 12; seen " in story[0]

@@ -50,6 +50,11 @@ class _Story:
         self.budget = budget
         self.reached: int | None = None
         """The furthest step of the last failed attempt (None: no failure yet)."""
+        self.stopped: list[int] = []
+        """Ranks stopped because a peer failed, told in one line with the restart that follows
+        (kept across reads of the log: their exits may be logged before the failure's)."""
+        self.failed: Any = None
+        """The rank whose failure the stopped ranks could not go on without."""
 
     def failed_at(self, event: Event) -> Any:
         """Remember the step a failure (or an anomaly) reached; returns the step as logged."""
@@ -232,29 +237,34 @@ _TELL: dict[str, Callable[[Event, _Story], Line | None]] = {
 
 def narrate(events: list[Event], story: _Story, node: str) -> list[Line]:
     """The lines that ``events`` (in log order) tell; supervisor events of other nodes are
-    theirs to tell. Ranks stopped because a peer failed are told in one line."""
+    theirs to tell. Ranks stopped because a peer failed are told in one line, just before what
+    the supervisor did next (restart, or stop), whichever read of the log brought them."""
     lines: list[Line] = []
-    stopped: list[int] = []
-    failed: Any = None
     for event in events:
         name = str(event.get("event"))
         if "node" in event and event["node"] != node and name != "notice":
             continue
         if name == "rank_exit" and event.get("stopped"):
-            stopped.append(int(event.get("rank", -1)))
+            story.stopped.append(int(event.get("rank", -1)))
             continue
         if name == "rank_exit" and event.get("first"):
-            failed = event.get("rank")
+            story.failed = event.get("rank")
         tell = _TELL.get(name)
         line = tell(event, story) if tell is not None else None
         if line is not None:
             lines.append(line)
-        if stopped and name in ("restart", "budget_spent", "crash_loop"):
-            lines.insert(-1, _stopped(stopped, failed))
-            stopped = []
-    if stopped:
-        lines.append(_stopped(stopped, failed))
+        if story.stopped and name in _AFTER_A_FAILURE:
+            told = _stopped(story.stopped, story.failed)
+            if line is not None:
+                lines.insert(-1, told)
+            else:
+                lines.append(told)
+            story.stopped, story.failed = [], None
     return lines
+
+
+_AFTER_A_FAILURE = ("restart", "budget_spent", "crash_loop", "run_end")
+"""What the supervisor logs once a failure's peers are stopped."""
 
 
 def _stopped(ranks: list[int], failed: Any) -> Line:
