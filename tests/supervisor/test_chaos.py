@@ -84,9 +84,11 @@ def _chaos(proc: subprocess.Popen[str], tmp: Path, rng: random.Random) -> list[t
         hit = moment == "startup"
         steps_in = rng.randint(1, 40)  # for "training": this many steps into the attempt
         first_step: int | None = None
-        until = time.monotonic() + 30
+        until = time.monotonic() + 20
         while not hit and time.monotonic() < until and proc.poll() is None:
             beat = _beat(supervisor, start["local_rank"], pid)
+            if beat is not None and moment == "restore" and beat.phase == "step":
+                break  # a restore shorter than a poll on a busy machine: missed, kill now
             if beat is not None and moment in ("restore", "save"):
                 hit = beat.phase == moment
             elif beat is not None and beat.phase == "step":
