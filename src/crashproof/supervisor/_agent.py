@@ -376,10 +376,13 @@ class CrashproofAgent(LocalElasticAgent):
         self._failed_at_s = time.monotonic()
         exits = self._exits
         # torch reports one failure (or all, with the survivors it killed as failures too); the
-        # watcher saw the order in which the processes really ended.
+        # watcher saw the order in which the processes really ended. Ranks this agent stopped
+        # because a peer had failed come after every other: a watcher woken late sees both exits
+        # in one poll, in no particular order.
         workers = sorted(
             worker_group.workers,
             key=lambda w: (
+                w.id in self._stopped_by_us,
                 exits.order(w.id) if exits else 0.0,
                 failures[w.global_rank].timestamp if w.global_rank in failures else 2**62,
             ),
