@@ -20,24 +20,19 @@ EXAMPLES = REPO / "examples"
 
 
 def run_python(
-    args: list[str], *, timeout: float = 120, check: bool = True, **kwargs: object
+    args: list[str], *, timeout: float = 120, check: bool = True, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` in a fresh process; fails the test with its output if it does."""
+    """Run ``python ARGS`` as a process of its own (forked from a warm interpreter,
+    :func:`tests.warm_ranks.python`); fails the test with its output if it does."""
+    from tests.warm_ranks import python
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-        **kwargs,  # type: ignore[call-overload]
-    )
+    proc = python(args, env=env, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(
             f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         )
-    return proc  # type: ignore[no-any-return]
+    return proc
 
 
 def step_records(log: Path) -> dict[int, Any]:

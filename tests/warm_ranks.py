@@ -11,20 +11,34 @@ would (:func:`crashproof.supervisor._entry.run_script`, as ``crashproof run`` st
 trainers), and, as under torchrun, the others are killed once one fails. Launching itself is
 tested with torchrun and ``crashproof run`` elsewhere.
 
+The same zygote also runs single programs, as ``python ARGS`` would (a script, ``-m module`` or
+``-c code``, the ``crashproof`` command being ``-m crashproof.cli``): :func:`python` is
+``subprocess.run`` for the tests that start many short programs (each CLI command a test runs
+would otherwise import torch again, 1.5 s of CPU). The child is a real process with the
+environment, working directory, stdin, stdout, stderr and exit code the test gives and reads;
+only the interpreter's start-up is shared. Tests that are about start-up itself (the console
+script, ``torchrun``, ``crashproof run --cold-start``, another user's process) start fresh
+interpreters.
+
 Run as a program, this module is the zygote: it reads one launch per line on stdin (JSON) and
 answers on stdout with each rank's exit code.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import io
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,24 +69,71 @@ class WarmRanks:
         self._launches = 0
 
     def run(self, script: Path, args: list[str], *, nproc: int, timeout: float = 240) -> Launch:
-        zygote = self._start()
-        assert zygote.stdin is not None and zygote.stdout is not None
-        self._launches += 1
-        out = self._scratch / f"launch{self._launches}.log"
+        out = self._next_file("launch", ".log")
         request = {"script": str(script), "args": args, "nproc": nproc, "port": free_port(),
                    "out": str(out), "cwd": os.getcwd()}  # fmt: skip
+        try:
+            codes = self._ask(request, timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{script} did not finish within {timeout} s:\n{_tail(out)}"
+            ) from None
+        except ChildProcessError:
+            raise AssertionError(
+                f"the warm zygote died launching {script}:\n{_tail(out)}"
+            ) from None
+        return Launch(out.read_text(errors="replace"), codes)
+
+    def python(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        input: str | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``, in a
+        process forked from the zygote; raises ``subprocess.TimeoutExpired`` as that would."""
+        out, err = self._next_file("out", ".txt"), self._next_file("err", ".txt")
+        stdin = self._next_file("in", ".txt")
+        stdin.write_text(input or "")
+        request = {"python": argv, "env": dict(os.environ if env is None else env),
+                   "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err),
+                   "stdin": str(stdin)}  # fmt: skip
+        try:
+            (code,) = self._ask(request, timeout)
+        except ChildProcessError:
+            raise AssertionError(
+                f"the warm zygote died running python {argv}:\n{_tail(err)}"
+            ) from None
+        finally:
+            stdin.unlink()
+        said = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        return subprocess.CompletedProcess([sys.executable, *argv], code, *said)
+
+    def _next_file(self, name: str, suffix: str) -> Path:
+        self._launches += 1
+        return self._scratch / f"{name}{self._launches}{suffix}"
+
+    def _ask(self, request: dict[str, Any], timeout: float) -> list[int]:
+        """Send one request; the exit codes it answers. On a timeout the zygote and everything
+        it forked are ended (the next request starts a new one)."""
+        zygote = self._start()
+        assert zygote.stdin is not None and zygote.stdout is not None
         zygote.stdin.write(json.dumps(request) + "\n")
         zygote.stdin.flush()
         ready, _, _ = select.select([zygote.stdout], [], [], timeout)
         if not ready:
-            self.close()  # ends the zygote and every rank it forked (one process group)
-            raise AssertionError(f"{script} did not finish within {timeout} s:\n{_tail(out)}")
+            self.close()  # ends the zygote and every process it forked (one process group)
+            raise subprocess.TimeoutExpired(request.get("python") or request["script"], timeout)
         answer = zygote.stdout.readline()
         if not answer:
             self.close()
-            raise AssertionError(f"the warm zygote died launching {script}:\n{_tail(out)}")
-        codes = json.loads(answer)["exit_codes"]
-        return Launch(out.read_text(errors="replace"), [int(code) for code in codes])
+            raise ChildProcessError("the zygote died")
+        return [int(code) for code in json.loads(answer)["exit_codes"]]
 
     def close(self) -> None:
         if self._zygote is None:
@@ -116,13 +177,18 @@ def _serve() -> None:
     import torch.distributed.fsdp
     import torch.nn.parallel  # noqa: F401
 
+    import crashproof.cli
     import crashproof.supervisor._entry  # noqa: F401
     from crashproof.link import die_with_parent
+
+    for optional in ("fsspec", "s3fs", "tqdm"):  # what the CLI's storage and bars import
+        with contextlib.suppress(ImportError):
+            __import__(optional)
 
     die_with_parent()  # the test worker that started it
     for line in iter(sys.stdin.readline, ""):
         request = json.loads(line)
-        codes = _launch(request)
+        codes = [_run_python(request)] if "python" in request else _launch(request)
         sys.stdout.write(json.dumps({"exit_codes": codes}) + "\n")
         sys.stdout.flush()
 
@@ -193,6 +259,103 @@ def _fork_rank(request: dict[str, Any], rank: int, nproc: int) -> int:
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(code)
+
+
+def _run_python(request: dict[str, Any]) -> int:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    code = 1
+    try:
+        from crashproof.link import die_with_parent
+
+        die_with_parent()  # the zygote
+        os.chdir(request["cwd"])
+        for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "out", os.O_WRONLY),
+                                (2, "err", os.O_WRONLY)):  # fmt: skip
+            opened = os.open(request[name], flags | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        # unbuffered, as under PYTHONUNBUFFERED: a program ending in os._exit loses nothing
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True
+        )
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = _as_python(request["python"])
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def _as_python(argv: list[str]) -> int:
+    """Run ``python ARGV``: a script, ``-m module ARGS`` or ``-c code ARGS``."""
+    from crashproof.supervisor._entry import run_script
+
+    if argv[0] == "-m":
+        run_script("module", argv[1], *argv[2:])
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        try:
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        finally:
+            atexit._run_exitfuncs()
+    else:
+        run_script("script", argv[0], *argv[1:])
+    return 0
+
+
+def _exit_status(code: object) -> int:
+    """The exit status of ``sys.exit(code)``, as the interpreter sets it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+_shared: WarmRanks | None = None
+
+
+def python(
+    argv: list[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    input: str | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """:meth:`WarmRanks.python` on this test worker's shared zygote (ended when it exits)."""
+    global _shared
+    if _shared is None:
+        scratch = Path(tempfile.mkdtemp(prefix="warm-python-"))
+        _shared = WarmRanks(scratch)
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        atexit.register(_shared.close)
+    return _shared.python(argv, env=env, cwd=cwd, input=input, timeout=timeout)
+
+
+def crashproof_cli(
+    *args: str | Path,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """The ``crashproof`` command with ``args``, as a process (:func:`python`)."""
+    return python(["-m", "crashproof.cli", *map(str, args)], env=env, cwd=cwd, timeout=timeout)
 
 
 if __name__ == "__main__":

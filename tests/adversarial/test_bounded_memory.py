@@ -37,6 +37,7 @@ from crashproof.checkpoint.format._shard_file import shard_checksum
 from crashproof.checkpoint.restore._dcp_reader import CrashproofReader, load_sharded
 from crashproof.checkpoint.restore._read_manifest import read_manifest
 from crashproof.storage import LocalStorage
+from tests.warm_ranks import crashproof_cli
 
 STEP = 2
 BIG = (2560, 2048)  # one 20 MiB float32 weight: 40 references to it would be 800 MiB
@@ -516,10 +517,7 @@ def test_every_kind_of_value_passes_verify_and_restores_as_saved(
             == step
         )
     for command in (["verify", str(tmp_path)], ["ls", "--verify", str(tmp_path)]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", *command],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+        proc = crashproof_cli(*command)
         assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
         assert "INVALID" not in proc.stdout and "corrupt" not in proc.stdout.lower()
 

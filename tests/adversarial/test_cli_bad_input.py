@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import crashproof
 from crashproof._console import one_line
 from crashproof.cli import main
+from tests.warm_ranks import crashproof_cli
 
 TABLE = {0, 1, 2, 74}
 """The exit codes of README "Command line" for everything but `run` (70: internal error, a bug,
@@ -497,14 +498,7 @@ def test_run_refuses_bad_options_before_launching(
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    return crashproof_cli(*args, env=env)
 
 
 def test_a_bucket_without_credentials_is_one_line_and_exit_74(tmp_path: Path) -> None:

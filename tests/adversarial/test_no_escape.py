@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ import crashproof as cp
 from crashproof.checkpoint import committed_steps, describe_checkpoint, verify_checkpoint
 from crashproof.checkpoint.format._names import checkpoint_dir_name, parse_step_dir
 from crashproof.storage import LocalStorage, storage_for
+from tests.warm_ranks import crashproof_cli
 
 
 def _state(seed: int = 0) -> cp.TrainState:
@@ -225,12 +225,7 @@ def test_a_fifo_in_place_of_a_file_blocks_nothing(tmp_path: Path, name: str) -> 
     with pytest.raises((FileNotFoundError, cp.CorruptCheckpointError)):
         _bounded(lambda: verify_checkpoint(LocalStorage(), str(_step_dir(root, 2))))
     for command in ("ls", "verify"):  # a process each: the CLI installs signal handlers
-        done = subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", command, str(root)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = crashproof_cli(command, root, timeout=60)
         assert done.returncode in (0, 1), done.stderr
 
 

@@ -31,6 +31,7 @@ from crashproof.checkpoint.root import _lock, _lock_holder
 from crashproof.checkpoint.root._lock_file import LOCK_NAME
 from crashproof.errors import CheckpointWriteError, ConfigError, RootLockedError
 from crashproof.storage import MemoryStorage
+from tests.warm_ranks import crashproof_cli, python
 
 
 def _state(seed: int = 0) -> cp.TrainState:
@@ -671,14 +672,11 @@ try:
 except cp.CrashproofError as exc:
     print(type(exc).__name__, exc)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
-    ).stdout
+    out = python(["-c", code], timeout=30).stdout
     assert out.startswith("CheckpointWriteError"), out
     assert f"is a {_KIND_WORD[kind]}" in out and f"rm {lock}" in out
-    cli = Path(sys.executable).parent / "crashproof"
     for argv, rc in ((["prune", str(root), "--keep-last", "1"], 74), (["ls", str(root)], 0)):
-        done = subprocess.run([str(cli), *argv], capture_output=True, text=True, timeout=30)
+        done = crashproof_cli(*argv, timeout=30)
         assert done.returncode == rc, (argv, done.stderr)
     assert _tree(root) == checkpoints, "prune removed nothing"
     after = os.lstat(lock)
@@ -697,15 +695,9 @@ def test_a_fifo_lock_file_does_not_block_listing_a_root_with_checkpoints(tmp_pat
         writer.save(1, _state())
         writer.save(2, _state(2))
     os.mkfifo(tmp_path / LOCK_NAME)
-    cli = Path(sys.executable).parent / "crashproof"
-    ls = subprocess.run([str(cli), "ls", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    ls = crashproof_cli("ls", tmp_path, timeout=30)
     assert ls.returncode == 0 and "2" in ls.stdout
-    prune = subprocess.run(
-        [str(cli), "prune", str(tmp_path), "--keep-last", "1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    prune = crashproof_cli("prune", tmp_path, "--keep-last", "1", timeout=30)
     assert prune.returncode == 74 and "is a FIFO" in prune.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == [
         "step_0000000001",
@@ -770,11 +762,7 @@ def test_a_tier_held_by_a_replicating_run_refuses_a_writer_and_prune(tmp_path: P
         replicating.wait()
         with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
             _manager(tier)
-        proc = subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", "prune", str(tier), "--keep-last", "1"],
-            capture_output=True,
-            text=True,
-        )
+        proc = crashproof_cli("prune", str(tier), "--keep-last", "1")
         assert proc.returncode == 74 and "locked by" in proc.stderr
         with pytest.raises(RootLockedError):  # nor a second run's tier
             _tier_manager(tmp_path / "c", str(tier))
@@ -857,11 +845,7 @@ def test_no_spelling_of_a_locked_root_admits_a_second_writer(tmp_path: Path, spe
     try:
         with pytest.raises(RootLockedError, match=f"pid {os.getpid()}"):
             cp.CheckpointManager(uri, async_save=False, handle_signals=False)
-        proc = subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", "prune", uri, "--keep-last", "1"],
-            capture_output=True,
-            text=True,
-        )
+        proc = crashproof_cli("prune", uri, "--keep-last", "1")
         assert proc.returncode == 74 and "locked by" in proc.stderr, proc.stderr
         assert _tree(root) == before
     finally:
@@ -888,9 +872,7 @@ def test_no_spelling_of_a_locked_root_admits_a_second_writer(tmp_path: Path, spe
 def test_a_uri_that_is_not_plainly_local_nor_an_object_store_is_refused(uri: str) -> None:
     with pytest.raises(ConfigError, match="ckpt"):
         cp.CheckpointManager(uri, handle_signals=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "ls", uri], capture_output=True, text=True
-    )
+    proc = crashproof_cli("ls", uri)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
@@ -1015,11 +997,7 @@ def test_a_lock_file_naming_no_possible_process_is_taken_over_by_writer_and_prun
         _manager(tmp_path).close()
     assert any("taking over the lock" in r.getMessage() for r in caplog.records)
     (tmp_path / LOCK_NAME).write_text(garbage)
-    proc = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
-        capture_output=True,
-        text=True,
-    )
+    proc = crashproof_cli("prune", str(tmp_path), "--keep-last", "1")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -1044,11 +1022,7 @@ def test_a_held_lock_with_garbage_in_its_file_refuses_with_one_clean_message(
             _manager(tmp_path)
         message = str(info.value)
         assert "\x1b" not in message and "\n" not in message
-        proc = subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", "prune", str(tmp_path), "--keep-last", "1"],
-            capture_output=True,
-            text=True,
-        )
+        proc = crashproof_cli("prune", str(tmp_path), "--keep-last", "1")
         assert proc.returncode == 74 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     finally:
         holder.kill()

@@ -5,8 +5,6 @@ never orphans a delta."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.checkpoint.format._names import MANIFEST_NAME, checkpoint_dir_name
+from tests.warm_ranks import crashproof_cli
 
 
 def _model() -> nn.Module:
@@ -153,33 +152,22 @@ def test_prune_keeps_the_bases_too(tmp_path: Path) -> None:
 
 def test_ls_json_shows_kind_base_and_size(tmp_path: Path) -> None:
     _train(tmp_path, 2, delta=cp.Delta(full_every=5))
-    out = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "ls", str(tmp_path), "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    out = crashproof_cli("ls", tmp_path, "--json")
+    assert out.returncode == 0, out.stderr
     rows = {r["step"]: r for r in json.loads(out.stdout)}
     assert rows[2]["kind"] == "delta" and rows[2]["base_step"] == 1
     assert rows[1]["kind"] == "full" and rows[1]["base_step"] is None
     assert 0 < rows[2]["size_bytes"] < rows[1]["size_bytes"]
-    text = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "ls", str(tmp_path)],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    text = crashproof_cli("ls", tmp_path).stdout
     assert "delta (base 1)" in text
 
 
 def test_verify_rebuilds_the_deltas(tmp_path: Path) -> None:
     _train(tmp_path, 3, delta=cp.Delta(full_every=5))
-    ok = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "verify", str(tmp_path), "--step", "3"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    ok = crashproof_cli("verify", tmp_path, "--step", "3")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     _corrupt_a_tensor(tmp_path / checkpoint_dir_name(1))
-    bad = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "verify", str(tmp_path), "--step", "3"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    bad = crashproof_cli("verify", tmp_path, "--step", "3")
     assert bad.returncode != 0 and "base" in bad.stdout + bad.stderr
 
 

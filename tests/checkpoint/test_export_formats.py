@@ -23,7 +23,7 @@ from crashproof.cli import main
 from crashproof.storage import LocalStorage
 from tests.checkpoint.test_reshard import _save_different_tensors
 from tests.conftest import EXAMPLES, free_port
-from tests.warm_ranks import WarmRanks
+from tests.warm_ranks import WarmRanks, crashproof_cli
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,7 @@ def ddp_checkpoint(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    return crashproof_cli(*args)
 
 
 def _fresh_model() -> nn.Module:

@@ -4,8 +4,6 @@ restore bit for bit, fall back past a corrupt object, retention, and the CLI on 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.storage import storage_for, write_all
+from tests.warm_ranks import crashproof_cli
 
 pytestmark = pytest.mark.usefixtures("s3_server")
 
@@ -93,16 +92,11 @@ def test_the_cli_lists_and_verifies_checkpoints_in_a_bucket() -> None:
     with cp.CheckpointManager(root, handle_signals=False) as ckpt:
         _train(model, optimizer, 1)
         ckpt.save(1, state)
-    listed = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "ls", root, "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    listed = crashproof_cli("ls", root, "--json")
+    assert listed.returncode == 0, listed.stderr
     [row] = json.loads(listed.stdout)
     assert row["step"] == 1 and row["valid"] and row["path"].startswith("s3://")
-    verified = subprocess.run(
-        [sys.executable, "-m", "crashproof.cli", "verify", root],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    verified = crashproof_cli("verify", root)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
@@ -114,11 +108,7 @@ def test_the_cli_inspects_exports_and_prunes_checkpoints_in_a_bucket(tmp_path: P
             _train(model, optimizer, step)
             ckpt.save(step, state, metadata={"val_loss": loss})
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "crashproof.cli", *args],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+    cli = crashproof_cli
 
     inspected = cli("inspect", root, "--step", "2", "--json")
     assert inspected.returncode == 0, inspected.stderr
