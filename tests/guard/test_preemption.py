@@ -96,7 +96,9 @@ def _stop_and_resume(
     [emergency] = [e for e in stopped if e["event"] == "emergency_checkpoint"]
     # The step at which the ranks saw the notice (a poller may take a while: it need not be the
     # step the notice was sent at, and may happen to be a periodic checkpoint's step).
-    assert emergency["saved"] and emergency["step"] >= notified_at
+    assert emergency["saved"] and emergency["step"] >= notified_at, (
+        f"notified after step {notified_at}: {emergency}\n{out[-4000:]}"
+    )
     assert stopped[-1]["event"] == "run_end" and stopped[-1]["outcome"] == "preempted"
     assert not [e for e in stopped if e["event"] == "restart"]  # a notice is no failure
     if not resume:

@@ -6,7 +6,7 @@ under ``_agent.CrashproofAgent`` (torch elastic's local agent, extended), which 
 processes through ``_trainers`` and words what it saw through ``_announce``; ``_hang``,
 ``_straggler`` and ``_crashloop`` hold the decisions, ``_exits`` notices exits at once, ``_cloud``
 polls for preemption notices and ``_keeper`` takes every trainer down with the agent.
-``_forkserver`` and ``_entry`` run the warm start of the trainers.
+``_forkserver``, ``_warm_start`` and ``_entry`` run the warm start of the trainers.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def _entrypoint(
     """What each trainer runs, and the start method: warm forks unless asked otherwise."""
     if args.cold_start or args.no_python or args.run_path or not isinstance(cmd, str):
         return cmd, cmd_args, args.start_method
-    from crashproof.supervisor._entry import run_script
+    # not _entry's (torch._dynamo and more): the agent only names it, the trainers run it
+    from crashproof.supervisor._warm_start import run_script
 
     rest = list(cmd_args)
     if rest and rest[0] == "-u":

@@ -10,9 +10,12 @@ needs no metrics server of its own. Names and alert rules: docs/metrics.md and
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,8 +24,9 @@ from prometheus_client import (
     Histogram,
     Info,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from crashproof._rundir import RunDir
 from crashproof._version import __version__
@@ -160,7 +164,7 @@ class RunMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port) and start following the log;
         returns the port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        server = _serve_http(host, port, self.registry)
         self.port = int(server.server_address[1])
         self._server = server
         self._follower = LogFollower(self.poll, interval_s=_POLL_S, name="crashproof-metrics")
@@ -249,3 +253,36 @@ def _run_labels(event: dict[str, Any]) -> dict[str, str]:
         "max_restarts": str(event.get("max_restarts", "")),
         "version": __version__,
     }
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not news: no line on stderr per request."""
+
+
+class _Server4(ThreadingWSGIServer):
+    address_family = socket.AF_INET
+
+
+class _Server6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+_SHUTDOWN_POLL_S = 0.05
+"""How often the server looks whether it is asked to stop: prometheus_client's own server looks
+every 0.5 s, half a second added to the end of every run."""
+
+
+def _serve_http(host: str, port: int, registry: CollectorRegistry) -> ThreadingWSGIServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread."""
+    server_class = _Server6 if ":" in host else _Server4
+    server = make_server(
+        host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+    )
+    threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": _SHUTDOWN_POLL_S},
+        name="crashproof-metrics-http",
+        daemon=True,
+    ).start()
+    return server
