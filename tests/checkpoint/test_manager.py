@@ -288,9 +288,9 @@ def test_staging_buffers_are_reused_across_saves() -> None:
 def test_async_save_refuses_when_host_memory_is_short(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from crashproof.checkpoint.save import _staging
+    from crashproof import _host_memory
 
-    monkeypatch.setattr(_staging, "available_memory_bytes", lambda: 1024)
+    monkeypatch.setattr(_host_memory, "available_memory_bytes", lambda: 1024)
     ckpt = cp.CheckpointManager(str(tmp_path))
     with pytest.raises(cp.InsufficientMemoryError, match="MiB of host memory") as info:
         ckpt.save(1, _state())

@@ -88,6 +88,13 @@ class ManagerOptions:
     replicate: bool = True
     """Copy checkpoints to the tiers (rank 0, or the agent). False for a process that only
     restores from them (an evaluation job): it then never writes to a tier."""
+    restore_memory_bytes: int | None = None
+    """Host memory ``restore`` may use so that it reads each byte once: a tensor bound for a live
+    CPU tensor is read into it while it is verified, and copied into the live tensor only once
+    the whole checkpoint verified. A tensor beyond it is only hashed then, and read a second time
+    straight into its live tensor (less memory, twice the reading). None: the host memory
+    available at the restore, less 256 MiB of headroom; 0: always read twice. Tensors with no
+    live destination (optimizer state, GPU tensors) are read once into memory either way."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
     prunes or rolls back, never removes or renames anything in the root (not even a save in
@@ -125,6 +132,15 @@ class ManagerOptions:
         if self.on_disk_full not in ("continue", "raise"):
             raise ConfigError(
                 f"CheckpointManager(on_disk_full={self.on_disk_full!r}): use 'continue' or 'raise'"
+            )
+        if self.restore_memory_bytes is not None and (
+            isinstance(self.restore_memory_bytes, bool)
+            or not isinstance(self.restore_memory_bytes, int)
+            or self.restore_memory_bytes < 0
+        ):
+            raise ConfigError(
+                f"CheckpointManager(restore_memory_bytes={self.restore_memory_bytes!r}): use a "
+                "number of bytes >= 0, or None for what the host has available"
             )
         if self.staging_buffers not in (1, 2) or (
             self.staging_buffers == 2 and not self.async_save

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from crashproof import _host_memory
 from crashproof._console import announce
+from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint.format import checkpoint_dir_name
+from crashproof.checkpoint.format import ReadBuffer, checkpoint_dir_name
 from crashproof.checkpoint.restore import (
     RankRead,
     checkpoint_not_found,
@@ -68,8 +70,10 @@ class Restorer:
         tiers: TierCoordinator,
         *,
         read_only: bool,
+        memory_bytes: int | None = None,
     ) -> None:
         self._shared = shared
+        self._memory_bytes = memory_bytes  # ManagerOptions.restore_memory_bytes
         self._group = group
         self._agreement = agreement
         self._tiers = tiers
@@ -327,6 +331,14 @@ class Restorer:
                 "this run" if saved_mkl else "the run that saved it",
             )
 
+    def _buffer_bytes(self) -> int:
+        """What this restore may hold in memory to read each byte once (see
+        ``ManagerOptions.restore_memory_bytes``)."""
+        if self._memory_bytes is not None:
+            return self._memory_bytes
+        available = _host_memory.available_memory_bytes()
+        return 0 if available is None else max(0, available - HEADROOM_BYTES)
+
     def _load_candidate(
         self, state: TrainState, step: int, path: str, storage: Storage
     ) -> tuple[str, RankRead | None, str]:
@@ -369,7 +381,10 @@ class Restorer:
                         manifest.world_size,
                         world_size,
                     )
-            reader = RankRead(storage, path, manifest, source, into=state.live_tensors())
+            reader = RankRead(
+                storage, path, manifest, source,
+                into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
+            )  # fmt: skip
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Nothing here writes into the live state: only finish() does, after all ranks agree.
             reader.verify()

@@ -76,6 +76,7 @@ class CheckpointManager:
         remote_timeout_s: float = 600.0,
         replicate: bool = True,
         read_only: bool = False,
+        restore_memory_bytes: int | None = None,
     ) -> None:
         options = ManagerOptions(
             every=every, keep=keep, async_save=async_save, on_busy=on_busy,
@@ -84,6 +85,7 @@ class CheckpointManager:
             check_finite=check_finite,
             delta=delta, dedup_replicated=dedup_replicated, remote=remote,
             remote_timeout_s=remote_timeout_s, replicate=replicate, read_only=read_only,
+            restore_memory_bytes=restore_memory_bytes,
         )  # fmt: skip
         root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
@@ -109,8 +111,9 @@ class CheckpointManager:
             tiers=self._tiers,
         )  # fmt: skip
         self._restorer = Restorer(
-            self._shared, self._group, self._agreement, self._tiers, read_only=read_only
-        )
+            self._shared, self._group, self._agreement, self._tiers,
+            read_only=read_only, memory_bytes=restore_memory_bytes,
+        )  # fmt: skip
         if not read_only:
             open_for_writing(
                 self._shared, self._group, options.describe(self.storage.describe(root))

@@ -33,7 +33,12 @@ from crashproof.checkpoint.format._rank_index import (
     TensorEntry,
     parse_rank_index,
 )
-from crashproof.checkpoint.format._shard_file import ShardRead, tensor_bytes, write_shard
+from crashproof.checkpoint.format._shard_file import (
+    ReadBuffer,
+    ShardRead,
+    tensor_bytes,
+    write_shard,
+)
 from crashproof.checkpoint.format._state_tree import (
     JSONValue,
     decode_tree,
@@ -54,6 +59,7 @@ __all__ = [
     "Manifest",
     "Piece",
     "RankIndex",
+    "ReadBuffer",
     "ShardRead",
     "TensorEntry",
     "checked_metadata",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from crashproof.checkpoint.format._dtypes import dtype_from_name, dtype_name, safetensors_code
@@ -25,7 +26,15 @@ from crashproof.checkpoint.format._rank_index import TensorEntry
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage
 
-__all__ = ["ShardRead", "hash_range", "read_shard", "shard_checksum", "tensor_bytes", "write_shard"]
+__all__ = [
+    "ReadBuffer",
+    "ShardRead",
+    "hash_range",
+    "read_shard",
+    "shard_checksum",
+    "tensor_bytes",
+    "write_shard",
+]
 
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
@@ -133,14 +142,38 @@ def _hash_chunk(
         inspect(index, chunk)
 
 
+class ReadBuffer:
+    """How many bytes of host memory a restore may hold for tensors bound for live ones, shared
+    by the shards it reads (thread-safe): each tensor that fits is read once, verified in that
+    memory, then copied into its live tensor; the others are read twice (see :class:`ShardRead`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._left = nbytes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit in what is left; returns whether they did."""
+        with self._lock:
+            if nbytes > self._left:
+                return False
+            self._left -= nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self._left += nbytes
+
+
 class ShardRead:
     """Read one shard in two phases, so live tensors are written only once every byte verified.
 
-    :meth:`verify` checks the layout, reads every tensor that has no live destination into a new
-    tensor, and hashes the others through a small per-thread buffer (which also warms the page
-    cache). :meth:`fill` then reads the verified bytes straight into the live tensors named in
-    ``into`` (by tensor name), so the restore needs no second copy of the model in memory.
-    Reads and hashes release the GIL: a few threads keep the disk's queue full.
+    :meth:`verify` checks the layout and reads every tensor into new host memory as it hashes
+    it: those without a live destination (when kept) and, as far as ``buffer`` allows, those
+    with one. The rest of the latter are only hashed, through a small per-thread buffer (which
+    also warms the page cache). :meth:`fill` then copies the buffered tensors into the live
+    tensors named in ``into`` (by tensor name) and reads the others' verified bytes straight into
+    theirs, a second read that needs no second copy of the model in memory. Reads and hashes
+    release the GIL: a few threads keep the disk's queue full.
     """
 
     def __init__(
@@ -154,8 +187,11 @@ class ShardRead:
         keep: bool | Callable[[str], bool] = True,
         on_bytes: Callable[[int], None] | None = None,
         partial: bool = False,
+        buffer: ReadBuffer | None = None,
     ) -> None:
         self._stream, self._entries, self._expected, self._where = stream, entries, expected, where
+        self._buffer = buffer
+        self._buffered: dict[int, torch.Tensor] = {}  # read once, verified: copied by fill()
         # Some tensors of another rank's shard (replicated state it wrote for everyone): each is
         # checked against its own checksum; the file as a whole is its writer's to verify.
         self._partial = partial
@@ -238,10 +274,12 @@ class ShardRead:
 
     def _verify_one(self, i: int) -> None:
         entry = self._entries[i]
-        if not self.has_value(i):
-            self._check(entry, hash_range(self._stream, entry.offset, entry.nbytes))
-        else:
+        if self.has_value(i):
             self._tensors[i] = self.read(i)
+        elif i in self._targets and self._buffer is not None and self._buffer.take(entry.nbytes):
+            self._buffered[i] = self.read(i)
+        else:
+            self._check(entry, hash_range(self._stream, entry.offset, entry.nbytes))
         if self._on_bytes:
             self._on_bytes(entry.nbytes)
 
@@ -283,6 +321,13 @@ class ShardRead:
 
         def fill_one(i: int) -> None:
             entry, target = self._entries[i], self._targets[i]
+            buffered = self._buffered.pop(i, None)
+            if buffered is not None:  # verified in memory no one else can change: copied
+                _copy_bytes(tensor_bytes(target), tensor_bytes(buffered))
+                self._tensors[i] = target
+                if self._buffer is not None:
+                    self._buffer.give_back(entry.nbytes)
+                return
             view = tensor_bytes(target)
             self._stream.readinto(entry.offset, view)
             # Cheap insurance (it hashes from memory): the file must not have changed since verify.
@@ -294,6 +339,12 @@ class ShardRead:
         with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
             list(pool.map(fill_one, sorted(self._targets)))
         return self._tensors
+
+
+def _copy_bytes(into: memoryview, source: memoryview) -> None:
+    """memcpy, without the GIL (NumPy lets it go for a large copy): the fill threads copy at once."""
+    if source.nbytes:
+        np.copyto(np.frombuffer(into, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
 
 
 def _fits(target: torch.Tensor, entry: TensorEntry) -> bool:

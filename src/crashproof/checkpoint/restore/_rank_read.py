@@ -18,6 +18,7 @@ import torch
 from crashproof.checkpoint.format import (
     Manifest,
     RankIndex,
+    ReadBuffer,
     ShardRead,
     TensorEntry,
     checkpoint_dir_name,
@@ -52,12 +53,13 @@ class RankRead:
     1. construction: the index parsed, a full checkpoint listing no deltas, each tensor referred
        to once by the state, and a live destination only where the state refers to it from its
        own name's place;
-    2. :meth:`verify`: every byte checked against its checksum (raises on corruption), and every
-       tensor without a live destination read into memory (``keep``); :meth:`check_tree` then
-       gives the tree with those real values (only tensors with a live destination, or not
-       kept, are stand-ins), for the checks and trial loads that need values;
-    3. :meth:`finish`: tensors with a live destination in ``into`` read straight into it, and the
-       state tree returned.
+    2. :meth:`verify`: every byte checked against its checksum (raises on corruption), every
+       tensor without a live destination read into memory (``keep``), and those with one too as
+       far as ``buffer`` allows (each byte then read once); :meth:`check_tree` then gives the
+       tree with the real values of the former (tensors with a live destination, or not kept,
+       are stand-ins), for the checks and trial loads that need values;
+    3. :meth:`finish`: tensors with a live destination in ``into`` copied into it from the
+       buffer, or read straight into it (a second read), and the state tree returned.
 
     Live destinations never share memory (tied weights, an EMA module sharing a parameter with
     the model): of tensors that overlap, only the first is a destination, the others are read
@@ -85,6 +87,7 @@ class RankRead:
         into: Mapping[str, Any] | None = None,
         keep: bool | Callable[[str], bool] = True,
         on_bytes: Callable[[int], None] | None = None,
+        buffer: ReadBuffer | None = None,
     ) -> None:
         self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
         self._index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
@@ -102,7 +105,9 @@ class RankRead:
         self._references = _references(self._index, self._index_where)
         into = _distinct_memory(_bound(into or {}, self._index, self._references))
         if manifest.kind == "delta":
-            self._base = self._open_base(storage, ckpt_dir, manifest, rank, into, keep, on_bytes)
+            self._base = self._open_base(
+                storage, ckpt_dir, manifest, rank, into, keep, on_bytes, buffer
+            )
             keep = True  # the encoded bytes are needed to rebuild the tensors
             # An encoded tensor is a blob of bytes, never read into the live tensor of its name.
             encoded = {self._index.tensors[d.index].name for d in self._index.deltas}
@@ -123,7 +128,7 @@ class RankRead:
                 part = ShardRead(
                     stream, [self._index.tensors[i] for i in positions], manifest.files[file],
                     where, into=into, keep=keep, on_bytes=on_bytes,
-                    partial=file != self.shard_file,
+                    partial=file != self.shard_file, buffer=buffer,
                 )  # fmt: skip
                 self._parts.append((positions, part, stream))
         except BaseException:
@@ -139,6 +144,7 @@ class RankRead:
         into: Mapping[str, Any] | None,
         keep: bool | Callable[[str], bool],
         on_bytes: Callable[[int], None] | None,
+        buffer: ReadBuffer | None,
     ) -> RankRead:
         """The base's rank, its live destinations limited to the tensors the deltas rebuild.
 
@@ -170,8 +176,9 @@ class RankRead:
             rebuilt = {self._index.tensors[d.index].name for d in self._index.deltas}
             base_into = {k: v for k, v in (into or {}).items() if k in rebuilt}
             reader = RankRead(
-                storage, base_dir, base, rank, into=base_into, keep=keep, on_bytes=on_bytes
-            )
+                storage, base_dir, base, rank,
+                into=base_into, keep=keep, on_bytes=on_bytes, buffer=buffer,
+            )  # fmt: skip
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{storage.describe(ckpt_dir)}: a delta against step {manifest.base_step}, whose "

@@ -14,35 +14,17 @@ thread waits for the copies' event before it reads a byte.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from crashproof import _host_memory
+from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.errors import InsufficientMemoryError
 
-__all__ = ["StagingArea", "available_memory_bytes"]
-
-# Leave this much memory free beyond the buffers: the writer, the page cache and the training
-# loop's own growth need room too.
-_HEADROOM_BYTES = 256 * 1024 * 1024
-
-
-def available_memory_bytes() -> int | None:
-    """Host memory available for new allocations (Linux ``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+__all__ = ["StagingArea"]
 
 
 class StagingArea:
@@ -85,11 +67,13 @@ class StagingArea:
             if (b := self._buffers.get(name)) is None or b.shape != t.shape or b.dtype != t.dtype
         ]  # fmt: skip
         need = sum(t.numel() * t.element_size() for _, t in missing)
-        available = available_memory_bytes() if need else None  # a save that reuses reads nothing
-        if available is not None and need + _HEADROOM_BYTES > available:
+        available = (
+            _host_memory.available_memory_bytes() if need else None
+        )  # a save that reuses reads nothing
+        if available is not None and need + HEADROOM_BYTES > available:
             raise InsufficientMemoryError(
                 f"an asynchronous save needs {need / 2**20:.0f} MiB of host memory for its staging "
-                f"buffers (plus {_HEADROOM_BYTES / 2**20:.0f} MiB headroom), but only "
+                f"buffers (plus {HEADROOM_BYTES / 2**20:.0f} MiB headroom), but only "
                 f"{available / 2**20:.0f} MiB is available. Free memory, or save synchronously "
                 "(CheckpointManager(async_save=False)), which needs no staging copy."
             )
