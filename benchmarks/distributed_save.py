@@ -12,7 +12,10 @@ over ``--repeats`` rounds after a warm-up round, every save ending fsynced:
 - **DCP**: ``torch.distributed.checkpoint.save`` with the process group (its planner writes each
   replicated tensor once, spread over the ranks);
 
-and restores into fresh models (crashproof ``restore``, DCP ``load``). Times are the slowest rank's
+and restores into a fresh model and a fresh AdamW without state, as a restarted job has
+(crashproof ``restore``; DCP ``load`` through ``get_state_dict``, which allocates the optimizer
+state it loads into, and ``set_state_dict``), each checked afterwards against the saved weights
+and moments. Times are the slowest rank's
 (a save is done when every rank is); throughput is the state's size over that time; "bytes" is
 what the method put on disk. The page cache is not dropped (no root needed): restores may be served
 from memory.
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 import crashproof as cp
@@ -45,15 +49,31 @@ from _support import free_port
 MB = 1e6
 
 
-def _state(size_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _state(
+    size_mb: float, *, trained: bool = True
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The saved state (after one real AdamW step: non-zero moments), or a fresh one to restore
+    into (``trained=False``: other weights, an optimizer with no state yet)."""
     width = 1024
     layers = max(1, round(size_mb * MB / 3 / 4 / (width * width)))
-    torch.manual_seed(0)
+    torch.manual_seed(0 if trained else 1)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, width)).sum().backward()
-    optimizer.step()
+    if trained:
+        model(torch.randn(2, width)).sum().backward()
+        optimizer.step()
+        moments = [s["exp_avg"] for s in optimizer.state.values()]
+        assert all(bool(m.abs().sum() > 0) for m in moments), "the moments must not be all zero"
     return model, optimizer
+
+
+def _check_restored(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: torch.nn.Module, method: str
+) -> None:
+    """The restore brought back the saved weights and every parameter's moments."""
+    weights = zip(model.state_dict().values(), saved.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in weights), f"{method}: weights differ"
+    assert len(optimizer.state) == len(list(model.parameters())), f"{method}: no moments"
 
 
 def _du(path: Path) -> int:
@@ -100,22 +120,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
             ckpt.save(1, cp.TrainState(model=ddp, optimizer=optimizer))
 
     def dcp_save() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            {"model": model_sd, "optimizer": optim_sd},
             storage_writer=dcp.FileSystemWriter(str(scratch / "dcp"), sync_files=True),
         )
 
-    fresh: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = []  # made before the clock
+    # made before the clock: a fresh model (wrapped in DDP for crashproof, as a job wraps it)
+    fresh: list[tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]] = []
 
     def crashproof_restore() -> None:
-        model, optimizer = fresh[0]
+        wrapped, _, optimizer = fresh[0]
         with cp.CheckpointManager(scratch / "crashproof", handle_signals=False) as ckpt:
-            ckpt.restore(cp.TrainState(model=DistributedDataParallel(model), optimizer=optimizer))
+            ckpt.restore(cp.TrainState(model=wrapped, optimizer=optimizer))
 
     def dcp_restore() -> None:
-        model, optimizer = fresh[0]
-        target = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        _, model, optimizer = fresh[0]
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        target = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(target, storage_reader=dcp.FileSystemReader(str(scratch / "dcp")))
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+        )
 
     methods = {
         "raw write (every rank its state)": raw,
@@ -135,11 +161,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
             if name in output_of and rank == 0:  # each save writes afresh
                 shutil.rmtree(scratch / output_of[name], ignore_errors=True)
             if "restore" in name:  # a fresh model and optimizer to restore into, not timed
-                fresh[:] = [_state(args.size_mb)]
+                new_model, new_optimizer = _state(args.size_mb, trained=False)
+                fresh[:] = [(DistributedDataParallel(new_model), new_model, new_optimizer)]
             dist.barrier()
             started = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - started
+            if "restore" in name:
+                _check_restored(fresh[0][1], fresh[0][2], model, name)
             slowest = [0.0] * world
             dist.all_gather_object(slowest, elapsed)
             if round_ > 0:
