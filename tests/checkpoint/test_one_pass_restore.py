@@ -78,7 +78,10 @@ def _restore(root: Path, **options: object) -> tuple[cp.TrainState, CountingStor
     storage = CountingStorage()
     fresh = _state(5)
     with cp.CheckpointManager(
-        str(root), storage=storage, read_only=True, **options  # type: ignore[arg-type]
+        str(root),
+        storage=storage,
+        read_only=True,
+        **options,  # type: ignore[arg-type]
     ) as ckpt:
         assert ckpt.restore(fresh) == 2
     return fresh, storage
