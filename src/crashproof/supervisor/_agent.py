@@ -50,13 +50,15 @@ from crashproof._rundir import ENV_RUN_DIR, RunDir
 from crashproof._runfiles import make_new_dir
 from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED
 from crashproof.supervisor._announce import (
+    announce_budget_spent,
     announce_crash_loop,
+    announce_exit,
     announce_hang,
     announce_straggler,
 )
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._done import AfterDone, all_finished
-from crashproof.supervisor._exits import ExitWatcher
+from crashproof.supervisor._exits import ExitWatcher, failure_order
 from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid
@@ -375,18 +377,7 @@ class CrashproofAgent(LocalElasticAgent):
         """Log every trainer's exit, the first one to exit as the root cause, and record it."""
         self._failed_at_s = time.monotonic()
         exits = self._exits
-        # torch reports one failure (or all, with the survivors it killed as failures too); the
-        # watcher saw the order in which the processes really ended. Ranks this agent stopped
-        # because a peer had failed come after every other: a watcher woken late sees both exits
-        # in one poll, in no particular order.
-        workers = sorted(
-            worker_group.workers,
-            key=lambda w: (
-                w.id in self._stopped_by_us,
-                exits.order(w.id) if exits else 0.0,
-                failures[w.global_rank].timestamp if w.global_rank in failures else 2**62,
-            ),
-        )
+        workers = failure_order(worker_group.workers, self._stopped_by_us, exits, failures)
         first: Failure | None = None
         furthest = self.heartbeats.furthest_step(worker_group.workers)
         for worker in workers:
@@ -405,20 +396,10 @@ class CrashproofAgent(LocalElasticAgent):
             stopped = worker.id in self._stopped_by_us
             # A rank stopped because of its peer has no error of its own to show.
             error = None if stopped else last_error(self._pcontext, worker.local_rank, failure)
-            self.events.emit(
-                "rank_exit",
-                rank=worker.global_rank,
-                pid=worker.id,
-                exitcode=exitcode,
-                signal=signame,
-                error=error,
-                first=first is None,
-                step=furthest,
-                stopped=stopped,
-                **(
-                    {"seen_after_s": seen_after} if first is None and seen_after is not None else {}
-                ),
-            )
+            announce_exit(
+                self.events, worker, exitcode, signame=signame, error=error,
+                first=first is None, step=furthest, stopped=stopped, seen_after_s=seen_after,
+            )  # fmt: skip
             if worker.id in self._done.ended:
                 continue  # finished after it was done: reported already, no one's failure
             if first is None and exitcode == EXIT_PREEMPTED:
@@ -512,13 +493,4 @@ class CrashproofAgent(LocalElasticAgent):
         elif not self.config.budget.grant(time.monotonic()):
             self.budget_spent = failure
             self._remaining_restarts = 0
-            budget = self.config.budget
-            self.events.emit(
-                "budget_spent",
-                rank=failure.rank,
-                step=failure.step,
-                restarts=budget.used(time.monotonic()),
-                max_restarts=budget.max_restarts,
-                window_s=budget.window_s,
-                reason=failure.reason,
-            )
+            announce_budget_spent(self.events, failure, self.config.budget, time.monotonic())

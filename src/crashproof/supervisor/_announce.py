@@ -1,5 +1,5 @@
-"""The events (``docs/events.md``) of what the agent saw: a hang (and which rank caused it), a
-trainer ended after it was done, a straggler and a crash loop. The console tells them from the
+"""The events (``docs/events.md``) of what the agent saw: a trainer's exit, a hang (and which rank
+caused it), a trainer ended after it was done, a straggler, a crash loop and a spent budget. The console tells them from the
 event log (:mod:`crashproof.supervisor._narrator`).
 
 Only records: the agent has decided and acted before it calls these.
@@ -10,20 +10,50 @@ from __future__ import annotations
 from torch.distributed.elastic.agent.server.api import Worker
 
 from crashproof.link import Heartbeat
-from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure
+from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._hang import Verdict, culprit
 from crashproof.supervisor._straggler import StragglerReport
 from crashproof.telemetry import EventLog
 
 __all__ = [
+    "announce_budget_spent",
     "announce_crash_loop",
     "announce_done_crash",
     "announce_done_hang",
+    "announce_exit",
     "announce_hang",
     "announce_straggler",
 ]
 
 ByRank = dict[int, str | None]
+
+
+def announce_exit(
+    events: EventLog,
+    worker: Worker,
+    exitcode: int,
+    *,
+    signame: str | None,
+    error: str | None,
+    first: bool,
+    step: int,
+    stopped: bool,
+    seen_after_s: float | None,
+) -> None:
+    """A trainer's exit in a failed attempt: the ``first`` is the root cause, ``stopped`` ones
+    were ended by the agent because a peer failed (and have no error of their own)."""
+    events.emit(
+        "rank_exit",
+        rank=worker.global_rank,
+        pid=worker.id,
+        exitcode=exitcode,
+        signal=signame,
+        error=error,
+        first=first,
+        step=step,
+        stopped=stopped,
+        **({"seen_after_s": seen_after_s} if first and seen_after_s is not None else {}),
+    )
 
 
 def announce_hang(
@@ -126,5 +156,20 @@ def announce_crash_loop(events: EventLog, failure: Failure, policy: CrashLoopPol
         step=policy.furthest_step,
         last_step=failure.step,
         attempts=policy.stalled,
+        reason=failure.reason,
+    )
+
+
+def announce_budget_spent(
+    events: EventLog, failure: Failure, budget: RestartBudget, now: float
+) -> None:
+    """The failure the restart budget has no restart left for."""
+    events.emit(
+        "budget_spent",
+        rank=failure.rank,
+        step=failure.step,
+        restarts=budget.used(now),
+        max_restarts=budget.max_restarts,
+        window_s=budget.window_s,
         reason=failure.reason,
     )

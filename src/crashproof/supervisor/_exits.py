@@ -15,9 +15,14 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["ExitWatcher"]
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import Worker
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+__all__ = ["ExitWatcher", "failure_order"]
 
 
 class ExitWatcher:
@@ -62,3 +67,25 @@ class ExitWatcher:
         for fd in (*self._fds, self._stop_r, self._stop_w):
             os.close(fd)
         self._fds.clear()
+
+
+def failure_order(
+    workers: Sequence[Worker],
+    stopped: Collection[int | None],
+    watcher: ExitWatcher | None,
+    failures: Mapping[int, ProcessFailure],
+) -> list[Worker]:
+    """``workers`` in the order they failed, the root cause first.
+
+    torch reports one failure (or all, with the survivors it killed as failures too); the
+    watcher saw the order in which the processes really ended. Ranks the agent ``stopped``
+    because a peer had failed come after every other: a watcher woken late sees both exits in
+    one poll, in no particular order."""
+    return sorted(
+        workers,
+        key=lambda w: (
+            w.id in stopped,
+            watcher.order(w.id) if watcher is not None and w.id is not None else 0.0,
+            failures[w.global_rank].timestamp if w.global_rank in failures else 2**62,
+        ),
+    )
