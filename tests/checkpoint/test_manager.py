@@ -355,3 +355,36 @@ def test_double_buffering_snapshots_the_next_save_while_the_previous_is_written(
 def test_double_buffering_needs_async_saves() -> None:
     with pytest.raises(cp.ConfigError, match="staging_buffers"):
         cp.CheckpointManager("/ck", storage=MemoryStorage(), staging_buffers=2, async_save=False)
+
+
+def test_a_state_of_many_mid_sized_tensors_is_staged_on_two_threads_exactly() -> None:
+    """Past 64 MB of tensors between 128 KiB and 16 MiB (a transformer's weight matrices), half
+    of them are copied by a helper thread: every byte still lands in its own buffer, of every
+    dtype, and a process forked after it stages with a helper of its own."""
+    import os
+
+    from crashproof.checkpoint.save._staging import StagingArea
+
+    torch.manual_seed(0)
+    tensors = [(f"w{i}", torch.randn(512, 1024 + i)) for i in range(36)]  # ~2 MB each, 75 MB
+    tensors += [("half", torch.randn(300_000).to(torch.bfloat16)), ("ints", torch.arange(70_000))]
+    staging = StagingArea()
+    staged, event = staging.stage(tensors)
+    assert event is None
+    assert [n for n, _ in staged] == [n for n, _ in tensors]
+    assert all(torch.equal(b, t) for (_, b), (_, t) in zip(staged, tensors, strict=True))
+    assert all(b.data_ptr() != t.data_ptr() for (_, b), (_, t) in zip(staged, tensors, strict=True))
+    pid = os.fork()
+    if pid == 0:  # the child stages again: it must not wait on its parent's helper thread
+        code = 1
+        try:  # (compared as bytes, in NumPy: a torch op here could wait on the parent's OpenMP)
+            again, _ = StagingArea().stage(tensors)
+            same = all(
+                (b.view(-1).view(torch.uint8).numpy() == t.view(-1).view(torch.uint8).numpy()).all()
+                for (_, b), (_, t) in zip(again, tensors, strict=True)
+            )
+            code = 0 if same else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
