@@ -65,11 +65,15 @@ def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def test_a_run_without_failures_finishes_with_zero_and_logs_its_events(tmp_path: Path) -> None:
     holder = socket.socket()
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server does
-    try:  # hold the default metrics port (unless another test's run holds it already)
-        holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
-        holder.listen()
-    except OSError:
-        pass
+    deadline = time.monotonic() + 120
+    while True:  # hold the default metrics port: another test's run may hold it for a while
+        try:
+            holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+            holder.listen()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"port {DEFAULT_METRICS_PORT} never came free"
+            time.sleep(0.05)
     with holder:
         code, events, output = crashproof_run(
             tmp_path, ["--quiet"], ["--steps", "12", "--exit-zero"]

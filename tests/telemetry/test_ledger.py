@@ -297,6 +297,19 @@ def test_a_rank_ended_after_it_was_done_is_no_failure() -> None:
     assert_adds_up(ledger)
 
 
+def test_the_keepers_report_after_the_run_ended_is_no_time_of_the_run() -> None:
+    """The keeper logs leftover processes it stopped after the agent exited, past ``run_end``:
+    the run's wall time is still the one ``run_end`` reports; without a ``run_end`` (the agent
+    died) the report is the launch's last word and counts."""
+    orphans = sup(1016.3, "orphans_stopped", agent_ended="normally", processes=[])
+    ledger = compute_ledger([*NO_FAILURE, orphans])
+    assert ledger.wall_s == pytest.approx(15.5) and ledger.outcome == "succeeded"
+    assert_adds_up(ledger)
+    died = compute_ledger([*NO_FAILURE[:-1], {**orphans, "agent_ended": "died"}])
+    assert died.wall_s == pytest.approx(16.3)
+    assert_adds_up(died)
+
+
 def test_a_run_still_going_ends_at_its_last_event() -> None:
     ledger = compute_ledger(NO_FAILURE[:-3])  # no exits, no run_end
     assert ledger.outcome is None

@@ -70,11 +70,20 @@ def split_sessions(events: list[Event]) -> list[Session]:
             sessions[-1].open_nodes.add(node)
         elif not sessions:
             sessions.append(Session(event["ts"]))
+        elif _after_the_end(event, sessions[-1]):
+            continue
         sessions[-1].events.append(event)
         if event["event"] == "run_end":
             sessions[-1].run_ends.append(event)
             sessions[-1].open_nodes.discard(node)
     return sessions
+
+
+def _after_the_end(event: Event, session: Session) -> bool:
+    """The keeper's report on leftover processes, logged after the launch's ``run_end`` (it
+    waits for the agent to exit): cleanup, not the run's time. (Without a ``run_end`` before it,
+    the agent died, and the report is the launch's last word: kept.)"""
+    return event["event"] == "orphans_stopped" and bool(session.run_ends) and not session.open_nodes
 
 
 @dataclass(slots=True)
