@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_state
 
 import crashproof
+from crashproof.checkpoint.root._lock_file import LOCK_NAME
 
 MB = 1_000_000
 GB = 1_000_000_000
@@ -429,7 +430,8 @@ def save_methods(
 
     def clear_crashproof() -> None:
         for entry in out["crashproof"].iterdir():
-            remove(entry)
+            if entry.name != LOCK_NAME:  # the open manager's lock on its root stays
+                remove(entry)
 
     return [
         *raw_write_floors(raw_file, raw, raw_file2, live_bytes),
