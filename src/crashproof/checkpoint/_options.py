@@ -89,12 +89,13 @@ class ManagerOptions:
     """Copy checkpoints to the tiers (rank 0, or the agent). False for a process that only
     restores from them (an evaluation job): it then never writes to a tier."""
     restore_memory_bytes: int | None = None
-    """Host memory ``restore`` may use so that it reads each byte once: a tensor bound for a live
-    CPU tensor is read into it while it is verified, and copied into the live tensor only once
-    the whole checkpoint verified. A tensor beyond it is only hashed then, and read a second time
-    straight into its live tensor (less memory, twice the reading). None: the host memory
-    available at the restore, less 256 MiB of headroom; 0: always read twice. Tensors with no
-    live destination (optimizer state, GPU tensors) are read once into memory either way."""
+    """Host memory ``restore`` may hold for tensor data. Tensors with no live destination
+    (a fresh optimizer's state, GPU tensors) are read into new memory either way and count
+    first; in what is left, a tensor bound for a live CPU tensor is read once, verified, and
+    copied into the live tensor only after the whole checkpoint verified. A tensor beyond it is
+    only hashed then, and read a second time straight into its live tensor (less memory, twice
+    the reading). None: the host memory available at the restore, less 256 MiB of headroom; 0:
+    always read the live tensors' bytes twice."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
     prunes or rolls back, never removes or renames anything in the root (not even a save in

@@ -151,6 +151,12 @@ class ReadBuffer:
         self._left = nbytes
         self._lock = threading.Lock()
 
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` the restore holds in memory anyway (tensors with no live destination)
+        against the allowance, whether or not they fit."""
+        with self._lock:
+            self._left -= nbytes
+
     def take(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` if they fit in what is left; returns whether they did."""
         with self._lock:
@@ -206,6 +212,8 @@ class ShardRead:
         }
         self._tensors: list[torch.Tensor] = [_EMPTY] * len(entries)
         self._verified = False
+        if buffer is not None:  # read into new memory whatever the buffer: counted first
+            buffer.charge(sum(e.nbytes for i, e in enumerate(entries) if self.has_value(i)))
 
     def verify(self) -> None:
         """Check every byte against its checksum; raises :class:`CorruptCheckpointError`."""
