@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,7 +195,6 @@ def _serve() -> None:
 
 def _launch(request: dict[str, Any]) -> list[int]:
     nproc = int(request["nproc"])
-    sys.stdout.flush()
     pids = [_fork_rank(request, rank, nproc) for rank in range(nproc)]
     codes: dict[int, int] = {}
     while len(codes) < nproc:
@@ -217,6 +216,63 @@ def _kill(pid: int) -> None:
 
 
 def _fork_rank(request: dict[str, Any], rank: int, nproc: int) -> int:
+    return _fork(request["cwd"], lambda: _rank(request, rank, nproc))
+
+
+def _rank(request: dict[str, Any], rank: int, nproc: int) -> int:
+    """In the forked child: become rank ``rank`` of ``nproc`` and run the script."""
+    fd = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stdin.close()
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]),
+        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID="warm-ranks", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    )  # fmt: skip
+    import torch
+
+    if nproc > 1:
+        torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, read before any op here
+    from crashproof.supervisor._entry import run_script
+
+    run_script("script", request["script"], *request["args"])
+    return 0
+
+
+def _run_python(request: dict[str, Any]) -> int:
+    pid = _fork(request["cwd"], lambda: _python(request))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _python(request: dict[str, Any]) -> int:
+    """In the forked child: the streams and environment the test gave, then ``python ARGV``."""
+    for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "out", os.O_WRONLY),
+                            (2, "err", os.O_WRONLY)):  # fmt: skip
+        opened = os.open(request[name], flags | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    # unbuffered, as under PYTHONUNBUFFERED: a program ending in os._exit loses nothing
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True
+    )
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    return _as_python(request["python"])
+
+
+def _fork(cwd: str, run: Callable[[], int]) -> int:
+    """Fork a child of the zygote that dies with it, works in ``cwd`` and exits with what
+    ``run`` returns (or ``sys.exit``'s status, or 1 with the traceback of an exception);
+    returns its pid."""
+    sys.stdout.flush()
     pid = os.fork()
     if pid:
         return pid
@@ -225,67 +281,8 @@ def _fork_rank(request: dict[str, Any], rank: int, nproc: int) -> int:
         from crashproof.link import die_with_parent
 
         die_with_parent()  # the zygote
-        os.chdir(request["cwd"])
-        fd = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-        sys.stdin.close()
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]),
-            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-            TORCHELASTIC_RUN_ID="warm-ranks", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-        )  # fmt: skip
-        import torch
-
-        if nproc > 1:
-            torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, read before any op here
-        from crashproof.supervisor._entry import run_script
-
-        run_script("script", request["script"], *request["args"])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
-
-
-def _run_python(request: dict[str, Any]) -> int:
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid:
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    code = 1
-    try:
-        from crashproof.link import die_with_parent
-
-        die_with_parent()  # the zygote
-        os.chdir(request["cwd"])
-        for fd, name, flags in ((0, "stdin", os.O_RDONLY), (1, "out", os.O_WRONLY),
-                                (2, "err", os.O_WRONLY)):  # fmt: skip
-            opened = os.open(request[name], flags | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        # unbuffered, as under PYTHONUNBUFFERED: a program ending in os._exit loses nothing
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True
-        )
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        os.environ.clear()
-        os.environ.update(request["env"])
-        code = _as_python(request["python"])
+        os.chdir(cwd)
+        code = run()
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except BaseException:
