@@ -513,19 +513,32 @@ def train_run(
     return run
 
 
+def checkpoint_every(step_s: float, ckpt_seconds: float) -> int:
+    """Steps between checkpoints for one every ``ckpt_seconds`` at ``step_s`` per step."""
+    return max(1, round(ckpt_seconds / step_s))
+
+
+def run_steps(step_s: float, every: int, train_seconds: float) -> int:
+    """Steps of a run of about ``train_seconds``: whole intervals, the last save half an
+    interval before the end."""
+    saves = max(1, round(train_seconds / (every * step_s) - 0.5))
+    return saves * every + every // 2
+
+
+def state_bytes(config: TrainConfig) -> int:
+    """The bytes a checkpoint of the trained model and its AdamW state holds."""
+    return sum(t.nbytes for t in flat_state(*trained_state(config.shape)).values())
+
+
 def train_section(
     args: argparse.Namespace, work: Path, config: TrainConfig, step_s: float
 ) -> dict[str, Any]:
-    every = args.ckpt_every or max(1, round(args.ckpt_seconds / step_s))
-    if args.train_steps:
-        steps = args.train_steps
-    else:
-        saves = max(1, round(args.train_seconds / (every * step_s) - 0.5))
-        steps = saves * every + every // 2  # the last save half an interval before the end
-    state_bytes = sum(t.nbytes for t in flat_state(*trained_state(config.shape)).values())
+    every = args.ckpt_every or checkpoint_every(step_s, args.ckpt_seconds)
+    steps = args.train_steps or run_steps(step_s, every, args.train_seconds)
+    nbytes = state_bytes(config)
     log(
         f"training section: {config}, {step_s * 1000:.0f} ms/step (calibration), {steps} steps, "
-        f"a checkpoint every {every} steps, {state_bytes / MB:.1f} MB of state"
+        f"a checkpoint every {every} steps, {nbytes / MB:.1f} MB of state"
     )
     variants = [NO_CKPT, SYNC_CKPT, ASYNC_CKPT]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -542,7 +555,7 @@ def train_section(
         "calibrated_step_s": step_s,
         "steps": steps,
         "every": every,
-        "state_bytes": state_bytes,
+        "state_bytes": nbytes,
         "runs": runs,
         "loadavg_after": loadavg(),
     }

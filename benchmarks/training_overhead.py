@@ -28,8 +28,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from async_save import ASYNC_CKPT, NO_CKPT, TrainConfig, calibrate, train_run
-from save_speed import DEFAULT_DIR, MB, Shape, flat_state, log, trained_state
+from async_save import (
+    ASYNC_CKPT,
+    NO_CKPT,
+    TrainConfig,
+    calibrate,
+    checkpoint_every,
+    run_steps,
+    state_bytes,
+    train_run,
+)
+from save_speed import DEFAULT_DIR, MB, Shape, log
 
 
 def bootstrap_ci(
@@ -46,13 +55,13 @@ def bootstrap_ci(
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = TrainConfig(Shape(args.vocab, args.d_model, args.layers), args.batch, args.seq)
     step_s = calibrate(config)
-    every = max(1, round(args.ckpt_seconds / step_s))
-    saves = max(1, round(args.train_seconds / (every * step_s) - 0.5))
-    steps = saves * every + every // 2  # the last save half an interval before the end
-    state_bytes = sum(t.nbytes for t in flat_state(*trained_state(config.shape)).values())
+    every = checkpoint_every(step_s, args.ckpt_seconds)
+    steps = run_steps(step_s, every, args.train_seconds)
+    saves = steps // every
+    nbytes = state_bytes(config)
     log(
         f"{config}: {step_s * 1000:.0f} ms/step, {steps} steps per run, an asynchronous "
-        f"checkpoint every {every} steps ({saves} saves), {state_bytes / MB:.1f} MB of state"
+        f"checkpoint every {every} steps ({saves} saves), {nbytes / MB:.1f} MB of state"
     )
     root = Path(tempfile.mkdtemp(prefix="overhead-", dir=args.dir))
     pairs: list[dict[str, Any]] = []
@@ -78,7 +87,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "every": every,
         "saves_per_run": saves,
-        "state_bytes": state_bytes,
+        "state_bytes": nbytes,
         "pairs": pairs,
         "median_overhead": statistics.median(differences),
         "mean_overhead": statistics.fmean(differences),
