@@ -36,6 +36,7 @@ from crashproof.checkpoint.format._rank_index import (
 from crashproof.checkpoint.format._shard_file import (
     ReadBuffer,
     ShardRead,
+    copy_tensor_bytes,
     tensor_bytes,
     write_shard,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "TensorEntry",
     "checked_metadata",
     "checkpoint_dir_name",
+    "copy_tensor_bytes",
     "decode_tree",
     "digest",
     "dtype_from_name",

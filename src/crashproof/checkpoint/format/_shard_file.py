@@ -29,6 +29,7 @@ from crashproof.storage import ReadStream, Storage
 __all__ = [
     "ReadBuffer",
     "ShardRead",
+    "copy_tensor_bytes",
     "hash_range",
     "read_shard",
     "shard_checksum",
@@ -48,6 +49,19 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+def copy_tensor_bytes(into: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the bytes of ``source`` into ``into`` (CPU, contiguous, as many bytes): one memcpy
+    on the calling thread, exact for every dtype (NumPy has no bfloat16 or float8: bytes). NumPy
+    lets the GIL go for a large copy, so several threads copy at once; a torch ``copy_`` would
+    start a team of intra-op threads for each tensor instead."""
+    if source.numel():
+        np.copyto(_byte_array(into), _byte_array(source))
+
+
+def _byte_array(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _header(
@@ -164,10 +178,6 @@ class ReadBuffer:
                 return False
             self._left -= nbytes
             return True
-
-    def give_back(self, nbytes: int) -> None:
-        with self._lock:
-            self._left += nbytes
 
 
 class ShardRead:
@@ -331,10 +341,8 @@ class ShardRead:
             entry, target = self._entries[i], self._targets[i]
             buffered = self._buffered.pop(i, None)
             if buffered is not None:  # verified in memory no one else can change: copied
-                _copy_bytes(tensor_bytes(target), tensor_bytes(buffered))
+                copy_tensor_bytes(target, buffered)
                 self._tensors[i] = target
-                if self._buffer is not None:
-                    self._buffer.give_back(entry.nbytes)
                 return
             view = tensor_bytes(target)
             self._stream.readinto(entry.offset, view)
@@ -347,12 +355,6 @@ class ShardRead:
         with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="crashproof-read") as pool:
             list(pool.map(fill_one, sorted(self._targets)))
         return self._tensors
-
-
-def _copy_bytes(into: memoryview, source: memoryview) -> None:
-    """memcpy, without the GIL (NumPy lets it go for a large copy): the fill threads copy at once."""
-    if source.nbytes:
-        np.copyto(np.frombuffer(into, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
 
 
 def _fits(target: torch.Tensor, entry: TensorEntry) -> bool:

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 import zstandard
 
-from crashproof.checkpoint.format import DeltaEntry, digest, dtype_name, tensor_bytes
+from crashproof.checkpoint.format import (
+    DeltaEntry,
+    copy_tensor_bytes,
+    digest,
+    dtype_name,
+    tensor_bytes,
+)
 from crashproof.checkpoint.save._finite import FiniteCheck
 from crashproof.errors import ConfigError, CorruptCheckpointError
 
@@ -91,7 +97,7 @@ def keep_as_base(
         buffer = old.get(name)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty_like(tensor, device="cpu")
-        np.copyto(_bytes(buffer), _bytes(tensor))
+        copy_tensor_bytes(buffer, tensor)
         tensors[name] = buffer
     return DeltaBase(
         snapshot.step, tensors, dict(checksums), getattr(snapshot, "committed_manifest", None)

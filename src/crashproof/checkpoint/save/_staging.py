@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
+from crashproof.checkpoint.format import copy_tensor_bytes
 from crashproof.errors import InsufficientMemoryError
 
 __all__ = ["StagingArea"]
@@ -151,7 +151,7 @@ def _copy_all_cpu(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _memcpy_each(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for buffer, tensor in pairs:
-        _memcpy(buffer, tensor)
+        copy_tensor_bytes(buffer, tensor)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -167,9 +167,3 @@ def _single_memcpy(tensor: torch.Tensor) -> bool:
         and not tensor.is_quantized
         and tensor.is_contiguous()
     )
-
-
-def _memcpy(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
-    # Byte views: numpy has no bfloat16 or float8, and a byte copy is exact for every dtype.
-    source = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-    np.copyto(buffer.view(-1).view(torch.uint8).numpy(), source)
