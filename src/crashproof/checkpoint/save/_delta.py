@@ -131,17 +131,6 @@ def _planes(flat: np.ndarray[Any, Any], itemsize: int) -> np.ndarray[Any, Any]:
     return planes.reshape(-1)
 
 
-def _unplanes(planes: np.ndarray[Any, Any], itemsize: int) -> np.ndarray[Any, Any]:
-    if itemsize == 1:
-        return planes
-    rows = planes.reshape(itemsize, -1)
-    flat = np.empty(planes.size, dtype=np.uint8)
-    columns = flat.reshape(-1, itemsize)
-    for k in range(itemsize):
-        np.copyto(columns[:, k], rows[k])
-    return flat
-
-
 # An encoded tensor is one record per byte plane: a mode byte (0: the plane as is, 1: zstd), the
 # payload's length (8 bytes, little-endian), the payload. A plane of low mantissa bytes is close
 # to random and zstd would spend time for nothing on it: a sample decides.
@@ -174,16 +163,6 @@ def _any_bit(data: np.ndarray[Any, Any]) -> bool:
     """Whether any bit of ``data`` (bytes) is set; read eight bytes at a time where it can."""
     words = data.size // 8 * 8
     return bool(data[:words].view(np.uint64).any() or data[words:].any())
-
-
-def _unpack_planes(
-    blob: np.ndarray[Any, Any], count: int, itemsize: int, where: str
-) -> np.ndarray[Any, Any]:
-    """The ``itemsize`` planes of ``count`` bytes each that ``blob`` holds, validated."""
-    planes = np.empty((itemsize, count), dtype=np.uint8)
-    for k, plane in _each_plane(blob, count, itemsize, where):
-        planes[k] = plane
-    return planes.reshape(-1)
 
 
 def _each_plane(
