@@ -131,9 +131,11 @@ def _helper_thread() -> ThreadPoolExecutor:
 
 def _copy_all_cpu(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``(buffer, tensor)``, the mid-sized ones on two threads when they are many."""
-    single = [(b, t) for b, t in pairs if _single_memcpy(t)]
+    single: list[tuple[torch.Tensor, torch.Tensor]] = []
     for buffer, tensor in pairs:
-        if not _single_memcpy(tensor):
+        if _single_memcpy(tensor):
+            single.append((buffer, tensor))
+        else:
             buffer.copy_(tensor)
     if sum(_nbytes(t) for _, t in single) < _SPLIT_MIN_BYTES:
         _memcpy_each(single)
