@@ -26,6 +26,7 @@ from crashproof.checkpoint import (
 )
 from crashproof.errors import (
     CheckpointNotFoundError,
+    CheckpointReadError,
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
@@ -67,6 +68,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointWriteError",
     "CommitResult",
     "ConfigError",

@@ -11,6 +11,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── UnsupportedStateError(CrashproofError, TypeError)  (a value crashproof cannot save)
     ├── CheckpointWriteError(CrashproofError, OSError)     (a save failed; earlier ones are intact)
     │   └── RootLockedError            (another writer holds the checkpoint root's lock)
+    ├── CheckpointReadError(CrashproofError, OSError)      (the storage refused to read a checkpoint)
     ├── InsufficientMemoryError(CrashproofError, MemoryError) (no room for staging buffers)
     ├── NumericsError(CrashproofError, ArithmeticError)   (training diverged; NumericsGuard stops)
     │   └── NonFiniteStateError        (a save found NaN or inf in parameters or optimizer state)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointWriteError",
     "ConfigError",
     "CorruptCheckpointError",
@@ -63,6 +65,11 @@ class UnsupportedStateError(CrashproofError, TypeError):
 
 class CheckpointWriteError(CrashproofError, OSError):
     """Writing a checkpoint failed; the checkpoints committed before it are untouched."""
+
+
+class CheckpointReadError(CrashproofError, OSError):
+    """The storage refused to read a checkpoint (permissions, an I/O error): nothing is known
+    against it, so a restore stops here instead of falling back past it and losing its steps."""
 
 
 class RootLockedError(CheckpointWriteError):

@@ -296,8 +296,9 @@ def test_the_newest_valid_checkpoint_stays_while_a_corrupt_one_makes_room() -> N
 
 
 def test_a_checkpoint_the_storage_could_not_read_is_not_taken_for_corrupt() -> None:
-    """A read refused (EIO, permissions) says nothing of the checkpoint: it is skipped by the
-    restore but not removed to make room, nor uncounted."""
+    """A read refused (EIO, permissions) says nothing of the checkpoint: the restore stops
+    there (tests/adversarial/test_refused_read.py), and a save made all the same does not
+    remove it to make room, nor uncount it."""
     disk = _Disk(quota=2 * _checkpoint_bytes() + 512)
     with _manager(disk, keep=cp.KeepLast(2)) as m:
         for step in (1, 2, 3):
@@ -313,9 +314,11 @@ def test_a_checkpoint_the_storage_could_not_read_is_not_taken_for_corrupt() -> N
     refuse = True
     disk.open = open_  # type: ignore[method-assign]
     with _manager(disk, keep=cp.KeepLast(2)) as m:
-        assert m.restore(_state(0)) == 2
-        refuse = False
-        m.save(4, _state(4))  # KeepLast(2) keeps 3 and 4 (and 2, the newest valid): no room
+        with pytest.raises(cp.CheckpointReadError, match="step 3"):
+            m.restore(_state(0))
+        # Saved all the same, 3 still refused: KeepLast(2) keeps 3 and 4, and 2 is the newest
+        # that reads: no room. Were 3 taken for corrupt, it would have been removed for 4.
+        m.save(4, _state(4))
         stats = m.stats
     assert _steps(disk) == [2, 3] and stats.removed_for_space == 0 and stats.failures == 1
 

@@ -42,7 +42,7 @@ from crashproof.checkpoint.root import (
 )
 from crashproof.checkpoint.save import exactness_environment, named_tensors
 from crashproof.checkpoint.tiers import download_checkpoint
-from crashproof.errors import CorruptCheckpointError, StateMismatchError
+from crashproof.errors import CheckpointReadError, CorruptCheckpointError, StateMismatchError
 from crashproof.state import TrainState
 from crashproof.storage import Storage, local_backend
 
@@ -103,11 +103,14 @@ class Restorer:
                     raise checkpoint_not_found(storage.describe(root), step)
             vanished: list[int] = []
             for candidate, path, sources in candidates:
+                refused: list[str] = []
                 for source in sources:
                     if (candidate, source) in tried:
                         continue
                     tried.add((candidate, source))
-                    restored = self._try_source(state, candidate, path, source, skipped, vanished)
+                    restored = self._try_source(
+                        state, candidate, path, source, skipped, vanished, refused
+                    )
                     if restored is not None:
                         return restored
                     if vanished:  # the listing is out of date: newer ones may be there now
@@ -115,6 +118,8 @@ class Restorer:
                         break
                 if vanished:
                     break
+                if refused:
+                    raise _read_refused(candidate, refused[0])
             if not vanished:
                 break
             log.warning(
@@ -179,6 +184,7 @@ class Restorer:
         source: str | None,
         skipped: list[str],
         vanished: list[int],
+        refused: list[str],
     ) -> tuple[int, str] | None:
         """Restore ``candidate`` from its local copy (``source`` None) or a tier's copy."""
         storage, where = self._shared.storage, path
@@ -194,7 +200,7 @@ class Restorer:
             if fetched:
                 skipped.append(f"step {candidate} in {source}: {fetched}")
                 return None
-        return self._try_restore(state, candidate, where, skipped, storage, vanished)
+        return self._try_restore(state, candidate, where, skipped, storage, vanished, refused)
 
     def _fetch(self, step: int, uri: str) -> str:
         """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
@@ -241,9 +247,11 @@ class Restorer:
         skipped: list[str],
         storage: Storage,
         vanished: list[int],
+        refused: list[str],
     ) -> tuple[int, str] | None:
         """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if
-        not, and ``candidate`` in ``vanished`` when it is no longer there on some rank.
+        not, with ``candidate`` in ``vanished`` when it is no longer there on some rank and why
+        in ``refused`` when the storage refused a read on some rank.
 
         Two phases: every rank verifies its part and checks (and trial-loads) everything with
         real values, the live tensors' values aside, before any rank writes anything live; the
@@ -264,6 +272,7 @@ class Restorer:
                     self._shared.corrupt.add(candidate)  # the local copy: retention may free it
                 if any(s == "gone" for s, _ in statuses):
                     vanished.append(candidate)
+                refused.extend(r for s, r in statuses if s == "unreadable")
                 return None
             assert reader is not None
             # Loading code that could not be tried on a copy (its module cannot be copied)
@@ -353,12 +362,7 @@ class Restorer:
         reader: RankRead | None = None
         identity = _directory_identity(storage, path)
         try:
-            manifest = read_manifest(storage, path)
-            if manifest.step != step:
-                raise CorruptCheckpointError(
-                    f"{storage.describe(path)}: the manifest is for step {manifest.step}, not {step}; "
-                    "the directory was renamed or copied"
-                )
+            manifest = read_manifest(storage, path)  # (also: that it is this step's)
             # Another world size: replicated state only, each rank reading a saved rank's part.
             source = source_rank(
                 storage, path, manifest, rank, world_size, per_rank=state.per_rank_names()
@@ -428,6 +432,20 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _read_refused(step: int, why: str) -> CheckpointReadError:
+    """The error for a candidate no copy of which could be read because the storage refused.
+
+    Falling back past it would resume from an older step and, once training saved that step
+    again, replace a checkpoint nothing is known against: its steps would be lost for a
+    permission or a passing I/O error. Stopping costs a restart (``crashproof run`` makes it)."""
+    return CheckpointReadError(
+        f"checkpoint step {step} could not be read: {why}. Nothing was changed and restore did "
+        "not fall back past it, which would lose its steps: restore again once the storage "
+        "reads it (a restart, fixed permissions), or move its directory out of the root to "
+        "resume from the checkpoint before it"
+    )
 
 
 def _copy_tensors(state: TrainState) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -160,7 +160,10 @@ class _LocalReadStream:
     def readinto(self, offset: int, buf: memoryview, /) -> None:
         view = buf.cast("B")
         while view:
-            got = os.preadv(self._fd, [view], offset)
+            try:
+                got = os.preadv(self._fd, [view], offset)
+            except OSError as exc:  # (EIO on a failing disk): name the file, as open does
+                raise OSError(exc.errno, exc.strerror, self._path) from None
             if got == 0:
                 raise EOFError(f"{self._path}: file ends before offset {offset} + {len(view)}")
             view = view[got:]

@@ -47,7 +47,12 @@ from crashproof.checkpoint.format import (
     shard_name,
     sharded_pieces,
 )
-from crashproof.checkpoint.restore._read_manifest import read_manifest, read_rank_index
+from crashproof.checkpoint.restore._read_manifest import (
+    read_error,
+    read_manifest,
+    read_rank_index,
+    refused,
+)
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for
@@ -182,13 +187,13 @@ class CrashproofReader(StorageReader):
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: missing") from None
         except OSError as exc:
-            raise CorruptCheckpointError(f"{where}: cannot be opened ({exc})") from None
+            raise refused(exc, where) from None
         try:
             read = ShardRead(stream, [entry], self._manifest.files[file], where, partial=True)
             read.verify()  # the piece's own checksum; the file is its writer's to verify whole
             return read.fill()[0]
         except (OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
+            raise read_error(exc, where) from None
         finally:
             stream.close()
 

@@ -31,9 +31,11 @@ from crashproof.checkpoint.format import (
     tensor_references,
 )
 from crashproof.checkpoint.restore._read_manifest import (
+    read_error,
     read_manifest,
     read_manifest_bytes,
     read_rank_index,
+    refused,
 )
 from crashproof.checkpoint.save import apply_delta
 from crashproof.errors import CorruptCheckpointError
@@ -125,6 +127,8 @@ class RankRead:
                     stream = storage.open(storage.join(ckpt_dir, file))
                 except FileNotFoundError:
                     raise CorruptCheckpointError(f"{where}: missing") from None
+                except OSError as exc:
+                    raise refused(exc, where) from None
                 part = ShardRead(
                     stream, [self._index.tensors[i] for i in positions], manifest.files[file],
                     where, into=into, keep=keep, on_bytes=on_bytes,
@@ -228,7 +232,7 @@ class RankRead:
             for _, part, _ in self._parts:
                 part.verify()
         except (OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+            raise read_error(exc, self._where) from None
         if self._base is not None:
             try:
                 self._base.verify()
@@ -263,7 +267,7 @@ class RankRead:
                 scratch = self._base._read_verified(name)
                 apply_delta(delta, blobs[delta.index], scratch, f"{self._where}: tensor {name!r}")
         except (OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+            raise read_error(exc, self._where) from None
 
     def _kept(self, name: str) -> torch.Tensor | None:
         """After :meth:`verify`: tensor ``name`` as read into memory, or None where it has a
@@ -337,7 +341,7 @@ class RankRead:
                 for i, tensor in zip(positions, part.fill(), strict=True):
                     tensors[i] = tensor
         except (OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{self._where}: cannot be read ({exc})") from None
+            raise read_error(exc, self._where) from None
         if self._base is not None:
             by_name = {e.name: t for e, t in zip(self._base._index.tensors, base, strict=True)}
             for delta in self._index.deltas:

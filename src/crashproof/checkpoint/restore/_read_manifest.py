@@ -24,10 +24,17 @@ from crashproof.checkpoint.format import (
     parse_step_dir,
     shard_name,
 )
-from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError
+from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError, CrashproofError
 from crashproof.storage import Storage, read_all
 
-__all__ = ["checkpoint_not_found", "read_manifest", "read_manifest_bytes", "read_rank_index"]
+__all__ = [
+    "checkpoint_not_found",
+    "read_error",
+    "read_manifest",
+    "read_manifest_bytes",
+    "read_rank_index",
+    "refused",
+]
 
 
 def read_manifest(storage: Storage, ckpt_dir: str) -> Manifest:
@@ -45,7 +52,9 @@ def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifes
         raise CorruptCheckpointError(
             f"{where}: missing; the checkpoint was never committed"
         ) from None
-    except (OSError, EOFError, ValueError) as exc:
+    except OSError as exc:
+        raise refused(exc, where) from None
+    except (EOFError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read: {exc}") from None
     manifest = parse_manifest(data, where)
     if manifest.hash_algorithm != HASH_ALGORITHM:
@@ -61,6 +70,29 @@ def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifes
             f"{named}; the directory was renamed or copied"
         )
     return data, manifest
+
+
+def refused(exc: OSError, where: str) -> OSError:
+    """The storage's refusal to read ``where`` (permissions, an I/O error, a dead connection),
+    raised as what it is, with the file named in full: it says nothing against the checkpoint,
+    so it must never be worded as corruption (which makes a restore fall back past it and lets
+    retention remove it). A missing file, a link or a non-regular file is the checkpoint's fault
+    (the storage raises :class:`FileNotFoundError` for those): see :func:`read_error`."""
+    if isinstance(exc, CrashproofError):
+        return exc
+    name = exc.filename if isinstance(exc.filename, str) and "/" in exc.filename else where
+    if exc.errno is None:
+        return OSError(f"{name}: {exc}")
+    return OSError(exc.errno, exc.strerror or str(exc), name)
+
+
+def read_error(exc: OSError | EOFError, where: str) -> Exception:
+    """What a failed read of a checkpoint's file at ``where`` is: the storage's refusal
+    (:func:`refused`), or corruption (a file shorter than listed, missing, or not a regular
+    file)."""
+    if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, CrashproofError)):
+        return refused(exc, where)
+    return CorruptCheckpointError(f"{where}: cannot be read ({exc})")
 
 
 def _file_entry(manifest: Manifest, name: str, where: str) -> FileEntry:
@@ -83,7 +115,9 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
         data = read_all(storage, storage.join(ckpt_dir, name), limit=entry.size)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: missing") from None
-    except (OSError, EOFError, ValueError) as exc:
+    except OSError as exc:
+        raise refused(exc, where) from None
+    except (EOFError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: cannot be read ({exc})") from None
     if len(data) != entry.size or digest(data) != entry.checksum:
         raise CorruptCheckpointError(
