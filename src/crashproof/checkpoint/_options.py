@@ -94,7 +94,8 @@ class ManagerOptions:
     first; in what is left, a tensor bound for a live CPU tensor is read once, verified, and
     copied into the live tensor only after the whole checkpoint verified. A tensor beyond it is
     only hashed then, and read a second time straight into its live tensor (less memory, twice
-    the reading). None: the host memory available at the restore, less 256 MiB of headroom; 0:
+    the reading). None: the host memory this process may still allocate at the restore (the
+    machine's, within its memory cgroup and address-space limits), less 256 MiB of headroom; 0:
     always read the live tensors' bytes twice."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
