@@ -1277,3 +1277,42 @@ def test_a_fresh_lazy_model_is_refused_with_what_to_do(tmp_path: Path) -> None:
     ready(torch.randn(2, 5))
     assert _restore(tmp_path, TrainState(model=ready)) == 1
     assert torch.equal(ready[0].weight, source[0].weight)
+
+
+def _expanded(module: nn.Module) -> None:
+    module.register_buffer("mask", torch.randn(1, 4).expand(3, 4))  # a broadcast mask
+
+
+def _expanded_rows(module: nn.Module) -> None:
+    module.register_buffer("rows", torch.randn(5, 1, 3).expand(5, 2, 3))
+
+
+def _expanded_parameter(module: nn.Module) -> None:
+    module.scale = nn.Parameter(torch.ones(4, 1).expand(4, 5))
+
+
+@pytest.mark.parametrize("make_view", [_expanded, _expanded_rows, _expanded_parameter])
+@pytest.mark.parametrize("where", ["model", "extra"])
+def test_a_live_tensor_whose_elements_share_memory_is_refused_before_anything_changes(
+    tmp_path: Path, make_view: Callable[[nn.Module], None], where: str
+) -> None:
+    """No load can write such a view (torch's own load_state_dict fails half-way through): it
+    was written into after the model's other tensors, then refused as a corrupt checkpoint."""
+
+    def run(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        model, extra = nn.Linear(4, 3), nn.Linear(4, 2)
+        make_view(model if where == "model" else extra)
+        return TrainState(model=model, extra={"ema": extra})
+
+    _save(tmp_path, run(1), 1)
+    live = run(2)
+    assert live.model is not None
+    before = {k: v.clone() for k, v in live.model.state_dict().items()}
+    extra_before = {k: v.clone() for k, v in live.extra["ema"].state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"share memory.*\.contiguous\(\)"):
+        _restore(tmp_path, live)
+    for key, value in live.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for key, value in live.extra["ema"].state_dict().items():
+        assert torch.equal(value, extra_before[key]), key

@@ -4,6 +4,8 @@ whole checkpoint verified, and the restored state is the saved one, bit for bit.
 
 from __future__ import annotations
 
+import shutil
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -165,3 +167,83 @@ def test_a_corrupt_tensor_changes_nothing_live_with_the_buffer(tmp_path: Path) -
 def test_a_restore_memory_that_is_no_byte_count_is_refused(tmp_path: Path, value: object) -> None:
     with pytest.raises(ConfigError, match="restore_memory_bytes"):
         cp.CheckpointManager(tmp_path, restore_memory_bytes=value)  # type: ignore[arg-type]
+
+
+class _RemovedBeforeTheSecondRead(LocalStorage):
+    """Local files; the step's directory is removed (a writer's retention) the moment the
+    restore first reads a file again after verifying it."""
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__()
+        self.step_dir, self.removed = step_dir, False
+        self.lock = threading.Lock()
+
+    def open(self, path: str) -> ReadStream:
+        stream = super().open(path)
+        storage = self
+
+        class _Stream(_CountingStream):
+            def readinto(self, offset: int, buf: memoryview, /) -> None:
+                with storage.lock:  # (read on several threads: removed once)
+                    if storage.verified and not storage.removed and offset > 0:
+                        shutil.rmtree(storage.step_dir)
+                        storage.removed = True
+                super().readinto(offset, buf)
+
+        return _Stream(stream, path, Counter())
+
+    verified = False
+
+
+def test_a_checkpoint_removed_between_its_verification_and_the_second_read_restores_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a local file system the files a restore opened stay readable after they are removed:
+    the second read of the live tensors' bytes reads the verified checkpoint, whole."""
+    from crashproof.checkpoint.restore import RankRead
+
+    saved = _save(tmp_path)
+    storage = _RemovedBeforeTheSecondRead(tmp_path / "step_0000000002")
+    real_finish = RankRead.finish
+
+    def finish(self: RankRead, *args: object) -> object:
+        storage.verified = True
+        return real_finish(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RankRead, "finish", finish)
+    fresh = _state(5)
+    with cp.CheckpointManager(
+        str(tmp_path), storage=storage, read_only=True, restore_memory_bytes=0
+    ) as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert storage.removed and _same(fresh, saved)
+
+
+def test_an_object_store_checkpoint_removed_before_the_second_read_says_the_state_is_mixed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An object store reads each range anew: a checkpoint removed after it verified cannot be
+    read a second time. The live tensors are then partly written; the error says so (a bare
+    read error would let a caller carry on with a mixed model)."""
+    import fsspec
+
+    from crashproof.checkpoint.restore import RankRead
+
+    uri = "memory://one-pass-removed/ck"
+    with cp.CheckpointManager(uri, async_save=False, handle_signals=False) as ckpt:
+        ckpt.save(2, _state(0))
+    real_finish = RankRead.finish
+
+    def finish(self: RankRead, *args: object) -> object:
+        fsspec.filesystem("memory").rm("/one-pass-removed/ck/step_0000000002", recursive=True)
+        return real_finish(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RankRead, "finish", finish)
+    try:
+        with (
+            cp.CheckpointManager(uri, read_only=True, restore_memory_bytes=0) as ckpt,
+            pytest.raises(cp.CorruptCheckpointError, match="may now hold a mix"),
+        ):
+            ckpt.restore(_state(5))
+    finally:
+        fsspec.filesystem("memory").rm("/one-pass-removed", recursive=True)

@@ -278,7 +278,13 @@ class Restorer:
             # Loading code that could not be tried on a copy (its module cannot be copied)
             # runs on the live model: keep its tensors to put back should that code refuse.
             kept = _copy_tensors(state) if state.untried else None
-            tree = reader.finish(reader.sharded_values)
+            try:
+                tree = reader.finish(reader.sharded_values)
+            except (CorruptCheckpointError, OSError, EOFError) as exc:
+                # Tensors beyond the read buffer are read a second time, straight into the live
+                # ones: a file changed or removed (an object store's) since it verified, or an
+                # I/O error, fails part-way through writing them.
+                raise _half_written(where, candidate, exc) from exc
         finally:
             if reader is not None:
                 reader.close()
@@ -295,12 +301,7 @@ class Restorer:
             # Checked and trial-loaded before, so only an object that cannot be copied for a trial
             # (or that loads differently the second time) gets here, with the live state partly
             # written: never a bare error, and never a silent fallback over a half-loaded state.
-            raise CorruptCheckpointError(
-                f"{where}: loading step {candidate} failed after the live tensors were written "
-                f"({type(exc).__name__}: {exc}); the model, optimizer and other components may "
-                "now hold a mix of this checkpoint and their earlier state. Create them anew and "
-                "restore again, or restore an earlier step"
-            ) from exc
+            raise _half_written(where, candidate, exc) from exc
         self._warn_if_inexact(candidate)
         shared = self._shared
         shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
@@ -432,6 +433,16 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _half_written(where: str, step: int, exc: BaseException) -> CorruptCheckpointError:
+    """The error for a load that failed after it began to write the live state."""
+    return CorruptCheckpointError(
+        f"{where}: loading step {step} failed after the live tensors were written "
+        f"({type(exc).__name__}: {exc}); the model, optimizer and other components may "
+        "now hold a mix of this checkpoint and their earlier state. Create them anew and "
+        "restore again, or restore an earlier step"
+    )
 
 
 def _read_refused(step: int, why: str) -> CheckpointReadError:

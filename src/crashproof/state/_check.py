@@ -33,7 +33,7 @@ from torch import nn
 
 from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state._classes import check_classes, class_name
-from crashproof.state._dtensor import is_dtensor
+from crashproof.state._dtensor import is_dtensor, local_piece
 from crashproof.state._kinds import check_same_kind
 from crashproof.state._module_load import trial_module_load
 from crashproof.state._optim_values import check_optimizer_values
@@ -99,7 +99,34 @@ def check_module(module: nn.Module, saved: Any, where: str, scratch: Scratch | N
                 f"{where}: tensor {key!r} expected {tensor.dtype}{list(tensor.shape)}, "
                 f"checkpoint has {value.dtype}{list(value.shape)}"
             )
+        if _elements_share_memory(tensor):
+            raise StateMismatchError(
+                f"{where}: the live model's tensor {key!r} is a view whose elements share memory "
+                f"(strides {list(tensor.stride())}, as expand() makes): nothing can be loaded "
+                "into it, by crashproof or by load_state_dict. Register it as a tensor of its "
+                "own (.contiguous() or .clone()), or as a non-persistent buffer. Nothing was "
+                "changed."
+            )
     return trial_module_load(module, saved, where, scratch)
+
+
+def _elements_share_memory(tensor: torch.Tensor) -> bool:
+    """Whether writing ``tensor`` element by element would write one memory location twice (an
+    expanded or overlapping view): every in-place copy into it fails, half-way through a
+    ``load_state_dict``."""
+    if tensor.is_meta or tensor.layout != torch.strided or tensor.numel() <= 1:
+        return False
+    if is_dtensor(tensor):
+        tensor = local_piece(tensor)[0]
+    if any(
+        stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)
+    ):
+        return True
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)  # 1: yes, 2: too hard to tell
+    try:
+        return overlap is not None and overlap(tensor) == 1
+    except (RuntimeError, TypeError):  # a tensor subclass it does not know: judged by strides
+        return False
 
 
 # -- optimizer ------------------------------------------------------------------------------
