@@ -326,3 +326,33 @@ def test_a_reader_caught_mid_read_by_a_resave_reads_the_step_again(
         assert reader.restore(cp.TrainState(model=model)) == 2
     assert swapped
     assert all(bool((p == 5.0).all()) for p in model.parameters())
+
+
+def test_a_forked_child_that_exits_is_not_told_its_parents_manager_was_not_closed(
+    tmp_path: Path,
+) -> None:
+    """A child forked from a process with an open manager (a DataLoader worker, a helper) runs
+    the parent's exit handlers when it exits normally; the manager is not the child's to close,
+    so only the process that created it may say it was never closed."""
+    script = textwrap.dedent(
+        """
+        import os, sys, crashproof as cp
+        ckpt = cp.CheckpointManager(sys.argv[1], handle_signals=False)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: the inherited exit handlers run
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        print("child done", flush=True)
+        if sys.argv[2] == "close":
+            ckpt.close()
+        """
+    )
+    done = subprocess.run(  # a fresh interpreter: its exit handlers are the real ones
+        [sys.executable, "-c", script, str(tmp_path / "root"), "close"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "child done" in done.stdout, done.stderr
+    assert "was not closed" not in done.stderr, done.stderr

@@ -1316,3 +1316,22 @@ def test_a_live_tensor_whose_elements_share_memory_is_refused_before_anything_ch
         assert torch.equal(value, before[key]), key
     for key, value in live.extra["ema"].state_dict().items():
         assert torch.equal(value, extra_before[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex32, torch.int8])
+def test_a_live_tensor_of_another_dtype_is_a_mismatch_even_one_the_format_cannot_hold(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    def model(kind: torch.dtype) -> nn.Module:
+        module = nn.Linear(2, 2)
+        module.register_buffer("x", torch.zeros(4, dtype=kind))
+        return module
+
+    _save(tmp_path, TrainState(model=model(torch.float32)), 1)
+    live = model(dtype)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"'x' expected torch\.\w+\[4\], checkpoint has"):
+        _restore(tmp_path, TrainState(model=live))
+    for key, value in live.state_dict().items():  # by bytes: torch.equal knows no complex32
+        raw = value.reshape(-1).view(torch.uint8)
+        assert torch.equal(raw, before[key].reshape(-1).view(torch.uint8)), key

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -389,11 +390,15 @@ class SavePipeline:
         )
 
 
-def warn_if_never_closed(ref: weakref.ref[SavePipeline]) -> None:
+def warn_if_never_closed(ref: weakref.ref[SavePipeline], owner_pid: int) -> None:
     """At interpreter exit, say so loudly when a writing manager was never closed: its last save
     may not have committed (a script that ends without ``close()``, or destroys the process
-    group before it, loses the save in flight), and nothing else would tell."""
+    group before it, loses the save in flight), and nothing else would tell. Only in the process
+    that created it: a forked child (a DataLoader worker, a helper) inherits the manager but is
+    not its owner, and closing it there is not the child's job."""
     pipeline = ref()
+    if os.getpid() != owner_pid:
+        return
     if pipeline is not None and not pipeline._shared.closed:
         log.error(
             "CheckpointManager(%s) was not closed before the process ended%s: call ckpt.close() "

@@ -118,7 +118,7 @@ class CheckpointManager:
             open_for_writing(
                 self._shared, self._group, options.describe(self.storage.describe(root))
             )
-            atexit.register(warn_if_never_closed, weakref.ref(self._pipeline))
+            atexit.register(warn_if_never_closed, weakref.ref(self._pipeline), os.getpid())
         try:
             replicate = self._group.rank == 0 and replicate and not read_only
             self._tiers.open(remote, replicate=replicate, on_durable=self._pipeline.queue_retention)

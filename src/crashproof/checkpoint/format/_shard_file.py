@@ -23,7 +23,7 @@ from crashproof.checkpoint.format._dtypes import dtype_from_name, dtype_name, sa
 from crashproof.checkpoint.format._hashing import digest, new_hasher
 from crashproof.checkpoint.format._manifest import FileEntry
 from crashproof.checkpoint.format._rank_index import TensorEntry
-from crashproof.errors import CorruptCheckpointError
+from crashproof.errors import CorruptCheckpointError, UnsupportedStateError
 from crashproof.storage import ReadStream, Storage
 
 __all__ = [
@@ -365,8 +365,17 @@ def _fits(target: torch.Tensor, entry: TensorEntry) -> bool:
         and not target.is_conj()
         and not target.is_neg()
         and tuple(target.shape) == entry.shape
-        and dtype_name(target.dtype, where=entry.name) == entry.dtype
+        and _stored_name(target.dtype) == entry.dtype
     )
+
+
+def _stored_name(dtype: torch.dtype) -> str | None:
+    """``dtype``'s name in the format; None for one it cannot hold (a live tensor of such a
+    dtype fits no entry: the state check that follows names what was expected and found)."""
+    try:
+        return dtype_name(dtype, where="")
+    except UnsupportedStateError:
+        return None
 
 
 _LOCAL = threading.local()
