@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,28 @@ def test_nothing_is_removed_across_a_mount_point_under_the_root(
     assert (outside / "precious.txt").read_text() == "user data"
     LocalStorage().remove(str(root))  # not even the whole root, asked directly
     assert (outside / "precious.txt").read_text() == "user data"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "missing"])
+@pytest.mark.parametrize("name", ["rank_00000.safetensors", "rank_00000.json"])
+def test_a_tier_gives_up_a_local_checkpoint_with_a_fifo_or_link_in_place_of_a_file(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    """No retry mends such a checkpoint: its copy to the tier is given up (logged, and a
+    ``replication_dropped`` event), and close() does not wait its whole timeout for it."""
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    _save(root, {1: 1, 2: 2})
+    target = _step_dir(root, 2) / name
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(b"x" * 64)
+        target.symlink_to(tmp_path / "elsewhere")
+    manager = cp.CheckpointManager(
+        str(root), handle_signals=False, remote=cp.Tier(str(remote)), remote_timeout_s=120
+    )
+    started = time.monotonic()
+    _bounded(manager.close, timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert not (remote / checkpoint_dir_name(2) / "manifest.json").exists()  # never committed

@@ -323,6 +323,9 @@ class TierReplicator:
             if not self._local.list(entry.path):  # retention removed it meanwhile: superseded
                 log.info("checkpoint step %d was removed before it reached %s", step, self.tier.uri)
                 return
+            # A file missing, or a link, FIFO or device in place of one: the local checkpoint's
+            # fault, which no retry mends (a FIFO would be retried for as long as the run).
+            self._give_up_if_corrupt_here(step, entry)
             raise
         except CorruptCheckpointError:
             self._give_up_if_corrupt_here(step, entry)
@@ -365,8 +368,10 @@ class TierReplicator:
         try:
             verify_checkpoint(self._local, entry.path)
             return  # damaged in transit: retried
-        except (CorruptCheckpointError, OSError) as exc:
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
             why = str(exc)
+        except OSError:  # the disk refused a read (permissions, EIO): retried, it may pass
+            return
         with self._cond:
             self._given_up.add(step)
         log.error(
