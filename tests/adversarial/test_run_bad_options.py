@@ -50,9 +50,9 @@ BAD: dict[str, list[str]] = {
     "--tee": ["x", "4", "a:1"],
     "--local-ranks-filter": ["abc", "1,x", ",", "-1"],
     "--node-rank": ["-1", "1", "abc"],
-    "--master-addr": ["", " "],
+    "--master-addr": ["", " ", "x" * 64],
     "--master-port": ["99999", "-5", "0", "abc", "65536"],
-    "--local-addr": ["", " "],
+    "--local-addr": ["", " ", "b" * 70],
     "--logs-specs": ["nosuch"],
     "--numa-binding": ["x"],
     "--signals-to-handle": ["SIGNOPE", "", "TERM", "SIGTERM,"],
@@ -73,7 +73,7 @@ BAD: dict[str, list[str]] = {
     "--straggler-steps": ["0", "-1"],
     "--metrics-port": ["99999", "-7", "0x50"],
     "--log-level": ["loud", "DEBUG"],
-    "--metrics-host": ["", " "],
+    "--metrics-host": ["", " ", "é" * 70, "a" * 64 + ".example"],
 }
 """Hostile values of every option that takes one; ``{file}``, ``{fifo}``: such a path."""
 

@@ -176,6 +176,13 @@ def _check_names(args: argparse.Namespace) -> None:
                           ("--metrics-host", args.metrics_host)):  # fmt: skip
         if value is not None and not str(value).strip():
             raise RunOptionError(option, value, "give a name (or leave the option out)")
+        if option != "--role" and value is not None:
+            try:  # what the resolver is given: a name no socket call can take fails here
+                str(value).encode("idna")
+            except UnicodeError:
+                raise RunOptionError(
+                    option, value, "not a host name (labels of at most 63 characters)"
+                ) from None
     from torch.distributed.elastic.events.handlers import _log_handlers
 
     if args.event_log_handler not in _log_handlers:

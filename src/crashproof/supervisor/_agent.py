@@ -70,6 +70,7 @@ from crashproof.supervisor._trainers import (
     last_error,
     process_state,
     remove_empty_stack_dumps,
+    settle_clean_exits,
     signal_name,
     signal_trainers,
 )
@@ -279,6 +280,7 @@ class CrashproofAgent(LocalElasticAgent):
         self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
         codes = self._exit_codes(worker_group)
+        settle_clean_exits(self._pcontext, codes)
         if self._done.ended and not self._done.torch_may_look(
             workers, codes, self.heartbeats.read(workers)
         ):
@@ -396,12 +398,14 @@ class CrashproofAgent(LocalElasticAgent):
             stopped = worker.id in self._stopped_by_us
             # A rank stopped because of its peer has no error of its own to show.
             error = None if stopped else last_error(self._pcontext, worker.local_rank, failure)
+            finished = exitcode == 0 or worker.id in self._done.ended
             announce_exit(
                 self.events, worker, exitcode, signame=signame, error=error,
-                first=first is None, step=furthest, stopped=stopped, seen_after_s=seen_after,
+                first=first is None and not finished, step=furthest, stopped=stopped,
+                seen_after_s=seen_after,
             )  # fmt: skip
-            if worker.id in self._done.ended:
-                continue  # finished after it was done: reported already, no one's failure
+            if finished:
+                continue  # exited 0, or after it was done (reported already): no one's failure
             if first is None and exitcode == EXIT_PREEMPTED:
                 self._on_preempted(worker.global_rank, furthest)
                 return

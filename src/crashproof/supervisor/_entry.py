@@ -16,6 +16,7 @@ import os
 import runpy
 import signal
 import sys
+import traceback
 
 # Imported here so the forkserver, which preloads this module, holds them warm for every trainer.
 import torch
@@ -55,17 +56,61 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     attach_to_supervisor()
     sys.argv = [target, *argv]
     sys.path[0] = "" if is_module else os.path.dirname(os.path.abspath(target))
+    trainer = os.getpid()
     try:
-        if is_module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
+        try:
+            if is_module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exc:
+            if os.getpid() != trainer:
+                _end_forked_child(exc.code)
+            if exc.code not in (None, 0):
+                raise
+        except KeyboardInterrupt:
+            # torch's wrapper would take it for its own stop and exit 0 without a result (the
+            # run then waited for ever); python dies of SIGINT, and so does this trainer.
+            traceback.print_exc()
+            _exit_as_python(signal.SIGINT)
+        except BaseException:
+            if os.getpid() != trainer:  # a forked child's error: python prints it, exits 1
+                traceback.print_exc()
+                _exit_as_python(None, 1)
             raise
+        if os.getpid() != trainer:  # a child the script forked ran off the end of the script
+            _end_forked_child(None)
     finally:
         atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
+        _flush()
+
+
+def _end_forked_child(code: object) -> None:
+    """End a process the script forked that left the script (``sys.exit`` in the child, or the
+    end of the script): as under ``python script.py``, its exit handlers run and it exits with
+    its code. Returning further would hand torch a result in the trainer's name, and the
+    agent would take the trainer for finished."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    _exit_as_python(None, code or 0)
+
+
+def _exit_as_python(sig: signal.Signals | None, code: int = 0) -> None:
+    """Run the exit handlers, flush, and end the process now: by ``sig`` (with its default
+    action, as python does for an uncaught KeyboardInterrupt) or with ``code``."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    _flush()
+    if sig is not None:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(code & 0xFF)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
             stream.flush()
 
 

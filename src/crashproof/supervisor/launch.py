@@ -295,7 +295,7 @@ def _serve_metrics(args: argparse.Namespace, run_dir: str) -> RunMetrics | None:
                 raise
             log.warning("metrics port %d is taken (%s): serving on a free one", port, exc)
             metrics.serve(0, args.metrics_host)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         log.error(
             "cannot serve metrics on %s:%d (%s); running without", args.metrics_host, port, exc
         )
@@ -322,7 +322,10 @@ def _ettr_of_log(path: str) -> float | None:
 def _metrics_url(args: argparse.Namespace, metrics: RunMetrics | None) -> str | None:
     if metrics is None or metrics.port is None:
         return None
-    return f"http://{args.metrics_host}:{metrics.port}/metrics"
+    host = str(args.metrics_host)
+    if ":" in host and not host.startswith("["):  # an IPv6 address goes in brackets in a URL
+        host = f"[{host}]"
+    return f"http://{host}:{metrics.port}/metrics"
 
 
 def _launch(
