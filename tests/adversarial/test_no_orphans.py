@@ -276,3 +276,25 @@ def test_a_normal_end_leaves_no_program_started_with_an_environment_of_its_own(
     [stopped] = run.events("orphans_stopped")
     assert stopped["agent_ended"] == "normally"
     assert set(pids) <= {p["pid"] for p in stopped["processes"]}
+
+
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_a_failed_attempts_programs_are_gone_before_the_next_attempt(
+    tmp_path: Path, runs: list[Run], children: Path, start: str
+) -> None:
+    """What a trainer started with an environment of its own, which no parent-death signal
+    reaches, used to run on beside every later attempt until the run ended."""
+    run = start_run(
+        tmp_path / "run",
+        (["--cold-start"] if start == "cold" else []) + ["--max-restarts", "2"],
+        ["--steps", "400", "--every", "4", "--fail-at", "6", "--fail-rank", "0",
+         "--fail-attempts", "1", "--clean-env-children", str(children)],
+    )  # fmt: skip
+    runs.append(run)
+    pids = _started_children(run, children)
+    run.wait_for("restart", 90)
+    _children_gone_within(children, pids, WITHIN_S)
+    assert run.proc.poll() is None, "ended with the run, not at the restart"
+    [stopped] = run.events("leftovers_stopped")
+    assert set(pids) <= set(stopped["pids"]) and stopped["attempt"] == 0
+    assert run.wait(timeout=120) == 0, output(run)

@@ -32,7 +32,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -56,15 +55,17 @@ from crashproof.supervisor._announce import (
     announce_hang,
     announce_straggler,
 )
-from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
+from crashproof.supervisor._config import DEFAULT_MAX_RESTARTS, SupervisorConfig
+from crashproof.supervisor._crashloop import Failure
 from crashproof.supervisor._done import AfterDone, all_finished
 from crashproof.supervisor._exits import ExitWatcher, failure_order
-from crashproof.supervisor._hang import HangConfig, HangDetector, Verdict
+from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
-from crashproof.supervisor._keeper import Keeper, forkserver_pid
-from crashproof.supervisor._straggler import StragglerConfig, StragglerDetector
+from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
+from crashproof.supervisor._straggler import StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
+    end_leftovers,
     exit_code,
     exit_codes,
     last_error,
@@ -78,40 +79,12 @@ from crashproof.telemetry import EventLog
 
 __all__ = ["DEFAULT_MAX_RESTARTS", "UNLIMITED_RESTARTS", "CrashproofAgent", "SupervisorConfig"]
 
-DEFAULT_MAX_RESTARTS = 30
-"""``--max-restarts``' default, per ``--restart-window`` (an hour): a failure every two minutes
-for an hour. Large clusters see a few failures a day; a run that needs more restarts than this
-spends most of its time restarting, and someone should look at it."""
-
 UNLIMITED_RESTARTS = 2**31 - 1
 """The ``WorkerSpec.max_restarts`` the agent gives torch: torch never refuses a restart itself
 (its count is a lifetime's), and its restart count (``TORCHELASTIC_RESTART_COUNT``) stays the
 number of the attempt."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class SupervisorConfig:
-    run_dir: str
-    """Where events, logs, heartbeats and stack dumps go."""
-    hang: HangConfig = field(default_factory=HangConfig)
-    """When a silent trainer is hung."""
-    crash_loop: CrashLoopPolicy = field(default_factory=CrashLoopPolicy)
-    """When repeated failures are a crash loop, and the backoff between them."""
-    budget: RestartBudget = field(
-        default_factory=lambda: RestartBudget(max_restarts=DEFAULT_MAX_RESTARTS, window_s=3600.0)
-    )
-    """How many restarts after failures, within what time (the ``WorkerSpec``'s
-    ``max_restarts`` is not the budget: torch would count it over the run's life)."""
-    shutdown_grace_s: float = 5.0
-    """After SIGTERM, how long trainers get to exit before SIGKILL."""
-    stack_dump_wait_s: float = 3.0
-    """How long to wait for the stack dumps of a hung group."""
-    preemption_grace_s: float = 30.0
-    """On a preemption, how long trainers get for their emergency checkpoint before SIGKILL."""
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    """When a rank's work per step is slow enough, for long enough, to be reported."""
 
 
 class CrashproofAgent(LocalElasticAgent):
@@ -142,6 +115,7 @@ class CrashproofAgent(LocalElasticAgent):
         self.config = config
         self.events = events
         self._keeper = keeper
+        self._sessions: dict[int, int | None] = {}  # the trainers' sessions, by leader
         self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
         """The failure that made this run a crash loop, if one did."""
@@ -198,8 +172,10 @@ class CrashproofAgent(LocalElasticAgent):
         self._stopped_by_us.clear()
         self._done.new_attempt()
         pids: dict[int, Any] = super()._start_workers(worker_group)
+        leaders = [*pids.values(), forkserver_pid()]
+        self._sessions = session_leaders(leaders)
         if self._keeper is not None:  # what is left of the trainers' sessions dies with the run
-            self._keeper.watch_sessions([*pids.values(), forkserver_pid()])
+            self._keeper.watch_sessions(leaders)
         if self._exits is not None:
             self._exits.close()
         self._exits = ExitWatcher(list(pids.values()), on_exit=self._wake.set)
@@ -243,6 +219,7 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._grace)
+        end_leftovers(self._sessions, self.events, self.attempt)
         remove_empty_stack_dumps(self.layout, self.session, self.attempt)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

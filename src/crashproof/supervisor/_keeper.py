@@ -55,7 +55,7 @@ import time
 from collections.abc import Iterable
 from typing import IO, NamedTuple
 
-__all__ = ["ENV_AGENT_TOKEN", "Keeper"]
+__all__ = ["ENV_AGENT_TOKEN", "Keeper", "end_sessions", "session_leaders"]
 
 ENV_AGENT_TOKEN = "CRASHPROOF_AGENT_TOKEN"
 """Set by ``crashproof run`` for every process it starts: the processes its keeper ends."""
@@ -122,6 +122,53 @@ def forkserver_pid() -> int | None:
 
     pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     return pid if isinstance(pid, int) else None
+
+
+def session_leaders(pids: Iterable[int | None]) -> dict[int, int | None]:
+    """The sessions led by ``pids`` (a session's id is its leader's pid), each with its leader's
+    start time now: what :func:`end_sessions` checks a session against later."""
+    leaders: dict[int, int | None] = {}
+    for pid in pids:
+        if pid:
+            proc = _stat(pid)
+            leaders[pid] = proc.start if proc is not None else None
+    return leaders
+
+
+def end_sessions(leaders: dict[int, int | None], spare: Iterable[int | None]) -> list[int]:
+    """SIGKILL what is left in the trainers' sessions ``leaders`` (see :func:`session_leaders`)
+    and its descendants, but ``spare`` (the warm forkserver, which leads its trainers' session
+    and outlives them): between two attempts, what the failed attempt's trainers started must
+    not run on beside the next one. Returns the pids killed."""
+    me, keep = os.getpid(), {pid for pid in spare if pid}
+    sessions = _Sessions()
+    sessions._leaders = dict(leaders)
+    killed: list[int] = []
+    deadline = time.monotonic() + _KILL_ROUNDS_S
+    while time.monotonic() < deadline:
+        procs = _processes(me)
+        ours = sessions.ours(procs)
+        found = {pid for pid, proc in procs.items() if proc.session in ours} - keep
+        children: dict[int, list[int]] = {}
+        for pid, proc in procs.items():
+            children.setdefault(proc.ppid, []).append(pid)
+        todo = list(found)
+        while todo:  # descendants still linked by their parent (a new session, for one)
+            for child in children.get(todo.pop(), ()):
+                if child not in found and child not in keep:
+                    found.add(child)
+                    todo.append(child)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+            if pid not in killed:
+                killed.append(pid)
+        time.sleep(0.01)
+    return killed
 
 
 # -- the keeper process ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import signal
 import stat
@@ -20,9 +21,14 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from crashproof._rundir import RunDir
 from crashproof.link import STACK_DUMP_SIGNAL
+from crashproof.supervisor._keeper import end_sessions, forkserver_pid
+from crashproof.telemetry import EventLog
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "dump_stacks",
+    "end_leftovers",
     "exit_code",
     "exit_codes",
     "last_error",
@@ -36,6 +42,18 @@ __all__ = [
 _DUMP_POLL_S = 0.05
 _EXIT_CODE_WAIT_S = 0.05
 """How long a look waits for the exit code of a trainer seen to end (reaped by its parent)."""
+
+
+def end_leftovers(sessions: dict[int, int | None], events: EventLog, attempt: int) -> None:
+    """End what stopped trainers left in their sessions (``sessions``: see
+    :func:`~crashproof.supervisor._keeper.session_leaders`): a program started with an
+    environment of its own, which no parent-death signal reaches, must not run on beside the
+    next attempt (the keeper ends such programs only when the run ends). The warm forkserver,
+    which leads its trainers' session, is spared."""
+    killed = end_sessions(sessions, spare=[forkserver_pid()])
+    if killed:
+        log.warning("stopped %d process(es) the stopped trainers left: %s", len(killed), killed)
+        events.emit("leftovers_stopped", attempt=attempt, pids=killed)
 
 
 def signal_trainers(pids: Iterable[int | None], *signals: signal.Signals) -> None:
