@@ -511,6 +511,60 @@ def test_a_tied_delta_asked_for_on_a_corrupt_base_leaves_the_tied_weights_alone(
     assert _equal(_tied_values(fresh, fresh_opt), before)
 
 
+class _UntiedLM(_TiedLM):
+    """The same model with the head its own tensor: the run before weight tying was added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = nn.Parameter(torch.randn(64, 16))
+
+
+@pytest.mark.parametrize("kind", ["full", "delta"])
+def test_an_untied_checkpoint_is_refused_by_a_tied_model_before_anything_changes(
+    tmp_path: Path, kind: str
+) -> None:
+    """Two saved values for what is one tensor in the live model: loading both would keep
+    either of them silently."""
+    torch.manual_seed(0)
+    untied = _UntiedLM()
+    opt = torch.optim.SGD(untied.parameters(), lr=0.1)
+    with cp.CheckpointManager(
+        tmp_path, handle_signals=False, async_save=False, delta=cp.Delta(full_every=4)
+    ) as ckpt:
+        for step in (1, 2):
+            untied(torch.arange(8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.save(step, cp.TrainState(model=untied))
+    step = 2 if kind == "delta" else 1
+    fresh, fresh_opt, _, _ = _tied(1)
+    before = _tied_values(fresh, fresh_opt)
+    with (
+        cp.CheckpointManager(tmp_path, handle_signals=False, read_only=True) as ckpt,
+        pytest.raises(
+            cp.StateMismatchError, match=r"'model/emb.weight' and 'model/head.weight'.*tied"
+        ),
+    ):
+        ckpt.restore(cp.TrainState(model=fresh), step)
+    assert _equal(_tied_values(fresh, fresh_opt), before)
+
+
+def test_an_untied_checkpoint_whose_two_values_are_equal_restores_into_the_tie(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    untied = _UntiedLM()
+    with torch.no_grad():
+        untied.head.weight.copy_(untied.emb.weight)
+    with cp.CheckpointManager(tmp_path, handle_signals=False, async_save=False) as ckpt:
+        ckpt.save(1, cp.TrainState(model=untied))
+    fresh, _, _, _ = _tied(1)
+    with cp.CheckpointManager(tmp_path, handle_signals=False, read_only=True) as ckpt:
+        assert ckpt.restore(cp.TrainState(model=fresh)) == 1
+    assert fresh.head.weight is fresh.emb.weight
+    assert torch.equal(fresh.emb.weight, untied.emb.weight)
+
+
 # -- a restore or a rollback inside a manager: the next save is full --------------------------
 
 

@@ -87,6 +87,16 @@ def test_a_sampler_given_alone_that_never_moves_is_reported_once(tmp_path: Path)
     assert state.epoch == 0 and moving.position == 30
 
 
+def _let_the_handler_run() -> None:
+    """Sleep a moment in small steps: a signal's Python handler runs in the main thread at its
+    next check, which a busy loop of a few bytecodes may finish before on a loaded machine
+    (the kernel may deliver the signal to another thread, scheduled later)."""
+    import time
+
+    for _ in range(200):
+        time.sleep(0.0025)
+
+
 def test_ctrl_c_checkpoints_by_default_and_raises_keyboard_interrupt_when_asked(
     tmp_path: Path,
 ) -> None:
@@ -97,11 +107,11 @@ def test_ctrl_c_checkpoints_by_default_and_raises_keyboard_interrupt_when_asked(
     with cp.CheckpointManager(tmp_path / "a", async_save=False, on_interrupt="raise") as ckpt:
         with pytest.raises(KeyboardInterrupt):  # the script's own `except KeyboardInterrupt`
             os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):  # the signal is handled between bytecodes
-                pass
+            _let_the_handler_run()
         ckpt.maybe_save(1, state)  # no stop was requested
     with cp.CheckpointManager(tmp_path / "b", async_save=False) as ckpt:
         os.kill(os.getpid(), signal.SIGINT)  # recorded: a stop at the next step
+        _let_the_handler_run()
         with pytest.raises(cp.PreemptedExit):
             ckpt.maybe_save(1, state)
     assert (tmp_path / "b" / "step_0000000001").is_dir()

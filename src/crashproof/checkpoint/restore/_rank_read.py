@@ -38,7 +38,7 @@ from crashproof.checkpoint.restore._read_manifest import (
     refused,
 )
 from crashproof.checkpoint.save import apply_delta
-from crashproof.errors import CorruptCheckpointError
+from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import check_structure, value_tensor_names
 from crashproof.storage import ReadStream, Storage
 
@@ -105,7 +105,9 @@ class RankRead:
                 f"{self._index_where}: a {manifest.kind} checkpoint's index lists deltas"
             )
         self._references = _references(self._index, self._index_where)
-        into = _distinct_memory(_bound(into or {}, self._index, self._references))
+        bound = _bound(into or {}, self._index, self._references)
+        into = _distinct_memory(bound)
+        self._check_ties(bound, into)
         if manifest.kind == "delta":
             self._base = self._open_base(
                 storage, ckpt_dir, manifest, rank, into, keep, on_bytes, buffer
@@ -138,6 +140,31 @@ class RankRead:
         except BaseException:
             self.close()
             raise
+
+    def _check_ties(self, bound: Mapping[str, Any], kept: Mapping[str, Any]) -> None:
+        """Live tensors that are one memory (tied weights) must have been saved as one value:
+        a checkpoint of a model without the tie holds two, and loading both into one memory
+        would keep either silently. Judged by the saved tensors' checksums (of the whole tensor,
+        for a delta), before anything is read."""
+        saved = {e.name: e.checksum for e in self._index.tensors}
+        for delta in self._index.deltas:
+            saved[self._index.tensors[delta.index].name] = delta.checksum
+        owners = {_memory_span(t): name for name, t in kept.items()}
+        for name, tensor in bound.items():
+            owner = owners.get(_memory_span(tensor))
+            if name in kept or owner is None or name not in saved or owner not in saved:
+                continue
+            if (
+                saved[name] != saved[owner]
+                and tensor.shape == kept[owner].shape
+                and tensor.dtype == kept[owner].dtype
+            ):
+                raise StateMismatchError(
+                    f"{self._index_where}: {owner!r} and {name!r} are one tensor in the live "
+                    "model (tied weights), but the checkpoint holds two different values for "
+                    f"them (checksums {saved[owner]} and {saved[name]}): it was saved from a "
+                    "model without that tie. Tie (or untie) them as in the run that saved it."
+                )
 
     def _open_base(
         self,
@@ -423,20 +450,28 @@ def _bound(
     return {name: tensor for name, tensor in into.items() if at.get(name) == name}
 
 
+def _memory_span(tensor: Any) -> tuple[int, int] | None:
+    """Where a contiguous CPU tensor's bytes lie, or None for one that is no destination."""
+    if (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.numel()
+    ):
+        start = tensor.data_ptr()
+        return start, start + tensor.numel() * tensor.element_size()
+    return None
+
+
 def _distinct_memory(into: Mapping[str, Any]) -> dict[str, Any]:
     """``into`` without the tensors whose memory overlaps one kept before them (tied weights, an
     EMA module sharing a parameter): every live byte has one destination, so a delta is applied
     to it once. Only contiguous CPU tensors can be destinations at all (see ``ShardRead``)."""
     spans: list[tuple[int, int, str]] = []
     for name, tensor in into.items():
-        if (
-            isinstance(tensor, torch.Tensor)
-            and tensor.device.type == "cpu"
-            and tensor.is_contiguous()
-            and tensor.numel()
-        ):
-            start = tensor.data_ptr()
-            spans.append((start, start + tensor.numel() * tensor.element_size(), name))
+        span = _memory_span(tensor)
+        if span is not None:
+            spans.append((*span, name))
     kept: set[str] = set()
     end = 0
     for start, stop, name in sorted(spans, key=lambda s: s[0]):  # stable: first listed first
