@@ -154,15 +154,25 @@ def new_model(shape: Shape, seed: int) -> tuple[nn.Module, torch.optim.Optimizer
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def trained_state(shape: Shape) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A model and its AdamW after one real step, so exp_avg, exp_avg_sq and step exist."""
+def trained_state(shape: Shape, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and its AdamW after ``steps`` real steps of next-token prediction, so exp_avg,
+    exp_avg_sq and step exist and hold real values. The embedding starts N(0, 0.02), as language
+    models do: with N(0, 1) the tied head saturated the softmax, the loss was exactly 0 and every
+    moment was 0, which flatters anything that depends on content."""
     model, optimizer = new_model(shape, seed=0)
-    tokens = torch.randint(shape.vocab, (1, 16))
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-    torch.autograd.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model.embed.weight.normal_(0.0, 0.02)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens = torch.randint(shape.vocab, (1, 17), generator=generator)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        torch.autograd.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    moments = [s["exp_avg"] for s in optimizer.state.values()]
+    if not any(bool(m.any()) for m in moments):
+        raise RuntimeError("the benchmark state has all-zero AdamW moments: not a real state")
     return model, optimizer
 
 

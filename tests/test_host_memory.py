@@ -4,6 +4,7 @@ cgroup (v1 or v2, its own or an ancestor's) and the address-space limit, not onl
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -160,3 +161,15 @@ def test_the_address_space_room_is_read_from_this_process() -> None:
     )
     done = python(["-c", code], timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_cgroup_name_of_any_bytes_and_odd_limits(tmp_path: Path) -> None:
+    """The kernel takes any byte but "/" in a cgroup's name; a limit of -1 is no limit."""
+    mount = tmp_path / "sys"
+    odd = os.fsdecode(b"/job-\xff\xe9")
+    _v2(mount, odd, limit=str(2 * GIB), usage=GIB)
+    proc = tmp_path / "cgroup"
+    proc.write_bytes(b"0::/job-\xff\xe9\n")
+    assert _host_memory.cgroup_room(str(proc), str(mount)) == GIB
+    _v2(mount, odd, limit="-1", usage=GIB)
+    assert _host_memory.cgroup_room(str(proc), str(mount)) is None

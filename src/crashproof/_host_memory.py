@@ -57,8 +57,8 @@ def cgroup_room(
     its cgroup and every ancestor with a limit, of the limit less the memory in use that cannot
     be reclaimed (the usage less the inactive page cache, as the kernel and container runtimes
     count a working set). None when no limit applies or none can be read."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
+    try:  # a cgroup's name may hold any byte but "/": kept as is (surrogateescape)
+        lines = Path(proc_cgroup).read_text(errors="surrogateescape").splitlines()
     except OSError:
         return None
     rooms: list[int] = []
@@ -98,14 +98,14 @@ def _rooms_up_to_root(base: Path, path: str, limit: str, usage: str, inactive: s
 def _room(cgroup: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
     try:
         raw = (cgroup / limit_file).read_text().strip()
-        if raw == "max" or int(raw) >= _NO_LIMIT:
+        if raw == "max" or not 0 <= int(raw) < _NO_LIMIT:
             return None
         limit, usage = int(raw), int((cgroup / usage_file).read_text().strip())
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return None
     inactive = 0
     try:
-        for line in (cgroup / "memory.stat").read_text().splitlines():
+        for line in (cgroup / "memory.stat").read_text(errors="replace").splitlines():
             key, _, value = line.partition(" ")
             if key == inactive_key:
                 inactive = int(value)

@@ -131,3 +131,34 @@ def test_a_rank_that_finished_is_never_named_the_first_failure(
     assert [e["rank"] for e in first] == [0], run.events("rank_exit")
     assert "ERROR failure: rank 0" in text and "the real root cause on rank 0" in text, text
     assert code == 76
+
+
+_POOL = """
+import multiprocessing as mp, os, signal, sys, tempfile, time
+import crashproof as cp
+
+if sys.argv[1] == "user-handler":  # the script's own handler, installed before the manager's
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(7))
+ckpt = cp.CheckpointManager(tempfile.mkdtemp(), async_save=False)
+started = time.monotonic()
+with mp.get_context("fork").Pool(1) as pool:  # leaving the block: terminate(), SIGTERM, join
+    pool.apply_async(time.sleep, (30,))
+    time.sleep(0.3)
+print(f"terminated in {time.monotonic() - started:.1f} s", flush=True)
+ckpt.close()
+"""
+
+
+@pytest.mark.parametrize("handler", ["default", "user-handler"])
+def test_a_forked_pool_worker_is_stopped_by_sigterm_as_without_crashproof(
+    tmp_path: Path, handler: str
+) -> None:
+    """A forked worker inherited the manager's SIGTERM handler, which only records a
+    preemption notice: Pool.terminate() then joined it for ever. In a forked child the handler
+    acts as the one found before crashproof's would (the default: die; the script's own: run)."""
+    from tests.warm_ranks import python
+
+    script = _script(tmp_path, _POOL)
+    done = python([str(script), handler], timeout=60)
+    assert done.returncode == 0 and "terminated in" in done.stdout, done.stdout + done.stderr
+    assert float(done.stdout.split("terminated in ")[1].split()[0]) < 10

@@ -80,6 +80,7 @@ class PreemptionListener:
         self.signals = signals
         self.notice: Notice | None = None
         self._previous: dict[int, Handler] = {}
+        self._pid = os.getpid()  # the process whose manager listens
 
     def install(self) -> bool:
         """Install the handlers; False (and nothing installed) off the main thread."""
@@ -88,6 +89,7 @@ class PreemptionListener:
                 "preemption signals are not handled: the manager was created off the main thread"
             )
             return False
+        self._pid = os.getpid()
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
@@ -103,6 +105,13 @@ class PreemptionListener:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (a multiprocessing Pool's worker, a DataLoader's) inherits the
+            # handler but not the manager: recording a notice there would make it ignore the
+            # signal, and Pool.terminate() (SIGTERM, then join) would wait for ever. It acts as
+            # it would have without crashproof.
+            _as_without_crashproof(self, signum, frame)
+            return
         if signum == signal.SIGINT and self.notice is not None:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         # Every manager's listener up the chain (each installed over the one before) records the
@@ -145,6 +154,31 @@ class PreemptionListener:
         """Ask for a stop from code (e.g. a test, or a job's own time limit)."""
         if self.notice is None:
             self.notice = Notice(source, time.monotonic())
+
+
+def _as_without_crashproof(
+    listener: PreemptionListener, signum: int, frame: FrameType | None
+) -> None:
+    """Do what the handler found before the first crashproof listener would do with ``signum``:
+    call it, ignore the signal, raise ``KeyboardInterrupt``, or die of it (the default)."""
+    seen: set[int] = set()
+    previous: Handler = listener._handle
+    while isinstance(getattr(previous, "__self__", None), PreemptionListener):
+        owner: PreemptionListener = previous.__self__  # type: ignore[union-attr]
+        if id(owner) in seen:
+            previous = signal.SIG_DFL
+            break
+        seen.add(id(owner))
+        previous = owner._previous.get(signum, signal.SIG_DFL)
+    if previous is signal.SIG_IGN:
+        return
+    if previous is signal.default_int_handler:
+        raise KeyboardInterrupt
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # SIG_DFL, or None (set from outside Python)
+    os.kill(os.getpid(), signum)
 
 
 def _read_notice_file() -> dict[str, Any] | None:
