@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from crashproof import CheckpointManager, CheckpointReadError, Delta, Tier
+from crashproof import CheckpointManager, CheckpointReadError, Delta, KeepAll, KeepLast, Tier
 from crashproof.checkpoint.format import checkpoint_dir_name
 from tests.adversarial.test_restore_all_or_nothing import (
     _assert_unchanged,
@@ -188,3 +189,124 @@ def test_a_delta_whose_base_the_storage_refuses_is_not_fallen_back_past(
         _assert_unchanged(state, before)
         refuse(None)
         assert manager.restore(state) == 2
+
+
+def _with_tier(tmp_path: Path, **tier: Any) -> tuple[Path, Path]:
+    root, remote = tmp_path / "ck", tmp_path / "remote"
+    with CheckpointManager(
+        root, async_save=False, handle_signals=False, remote=Tier(str(remote), **tier),
+        keep=KeepLast(2),
+    ) as manager:  # fmt: skip
+        for step in (1, 2, 3, 4):
+            manager.save(step, _run(step))
+    return root, remote
+
+
+def test_a_step_only_a_tier_holds_that_the_tier_refuses_is_not_fallen_back_past(
+    tmp_path: Path, refuse: Any
+) -> None:
+    """A replaced node: the local copy is gone, the tier's copy refuses a read (EIO)."""
+    root, remote = _with_tier(tmp_path)
+    shutil.rmtree(root / checkpoint_dir_name(4))
+    refuse(remote / checkpoint_dir_name(4) / "rank_00000.safetensors", errno.EIO)
+    state = _run(7)
+    before = _snapshot(state)
+    with CheckpointManager(root, handle_signals=False, remote=Tier(str(remote))) as manager:
+        with pytest.raises(CheckpointReadError, match="step 4"):
+            manager.restore(state)
+        _assert_unchanged(state, before)
+        refuse(None)
+        assert manager.restore(state) == 4
+
+
+def test_a_rollback_never_removes_a_checkpoint_it_could_not_read(
+    tmp_path: Path, refuse: Any
+) -> None:
+    """Local KeepLast(2) holds 3 and 4, the tier (KeepAll) 1 to 4; the tier's 2 refuses a read.
+    A rollback before 3 must stop there, not restore 1 and remove 2, 3 and 4 everywhere."""
+    root, remote = _with_tier(tmp_path, keep=KeepAll())
+    assert {checkpoint_dir_name(s) for s in (1, 2, 3, 4)} <= set(os.listdir(remote))
+    refuse(remote / checkpoint_dir_name(2) / "rank_00000.safetensors", errno.EIO)
+    tier = Tier(str(remote), keep=KeepAll())
+    with (
+        CheckpointManager(root, handle_signals=False, remote=tier) as manager,
+        pytest.raises(CheckpointReadError, match="step 2"),
+    ):
+        manager.rollback(_run(7), before=3, anomaly_step=5)
+    assert {checkpoint_dir_name(s) for s in (1, 2, 3, 4)} <= set(os.listdir(remote))
+    assert {checkpoint_dir_name(s) for s in (3, 4)} <= set(os.listdir(root))
+
+
+def test_a_root_that_cannot_be_listed_either_is_a_read_error_never_step_0(
+    tmp_path: Path, refuse: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flaky disk: the newest manifest refuses a read and every other listing of the root
+    fails. That is no proof the checkpoint vanished: restore must not relist until it gives up
+    and starts from step 0."""
+    root = tmp_path / "ck"
+    _save(root, _run(1), 1, 2)
+    refuse(root / checkpoint_dir_name(2) / "manifest.json", errno.EIO)
+    real_scandir, calls = os.scandir, [0]
+
+    def scandir(path: Any = ".") -> Any:
+        if os.fspath(path).rstrip("/") == str(root):
+            calls[0] += 1
+            if calls[0] % 2 == 0:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with (
+        CheckpointManager(root, handle_signals=False, read_only=True) as manager,
+        pytest.raises(CheckpointReadError, match="step 2"),
+    ):
+        manager.restore(_run(7))
+
+
+_TWO_RANKS = """
+import errno, os, sys, torch, torch.distributed as dist
+import crashproof as cp
+from crashproof.checkpoint.format import checkpoint_dir_name
+from crashproof.checkpoint.restore import RankRead
+
+root, rank = sys.argv[1], int(os.environ["RANK"])
+dist.init_process_group("gloo")
+def state(seed):
+    torch.manual_seed(seed)
+    return cp.TrainState(model=torch.nn.Linear(64, 64))
+opts = dict(handle_signals=False, dedup_replicated=False)
+with cp.CheckpointManager(root, async_save=False, **opts) as m:
+    m.save(1, state(10 + rank))
+dist.barrier()
+if rank == 1:  # an I/O error under the second read of this rank only (restore_memory_bytes=0)
+    real_finish, real_preadv = RankRead.finish, os.preadv
+    armed = []
+    def finish(self, *args):
+        armed.append(1)
+        return real_finish(self, *args)
+    def preadv(fd, buffers, offset, *args):
+        if armed:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset, *args)
+    RankRead.finish, os.preadv = finish, preadv
+try:
+    with cp.CheckpointManager(root, restore_memory_bytes=0, read_only=True, **opts) as m:
+        m.restore(state(99))
+    print(f"rank {rank}: restored", flush=True)
+except cp.CorruptCheckpointError as exc:
+    print(f"rank {rank}: refused: {exc}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank(tmp_path: Path, warm_ranks: Any) -> None:
+    """The second read (tensors beyond the read buffer) fails on rank 1 only: rank 0 must not
+    train on alone with a state its peer does not hold."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    launch = warm_ranks.run(script, [str(tmp_path / "ck")], nproc=2, timeout=120)
+    assert launch.exit_codes == [0, 0], launch.output
+    assert "rank 0: refused" in launch.output and "another rank failed" in launch.output
+    assert "rank 1: refused" in launch.output and "may now hold a mix" in launch.output
+    assert "restored" not in launch.output, launch.output

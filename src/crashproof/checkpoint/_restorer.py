@@ -125,6 +125,12 @@ class Restorer:
             log.warning(
                 "checkpoint step %d vanished while it was read; listing %s again", vanished[0], root
             )
+        else:  # the newest kept vanishing: falling back past them, or to step 0, would lose them
+            raise CheckpointReadError(
+                f"checkpoint step {vanished[0]} in {storage.describe(root)} vanished while it was "
+                f"read, {_RELISTS + 1} times (a writer's retention removing checkpoints faster "
+                "than this restore reads them?). Nothing was changed: restore again"
+            )
         if step is not None:
             raise CorruptCheckpointError(
                 f"checkpoint step {step} in {root} is not valid: {skipped[0]}"
@@ -192,19 +198,28 @@ class Restorer:
             try:
                 root, storage = self._tiers.open_tier(source)
             except Exception as exc:
-                skipped.append(f"step {candidate} in {source}: {exc}")
+                (refused if _refusal(exc) else skipped).append(
+                    f"step {candidate} in {source}: {exc}"
+                )
                 return None
             where = storage.join(root, checkpoint_dir_name(candidate))
         elif source is not None:  # a remote copy: bring it here first
-            fetched = self._agreement.on_rank0(functools.partial(self._fetch, candidate, source))
+            fetched, was_refused = self._agreement.on_rank0(
+                functools.partial(self._fetch, candidate, source)
+            )
             if fetched:
-                skipped.append(f"step {candidate} in {source}: {fetched}")
+                # A tier that refused the read (an I/O error, no access, unreachable) says
+                # nothing against its copy: like a local refusal, restore stops there.
+                (refused if was_refused else skipped).append(
+                    f"step {candidate} in {source}: {fetched}"
+                )
                 return None
         return self._try_restore(state, candidate, where, skipped, storage, vanished, refused)
 
-    def _fetch(self, step: int, uri: str) -> str:
+    def _fetch(self, step: int, uri: str) -> tuple[str, bool]:
         """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
-        ``uri`` into the local root; returns "" on success, else why not."""
+        ``uri`` into the local root; returns ("", False) on success, else why not and whether
+        the tier refused a read (rather than found the copy corrupt)."""
         local_storage, local_root = self._shared.storage, self._shared.root
         started = time.perf_counter()
         self._shared.known[step] = None  # ours to bring in: not a second writer's
@@ -229,7 +244,7 @@ class Restorer:
                 )
         except Exception as exc:
             log.warning("cannot restore checkpoint step %d from %s: %s", step, uri, exc)
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", _refusal(exc)
         self._shared.corrupt.discard(step)  # a verified copy replaced the local one
         log.info(
             "downloaded checkpoint step %d from %s in %.2f s",
@@ -237,7 +252,7 @@ class Restorer:
             uri,
             time.perf_counter() - started,
         )
-        return ""
+        return "", False
 
     def _try_restore(
         self,
@@ -278,30 +293,30 @@ class Restorer:
             # Loading code that could not be tried on a copy (its module cannot be copied)
             # runs on the live model: keep its tensors to put back should that code refuse.
             kept = _copy_tensors(state) if state.untried else None
+            failure: CorruptCheckpointError | None = None
             try:
                 tree = reader.finish(reader.sharded_values)
             except (CorruptCheckpointError, OSError, EOFError) as exc:
                 # Tensors beyond the read buffer are read a second time, straight into the live
                 # ones: a file changed or removed (an object store's) since it verified, or an
                 # I/O error, fails part-way through writing them.
-                raise _half_written(where, candidate, exc) from exc
+                failure = _half_written(where, candidate, exc)
+                failure.__cause__ = exc
         finally:
             if reader is not None:
                 reader.close()
-        try:
-            state.restore(tree, where=where, checked=True)
-        except Exception as exc:
-            if kept is not None:
-                _put_back(kept)
-                raise CorruptCheckpointError(
-                    f"{where}: loading step {candidate} failed in code that could not be tried "
-                    f"first ({', '.join(state.untried)} cannot be copied): {type(exc).__name__}: "
-                    f"{exc}. The model's tensors were put back as they were"
-                ) from exc
-            # Checked and trial-loaded before, so only an object that cannot be copied for a trial
-            # (or that loads differently the second time) gets here, with the live state partly
-            # written: never a bare error, and never a silent fallback over a half-loaded state.
-            raise _half_written(where, candidate, exc) from exc
+        if failure is None:
+            failure = _load_tree(state, tree, kept, where, candidate)
+        # Each rank loads its own part: when one fails, all do, so no rank trains on alone.
+        peers = self._group.all_gather(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        peer = next((f for f in peers if f is not None), None)
+        if peer is not None:
+            raise CorruptCheckpointError(
+                f"{where}: another rank failed to load step {candidate} ({peer}); this rank "
+                "loaded it, but the ranks no longer hold one state: restore again"
+            )
         self._warn_if_inexact(candidate)
         shared = self._shared
         shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
@@ -425,7 +440,10 @@ class Restorer:
             # A file the storage refuses to read (an I/O error, permissions) says nothing of
             # the checkpoint: skipped all the same, but never judged corrupt (and so removable).
             status, why = "unreadable" if unreadable(exc) else "corrupt", str(exc)
-            if not _still_there(storage, path) or _directory_identity(storage, path) != identity:
+            there = _still_there(storage, path)
+            if there is None:  # the root cannot be listed either: the storage refuses
+                status = "unreadable"
+            elif not there or _directory_identity(storage, path) != identity:
                 # Removed while it was read, or replaced: a writer saved this step again and
                 # swapped the copies mid-read (this manifest, the other copy's files). The
                 # listing is out of date; read the step again rather than judge it.
@@ -433,6 +451,34 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _load_tree(
+    state: TrainState,
+    tree: Any,
+    kept: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    where: str,
+    candidate: int,
+) -> CorruptCheckpointError | None:
+    """Load the verified ``tree`` into ``state``; the error if that failed (None if not)."""
+    try:
+        state.restore(tree, where=where, checked=True)
+    except Exception as exc:
+        if kept is not None:
+            _put_back(kept)
+            failure = CorruptCheckpointError(
+                f"{where}: loading step {candidate} failed in code that could not be tried "
+                f"first ({', '.join(state.untried)} cannot be copied): {type(exc).__name__}: "
+                f"{exc}. The model's tensors were put back as they were"
+            )
+        else:
+            # Checked and trial-loaded before, so only an object that cannot be copied for a
+            # trial (or that loads differently the second time) gets here, with the live state
+            # partly written: never a bare error, never a silent fallback over a half-load.
+            failure = _half_written(where, candidate, exc)
+        failure.__cause__ = exc
+        return failure
+    return None
 
 
 def _half_written(where: str, step: int, exc: BaseException) -> CorruptCheckpointError:
@@ -498,11 +544,19 @@ def _directory_identity(storage: Storage, ckpt_dir: str) -> tuple[int, int] | No
     return found.st_dev, found.st_ino
 
 
-def _still_there(storage: Storage, ckpt_dir: str) -> bool:
+def _still_there(storage: Storage, ckpt_dir: str) -> bool | None:
     """Whether the checkpoint directory ``ckpt_dir`` is still in its root (a directory left
-    without its manifest is there: a corrupt checkpoint, not a removed one)."""
+    without its manifest is there: a corrupt checkpoint, not a removed one); None when the
+    root cannot be listed (the storage refuses: no verdict)."""
     parent, name = posixpath.split(ckpt_dir.rstrip("/"))
     try:
         return name in storage.list(parent)
-    except Exception:  # cannot tell: list again, a bounded number of times
+    except FileNotFoundError:
         return False
+    except Exception:
+        return None
+
+
+def _refusal(exc: BaseException) -> bool:
+    """``exc`` is a storage's refusal to read (see :func:`unreadable`), not a verdict."""
+    return isinstance(exc, OSError) and unreadable(exc)
