@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -388,3 +390,41 @@ def test_a_state_of_many_mid_sized_tensors_is_staged_on_two_threads_exactly() ->
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_retention_takes_a_checkpoint_out_of_the_root_at_once_and_deletes_it_off_the_saves_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting gigabytes takes the file system a moment: retention renames the checkpoint aside
+    (it is gone from the root when wait() returns) and deletes it on a thread of its own, so
+    wait() does not include it; close() waits for it, and nothing is left behind."""
+    import shutil
+
+    from crashproof.checkpoint import _retention_runner
+
+    real_rmtree, release, deleting = shutil.rmtree, threading.Event(), []
+
+    def slow_rmtree(path: str, *args: object, **kwargs: object) -> None:
+        deleting.append(path)
+        assert release.wait(30), "never released"
+        real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_retention_runner.shutil, "rmtree", slow_rmtree)
+    ckpt = cp.CheckpointManager(str(tmp_path), keep=cp.KeepLast(1), handle_signals=False)
+    state = _state()
+    ckpt.save(1, state)
+    ckpt.wait()
+    ckpt.save(2, state)
+    started = time.monotonic()
+    ckpt.wait()  # retention ran: step 1 is out of the root, its deletion still pending
+    assert time.monotonic() - started < 10
+    assert [i.step for i in ckpt.list()] == [2]
+    assert len(deleting) == 1 and os.path.basename(deleting[0]).startswith(".trash-")
+    closing = threading.Thread(target=ckpt.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive(), "close() must wait for the deletion it handed over"
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".trash-")]

@@ -210,7 +210,8 @@ class CheckpointManager:
         return self.stats.last_blocking_s
 
     def wait(self) -> CommitResult | None:
-        """Block until the save in flight (if any) is committed and retention has run after it.
+        """Block until the save in flight (if any) is committed and retention has run after it
+        (what it removed is out of the root; deleting the files finishes in the background).
 
         Raises :class:`CheckpointWriteError` if the save failed (a full disk only with
         ``on_disk_full="raise"``).

@@ -13,7 +13,12 @@ from crashproof.storage._base import ReadStream, Storage, WriteStream, read_all,
 from crashproof.storage._faulty import with_injected_faults
 from crashproof.storage._fsspec import LOCAL_PROTOCOLS, FsspecStorage
 from crashproof.storage._guarded import GuardedStorage, local_backend
-from crashproof.storage._local import REPLACED_PREFIX, TRASH_PREFIX, LocalStorage
+from crashproof.storage._local import (
+    REPLACED_PREFIX,
+    TRASH_PREFIX,
+    LocalStorage,
+    deferring_removals,
+)
 from crashproof.storage._memory import MemoryStorage
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "ReadStream",
     "Storage",
     "WriteStream",
+    "deferring_removals",
     "local_backend",
     "local_path",
     "read_all",

@@ -28,9 +28,17 @@ import signal
 import stat
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ENV_PUBLISH_KILL", "PUBLISH_POINTS", "REPLACED_PREFIX", "TRASH_PREFIX", "LocalStorage"]
+__all__ = [
+    "ENV_PUBLISH_KILL",
+    "PUBLISH_POINTS",
+    "REPLACED_PREFIX",
+    "TRASH_PREFIX",
+    "LocalStorage",
+    "deferring_removals",
+]
 
 log = logging.getLogger("crashproof.storage")
 
@@ -287,10 +295,32 @@ class LocalStorage:
                 return
             path = trash
             _chaos_point("remove:renamed")
+        reap = getattr(_DEFERRED, "reap", None)
+        if reap is not None:  # gone from the root already; the deletion itself can wait
+            reap(path)
+            return
         shutil.rmtree(path, ignore_errors=True)  # never follows links: deletes them
 
     def describe(self, path: str) -> str:
         return os.path.abspath(path)
+
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferring_removals(reap: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, on this thread, :meth:`LocalStorage.remove` of a directory renames it
+    aside as always (it leaves the root at once, atomically) and hands the deletion of what it
+    renamed to ``reap``, which may run it later on another thread. Deleting a checkpoint of
+    gigabytes takes the file system a fraction of a second per gigabyte: retention need not
+    make the training run's next ``wait()`` wait for it. Other storages delete as always."""
+    previous = getattr(_DEFERRED, "reap", None)
+    _DEFERRED.reap = reap
+    try:
+        yield
+    finally:
+        _DEFERRED.reap = previous
 
 
 def _other_filesystem(path: str, dev: int) -> bool:
