@@ -74,6 +74,7 @@ from crashproof.supervisor._trainers import (
     settle_clean_exits,
     signal_name,
     signal_trainers,
+    wait_for_exit_codes,
 )
 from crashproof.telemetry import EventLog
 
@@ -356,6 +357,7 @@ class CrashproofAgent(LocalElasticAgent):
         """Log every trainer's exit, the first one to exit as the root cause, and record it."""
         self._failed_at_s = time.monotonic()
         exits = self._exits
+        wait_for_exit_codes(self._pcontext, worker_group.workers, self._stopped_by_us, 2.0)
         workers = failure_order(worker_group.workers, self._stopped_by_us, exits, failures)
         first: Failure | None = None
         furthest = self.heartbeats.furthest_step(worker_group.workers)

@@ -37,6 +37,7 @@ __all__ = [
     "settle_clean_exits",
     "signal_name",
     "signal_trainers",
+    "wait_for_exit_codes",
 ]
 
 _DUMP_POLL_S = 0.05
@@ -147,6 +148,20 @@ def settle_clean_exits(pcontext: Any, codes: Mapping[int, int | None]) -> list[i
         results[local_rank] = None
         settled.append(local_rank)
     return settled
+
+
+def wait_for_exit_codes(
+    pcontext: Any, workers: Iterable[Worker], pids: Collection[int], timeout_s: float
+) -> None:
+    """Wait up to ``timeout_s`` until the trainers ``pids`` (SIGKILLed a moment ago) have an
+    exit code: their parent must reap them first, which a loaded machine may take a while to
+    do, and a failure's report must name them as stopped rather than leave them out."""
+    waiting = [w for w in workers if w.id in pids]
+    deadline = time.monotonic() + timeout_s
+    while any(exit_code(pcontext, w.local_rank) is None for w in waiting):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
 
 
 def last_error(pcontext: Any, local_rank: int, failure: ProcessFailure | None) -> str | None:
