@@ -198,7 +198,7 @@ class Restorer:
             try:
                 root, storage = self._tiers.open_tier(source)
             except Exception as exc:
-                (refused if _refusal(exc) else skipped).append(
+                (refused if unreadable(exc) else skipped).append(
                     f"step {candidate} in {source}: {exc}"
                 )
                 return None
@@ -244,7 +244,7 @@ class Restorer:
                 )
         except Exception as exc:
             log.warning("cannot restore checkpoint step %d from %s: %s", step, uri, exc)
-            return f"{type(exc).__name__}: {exc}", _refusal(exc)
+            return f"{type(exc).__name__}: {exc}", unreadable(exc)
         self._shared.corrupt.discard(step)  # a verified copy replaced the local one
         log.info(
             "downloaded checkpoint step %d from %s in %.2f s",
@@ -555,8 +555,3 @@ def _still_there(storage: Storage, ckpt_dir: str) -> bool | None:
         return False
     except Exception:
         return None
-
-
-def _refusal(exc: BaseException) -> bool:
-    """``exc`` is a storage's refusal to read (see :func:`unreadable`), not a verdict."""
-    return isinstance(exc, OSError) and unreadable(exc)

@@ -15,6 +15,7 @@ from crashproof.checkpoint.restore._read_manifest import (
     read_manifest,
     read_manifest_bytes,
     read_rank_index,
+    unreadable,
 )
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ __all__ = [
     "read_rank_index",
     "restore_targets",
     "source_rank",
+    "unreadable",
     "verify_checkpoint",
 ]
 

@@ -34,6 +34,7 @@ __all__ = [
     "read_manifest_bytes",
     "read_rank_index",
     "refused",
+    "unreadable",
 ]
 
 
@@ -86,11 +87,19 @@ def refused(exc: OSError, where: str) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), name)
 
 
+def unreadable(exc: BaseException) -> bool:
+    """``exc`` is the storage refusing a read (permissions, an I/O error, a stale handle), not a
+    fault of the checkpoint: an OSError other than crashproof's own, and other than a missing
+    file (a file its manifest lists that is absent, a link or FIFO refused: the checkpoint's
+    fault, :class:`~crashproof.errors.CorruptCheckpointError` where the reader words it)."""
+    return isinstance(exc, OSError) and not isinstance(exc, (CrashproofError, FileNotFoundError))
+
+
 def read_error(exc: OSError | EOFError, where: str) -> Exception:
     """What a failed read of a checkpoint's file at ``where`` is: the storage's refusal
     (:func:`refused`), or corruption (a file shorter than listed, missing, or not a regular
     file)."""
-    if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, CrashproofError)):
+    if isinstance(exc, OSError) and unreadable(exc):
         return refused(exc, where)
     return CorruptCheckpointError(f"{where}: cannot be read ({exc})")
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from crashproof.checkpoint.restore import read_manifest, verify_checkpoint
+from crashproof.checkpoint.restore import read_manifest, unreadable, verify_checkpoint
 from crashproof.checkpoint.root._catalog import CheckpointInfo, describe_checkpoint
 from crashproof.errors import CrashproofError
 from crashproof.storage import Storage
@@ -78,14 +78,6 @@ def list_checkpoints(
                 verified, problem = False, str(exc)
         rows.append(Listed(info, verified, problem))
     return rows
-
-
-def unreadable(exc: BaseException) -> bool:
-    """``exc`` is the storage refusing a read (permissions, an I/O error, a stale handle), not a
-    fault of the checkpoint: an OSError other than crashproof's own, and other than a missing
-    file (a file its manifest lists that is absent, a link or FIFO refused: the checkpoint's
-    fault, :class:`~crashproof.errors.CorruptCheckpointError` where the reader words it)."""
-    return isinstance(exc, OSError) and not isinstance(exc, (CrashproofError, FileNotFoundError))
 
 
 def located(storage: Storage, ckpt_dir: str, exc: OSError) -> OSError:
