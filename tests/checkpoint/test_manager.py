@@ -400,8 +400,6 @@ def test_retention_takes_a_checkpoint_out_of_the_root_at_once_and_deletes_it_off
     wait() does not include it; close() waits for it, and nothing is left behind."""
     import shutil
 
-    from crashproof.checkpoint import _retention_runner
-
     real_rmtree, release, deleting = shutil.rmtree, threading.Event(), []
 
     def slow_rmtree(path: str, *args: object, **kwargs: object) -> None:
@@ -409,7 +407,7 @@ def test_retention_takes_a_checkpoint_out_of_the_root_at_once_and_deletes_it_off
         assert release.wait(30), "never released"
         real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_retention_runner.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)  # what the local storage deletes with
     ckpt = cp.CheckpointManager(str(tmp_path), keep=cp.KeepLast(1), handle_signals=False)
     state = _state()
     ckpt.save(1, state)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from crashproof.checkpoint._manager_state import ManagerState
@@ -43,13 +43,15 @@ class _Reaper:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
 
-    def submit(self, path: str) -> None:
+    def submit(self, delete: Callable[[], None]) -> None:
         if os.getpid() != self._pid:  # a forked child has no thread of its parent's
-            shutil.rmtree(path, ignore_errors=True)
+            delete()
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="crashproof-reaper")
-        self._pending.append(self._pool.submit(shutil.rmtree, path, ignore_errors=True))
+        # (the finished ones are dropped: a run of weeks makes thousands of removals)
+        self._pending = [future for future in self._pending if not future.done()]
+        self._pending.append(self._pool.submit(delete))
 
     def drain(self) -> None:
         """Wait until every deletion handed over is done (the disk is full; the manager closes)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import re
@@ -295,11 +296,12 @@ class LocalStorage:
                 return
             path = trash
             _chaos_point("remove:renamed")
+        delete = functools.partial(shutil.rmtree, path, ignore_errors=True)  # never follows links
         reap = getattr(_DEFERRED, "reap", None)
         if reap is not None:  # gone from the root already; the deletion itself can wait
-            reap(path)
+            reap(delete)
             return
-        shutil.rmtree(path, ignore_errors=True)  # never follows links: deletes them
+        delete()
 
     def describe(self, path: str) -> str:
         return os.path.abspath(path)
@@ -309,10 +311,10 @@ _DEFERRED = threading.local()
 
 
 @contextlib.contextmanager
-def deferring_removals(reap: Callable[[str], None]) -> Iterator[None]:
+def deferring_removals(reap: Callable[[Callable[[], None]], None]) -> Iterator[None]:
     """Within the block, on this thread, :meth:`LocalStorage.remove` of a directory renames it
     aside as always (it leaves the root at once, atomically) and hands the deletion of what it
-    renamed to ``reap``, which may run it later on another thread. Deleting a checkpoint of
+    renamed (a callable) to ``reap``, which may run it later on another thread. Deleting a checkpoint of
     gigabytes takes the file system a fraction of a second per gigabyte: retention need not
     make the training run's next ``wait()`` wait for it. Other storages delete as always."""
     previous = getattr(_DEFERRED, "reap", None)
