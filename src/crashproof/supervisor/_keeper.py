@@ -52,7 +52,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import IO, NamedTuple
 
 __all__ = ["ENV_AGENT_TOKEN", "Keeper", "end_sessions", "session_leaders"]
@@ -141,23 +141,11 @@ def end_sessions(leaders: dict[int, int | None], spare: Iterable[int | None]) ->
     and outlives them): between two attempts, what the failed attempt's trainers started must
     not run on beside the next one. Returns the pids killed."""
     me, keep = os.getpid(), {pid for pid in spare if pid}
-    sessions = _Sessions()
-    sessions._leaders = dict(leaders)
+    sessions = _Sessions(leaders)
     killed: list[int] = []
     deadline = time.monotonic() + _KILL_ROUNDS_S
     while time.monotonic() < deadline:
-        procs = _processes(me)
-        ours = sessions.ours(procs)
-        found = {pid for pid, proc in procs.items() if proc.session in ours} - keep
-        children: dict[int, list[int]] = {}
-        for pid, proc in procs.items():
-            children.setdefault(proc.ppid, []).append(pid)
-        todo = list(found)
-        while todo:  # descendants still linked by their parent (a new session, for one)
-            for child in children.get(todo.pop(), ()):
-                if child not in found and child not in keep:
-                    found.add(child)
-                    todo.append(child)
+        found = _marked(None, me, sessions, spare=keep)
         if not found:
             break
         for pid in found:
@@ -197,8 +185,8 @@ def _stat(pid: int | str) -> _Proc | None:
 class _Sessions:
     """The trainers' sessions the agent named, each with its leader's start time when named."""
 
-    def __init__(self) -> None:
-        self._leaders: dict[int, int | None] = {}
+    def __init__(self, leaders: dict[int, int | None] | None = None) -> None:
+        self._leaders: dict[int, int | None] = dict(leaders or {})
         self._batch: set[int] = set()
         self._partial = ""  # a line not yet complete
 
@@ -264,19 +252,29 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _marked(token: bytes, me: int, sessions: _Sessions | None = None) -> dict[int, bytes]:
+def _marked(
+    token: bytes | None,
+    me: int,
+    sessions: _Sessions | None = None,
+    spare: Collection[int] = (),
+) -> dict[int, bytes]:
     """Live processes of the run, with their command lines: those whose environment carries
-    ``token``, those in one of the trainers' ``sessions``, and every descendant of these."""
+    ``token`` (if given), those in one of the trainers' ``sessions``, and every descendant of
+    these; never ``spare`` (nor, through it, its descendants)."""
     procs = _processes(me)
     ours = sessions.ours(procs) if sessions is not None else set()
-    found = {pid for pid, proc in procs.items() if proc.session in ours or _carries(pid, token)}
+    found = {
+        pid
+        for pid, proc in procs.items()
+        if proc.session in ours or (token is not None and _carries(pid, token))
+    } - set(spare)
     children: dict[int, list[int]] = {}
     for pid, proc in procs.items():
         children.setdefault(proc.ppid, []).append(pid)
     todo = list(found)
     while todo:  # descendants still linked by their parent (a new session, a cleared environment)
         for child in children.get(todo.pop(), ()):
-            if child not in found:
+            if child not in found and child not in spare:
                 found.add(child)
                 todo.append(child)
     return {pid: _cmdline(pid) for pid in found}
