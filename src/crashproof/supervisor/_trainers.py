@@ -128,17 +128,15 @@ def exit_codes(
         time.sleep(0.002)
 
 
-def settle_clean_exits(pcontext: Any, codes: Mapping[int, int | None]) -> list[int]:
+def settle_clean_exits(pcontext: Any, codes: Mapping[int, int | None]) -> None:
     """Count as finished the warm-started trainers that exited 0 without handing torch a result
     (``os._exit(0)``, often used to skip a hanging teardown, or ``sys.exit(256)``): as under
     ``python script.py`` or ``--cold-start``, exit 0 is success. torch's process context waits
-    for every trainer's result, so without one it would wait for ever and the run never end.
-    Returns the local ranks settled now."""
+    for every trainer's result, so without one it would wait for ever and the run never end."""
     results = getattr(pcontext, "_return_values", None)
     queues = getattr(pcontext, "_ret_vals", None)
     if not isinstance(results, dict) or not isinstance(queues, Mapping):
-        return []  # exec'd trainers: exit 0 is torch's success already
-    settled = []
+        return  # exec'd trainers: exit 0 is torch's success already
     for local_rank, code in codes.items():
         if code != 0 or local_rank in results:
             continue
@@ -146,8 +144,6 @@ def settle_clean_exits(pcontext: Any, codes: Mapping[int, int | None]) -> list[i
         if queue is not None and not queue.empty():
             continue  # its result is there: torch reads it at its next look
         results[local_rank] = None
-        settled.append(local_rank)
-    return settled
 
 
 def wait_for_exit_codes(
