@@ -44,9 +44,8 @@ from crashproof.checkpoint.format._hashing import digest
 from crashproof.checkpoint.format._shard_file import tensor_bytes
 from crashproof.checkpoint.save._delta import (
     DeltaBase,
-    _any_bit,
-    _pack_planes,
-    _planes,
+    _same_bytes,
+    _xor_planes,
     apply_delta,
     encode_delta,
 )
@@ -251,68 +250,97 @@ def measure(
     return result
 
 
-def stages(repeats: int) -> dict[str, float]:
-    """GB/s of each encoding and decoding stage on one thread, for a 40 MB float32 tensor whose
-    values changed by about 0.1% (like a second moment after a few steps), and of alternatives."""
-    rng = np.random.default_rng(0)
-    then = (rng.standard_normal(10_000_000) * 0.02).astype(np.float32)
-    now = (then * (1 + 1e-3 * rng.standard_normal(then.size))).astype(np.float32)
-    a, b = now.view(np.uint8), then.view(np.uint8)
+def _float32_bytes(tensors: list[tuple[str, torch.Tensor]]) -> np.ndarray[Any, Any]:
+    """The bytes of every float32 tensor of a state, one after another."""
+    return np.concatenate(
+        [t.reshape(-1).view(torch.uint8).numpy() for _, t in tensors if t.dtype == torch.float32]
+    )
+
+
+def stages(scenario: Scenario, warmup: int, gap: int, repeats: int) -> dict[str, Any]:
+    """Where the encoding's time goes, on real state: the float32 tensors of ``scenario`` (the
+    dense training) ``gap`` steps after a base taken after ``warmup`` steps, as one array. GB/s
+    over the state's bytes on one thread, each byte plane's share, and the alternatives."""
+    for _ in range(warmup):
+        scenario.step()
+    base = flat(scenario, 0)
+    for _ in range(gap):
+        scenario.step()
+    a, b = _float32_bytes(flat(scenario, gap)), _float32_bytes(base)
     compressor = zstandard.ZstdCompressor(level=1)
 
-    def rate(work: Callable[[], object]) -> float:
+    def seconds(work: Callable[[], object]) -> float:
         times = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
             work()
             times.append(time.perf_counter() - started)
-        return a.size / statistics.median(times[1:]) / 1e9
+        return statistics.median(times[1:])
+
+    def rate(work: Callable[[], object]) -> float:
+        return a.size / seconds(work) / 1e9
 
     xor = np.bitwise_xor(a, b)
-    planes = _planes(xor, 4)
-    blob = _pack_planes(planes, 4, compressor)
+    blob = _xor_planes(a, b, 4, compressor)
+    a_copy = a.copy()  # a tensor left as it was: equal to its base in every byte
     # decode: apply_delta on a fresh copy of the base each time (made before the clock)
-    entry = DeltaEntry(0, "xor-zstd", "float32", tuple(now.shape), digest(memoryview(a)))
-    stored = torch.frombuffer(blob, dtype=torch.uint8)
-    bases = iter([torch.from_numpy(then.copy()) for _ in range(repeats + 1)])
-    out = {
-        "xor": rate(lambda: np.bitwise_xor(a, b)),
-        "any bit changed (a tensor left as it was)": rate(lambda: _any_bit(xor)),
-        "byte planes": rate(lambda: _planes(xor, 4)),
-        "pack planes (zstd-1 where compressible)": rate(lambda: _pack_planes(planes, 4, compressor)),
+    entry = DeltaEntry(0, "xor-zstd", "float32", (a.size // 4,), digest(memoryview(a)))
+    stored = torch.from_numpy(blob)
+    bases = iter([torch.from_numpy(b.copy().view(np.float32)) for _ in range(repeats + 1)])
+    rates = {
+        "encode: XOR each byte plane into place, zstd-1 where compressible": rate(lambda: _xor_planes(a, b, 4, compressor)),
+        "of which: the XOR of the whole state alone": rate(lambda: np.bitwise_xor(a, b)),
+        "compare with the base, byte for byte (a tensor left as it was)": rate(lambda: _same_bytes(a, a_copy)),
         "checksum": rate(lambda: digest(memoryview(a))),
         "decode: unpack each plane and XOR it into the base, checksum": rate(lambda: apply_delta(entry, stored, next(bases), "bench")),
     }  # fmt: skip
-    for level in (1, -5):
-        other = zstandard.ZstdCompressor(level=level)
-        size = len(other.compress(planes.data))
-        out[f"alternative: zstd {level} on all planes (ratio {a.size / size:.2f}x)"] = rate(
-            lambda other=other: other.compress(planes.data)
-        )
-    out[f"(pack planes ratio {a.size / len(blob):.2f}x)"] = 0.0
-    out.update(_blosc2_rates(xor, rate))
-    return out
+    rates.update(_blosc2_rates(xor, rate))
+    planes = []
+    columns = xor.reshape(-1, 4)
+    for k in range(4):
+        plane = np.ascontiguousarray(columns[:, k])
+        packed = len(compressor.compress(plane.data))
+        planes.append({
+            "plane": k, "ratio": plane.size / packed,
+            "zstd1_gbps": plane.size / seconds(lambda plane=plane: compressor.compress(plane.data)) / 1e9,
+        })  # fmt: skip
+    return {"state_mb": a.size / MB, "encode_ratio": a.size / blob.size, "rates": rates,
+            "planes": planes}  # fmt: skip
 
 
 def _blosc2_rates(
     xor: np.ndarray[Any, Any], rate: Callable[[Callable[[], object]], float]
 ) -> dict[str, float]:
-    """python-blosc2's shuffle and bitshuffle filters with zstd-1, one thread, on the same XOR:
-    the native alternative to the byte planes and their packing (``pip install blosc2``)."""
+    """The native alternatives to crashproof's byte planes, on the same XOR: python-blosc2
+    (shuffle or bitshuffle, then zstd-1 or LZ4, in one C pass, one and two threads) and
+    numcodecs (its shuffle filter, then its zstd-1). ``pip install -e '.[bench]'``."""
+    rates = {}
     try:
         import blosc2
     except ImportError:
-        return {"(blosc2 not installed: pip install blosc2 to compare)": 0.0}
-    rates = {}
-    for name, shuffle in (
-        ("shuffle", blosc2.Filter.SHUFFLE),
-        ("bitshuffle", blosc2.Filter.BITSHUFFLE),
-    ):
-        params = {"codec": blosc2.Codec.ZSTD, "clevel": 1, "filters": [shuffle], "typesize": 4,
-                  "nthreads": 1}  # fmt: skip
-        size = len(blosc2.compress2(xor, **params))
-        label = f"alternative: blosc2 {name} + zstd-1 of the XOR (ratio {xor.size / size:.2f}x)"
-        rates[label] = rate(lambda params=params: blosc2.compress2(xor, **params))
+        rates["(blosc2 not installed: pip install -e '.[bench]' to compare)"] = 0.0
+    else:
+        for codec, level, shuffle, threads in (
+            (blosc2.Codec.ZSTD, 1, blosc2.Filter.SHUFFLE, 1),
+            (blosc2.Codec.ZSTD, 1, blosc2.Filter.BITSHUFFLE, 1),
+            (blosc2.Codec.ZSTD, 1, blosc2.Filter.SHUFFLE, 2),
+            (blosc2.Codec.LZ4, 9, blosc2.Filter.SHUFFLE, 2),
+        ):
+            params = {"codec": codec, "clevel": level, "filters": [shuffle], "typesize": 4,
+                      "nthreads": threads}  # fmt: skip
+            size = len(blosc2.compress2(xor, **params))
+            label = (f"alternative: blosc2 {shuffle.name.lower()} + {codec.name.lower()}-{level}, "
+                     f"{threads} thread{'s' if threads > 1 else ''} (ratio {xor.size / size:.2f}x)")  # fmt: skip
+            rates[label] = rate(lambda params=params: blosc2.compress2(xor, **params))
+    try:
+        from numcodecs import Shuffle, Zstd
+    except ImportError:
+        rates["(numcodecs not installed: pip install -e '.[bench]' to compare)"] = 0.0
+    else:
+        shuffle, zstd = Shuffle(elementsize=4), Zstd(level=1)
+        size = len(zstd.encode(shuffle.encode(xor)))
+        label = f"alternative: numcodecs shuffle + zstd-1 (ratio {xor.size / size:.2f}x)"
+        rates[label] = rate(lambda: zstd.encode(shuffle.encode(xor)))
     return rates
 
 
@@ -320,7 +348,7 @@ TARGETS = {"dense": 1.3, "frozen": 8.0, "embedding": 5.0}
 
 
 def markdown(
-    results: list[dict[str, Any]], stage_rates: dict[str, float], args: argparse.Namespace
+    results: list[dict[str, Any]], stage_rates: dict[str, Any], args: argparse.Namespace
 ) -> str:
     lines = [
         "| training | delta after | full MB | delta MB | full / delta | zstd-1 of full | zstd-3 of full "
@@ -337,10 +365,21 @@ def markdown(
                 f"| {d['encode_gbps']:.2f} | {d['decode_gbps']:.2f} | {d['disk_gbps']:.2f} "
                 f"| {d['same']} / {d['xor']} / {d['raw']} | {'yes' if d['rebuilt_exactly'] else '**no**'} | {verdict} |"
             )  # fmt: skip
-    rows = "\n".join(f"| {name} | {gbps:.2f} |" for name, gbps in stage_rates.items() if gbps)
-    ratio = next(name for name, gbps in stage_rates.items() if not gbps)
-    lines += ["", f"Stages, one thread, 40 MB float32 changed ~0.1% {ratio}:", "",
-              "| stage | GB/s |", "|---|---:|", rows]  # fmt: skip
+    rows = "\n".join(
+        f"| {name} | {gbps:.2f} |" if gbps else f"| {name} | |"
+        for name, gbps in stage_rates["rates"].items()
+    )
+    lines += ["", f"Stages, one thread, on the dense training's {stage_rates['state_mb']:.1f} MB of "
+              f"float32 state 10 steps after its base (encoded {stage_rates['encode_ratio']:.2f}x "
+              "smaller), GB/s over the state's bytes:", "",
+              "| stage | GB/s |", "|---|---:|", rows, "",
+              "Each byte plane of the same XOR (plane 3: sign and high exponent bits), zstd-1 on "
+              "one thread, GB/s over the plane's bytes:", "",
+              "| plane | zstd-1 ratio | zstd-1 GB/s |", "|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        f"| {p['plane']} | {p['ratio']:.2f}x | {p['zstd1_gbps']:.2f} |"
+        for p in stage_rates["planes"]
+    ]
     notes = "\n".join(
         f"- **{r['scenario']}**: {r['note']}; state {r['state_bytes'] / MB:.1f} MB."
         for r in results
@@ -377,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             work,
         ),
     ]
-    stage_rates = stages(args.repeats)
+    stage_rates = stages(dense(shape), args.warmup_steps, 10, args.repeats)
     if args.json:
         print(json.dumps({"scenarios": results, "stages_gbps": stage_rates}, indent=2))
     if args.markdown or not args.json:

@@ -203,3 +203,70 @@ def test_a_hostile_delta_blob_is_refused_cleanly(damage: object) -> None:
     bad = damage(blob)  # type: ignore[operator]
     with pytest.raises(cp.CorruptCheckpointError):
         apply_delta(entry, torch.frombuffer(bytearray(bad), dtype=torch.uint8), base.clone(), "w")
+
+
+def _tensor_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, base, now) pairs on every side of the encoder's choices: planes shorter and longer
+    than the sample that decides zstd (64 KiB), a compressible start and a random rest (zstd
+    tried, then the plane kept as is), a random start and a compressible rest, 1-, 2-, 4- and
+    8-byte elements, NaN payloads and -0.0 changed bit for bit, and tensors left as they were."""
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for count in (1, 7, 4096, 65536, 4 * 65536, 4 * 65536 + 1, 300_000):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.uint8):
+            base = torch.randn(count, generator=g).to(dtype)
+            now = base.clone()
+            if count > 8:
+                now[: count // 3] = torch.randn(count // 3, generator=g).to(dtype)
+            else:
+                now[0] += 1
+            pairs.append((f"{dtype}-{count}", base, now))
+    big = 4 * 65536 + 4096
+    for name, head_random in (
+        ("compressible-then-random", False),
+        ("random-then-compressible", True),
+    ):
+        base = torch.zeros(big, dtype=torch.uint8)
+        noise = torch.randint(0, 256, (big,), generator=g, dtype=torch.uint8)
+        now = base.clone()
+        if head_random:
+            now[:65536] = noise[:65536]
+        else:
+            now[65536:] = noise[65536:]
+        pairs.append((name, base, now))
+    nan = torch.full((1000,), float("nan"))
+    other_nan = nan.view(torch.int32).bitwise_or(1).view(torch.float32)
+    pairs.append(("nan-payload", nan, other_nan))
+    pairs.append(("negative-zero", torch.zeros(1000), -torch.zeros(1000)))
+    pairs.append(("unchanged", torch.arange(70_000.0), torch.arange(70_000.0)))
+    return pairs
+
+
+def test_the_encoding_rebuilds_every_tensor_bit_for_bit() -> None:
+    from crashproof.checkpoint.format._hashing import digest
+    from crashproof.checkpoint.format._shard_file import tensor_bytes
+    from crashproof.checkpoint.save._delta import DeltaBase, apply_delta, encode_delta
+
+    pairs = _tensor_pairs()
+    base = DeltaBase(
+        0,
+        {name: b for name, b, _ in pairs},
+        {name: digest(tensor_bytes(b)) for name, b, _ in pairs},
+    )
+    stored, entries = encode_delta([(name, now) for name, _, now in pairs], base, cp.Delta())
+    by_index = {entry.index: entry for entry in entries}
+    kinds = {}
+    for i, (name, then, now) in enumerate(pairs):
+        entry = by_index.get(i)
+        if entry is None:  # stored as is: exactly the tensor
+            assert stored[i][1] is now, name
+            kinds[name] = "as is"
+            continue
+        target = then.clone()
+        apply_delta(entry, stored[i][1], target, name)
+        assert bytes(tensor_bytes(target)) == bytes(tensor_bytes(now)), name
+        kinds[name] = entry.encoding
+    assert kinds["unchanged"] == "same"
+    assert kinds["nan-payload"] == kinds["negative-zero"] == "xor-zstd"  # bits, not values
+    assert kinds["compressible-then-random"] == "xor-zstd"
+    assert "xor-zstd" in {kinds[f"{torch.float32}-{n}"] for n in (65536, 300_000)}

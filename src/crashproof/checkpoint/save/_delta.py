@@ -117,21 +117,8 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _planes(flat: np.ndarray[Any, Any], itemsize: int) -> np.ndarray[Any, Any]:
-    """Byte ``k`` of every element together, for ``k`` = 0, 1, ...: like bytes compress together.
-
-    One strided copy per plane: a transpose of the ``(n, itemsize)`` view copies at a third of
-    the speed (benchmarks/delta.py's stage table)."""
-    if itemsize == 1:
-        return flat
-    columns = flat.reshape(-1, itemsize)
-    planes = np.empty((itemsize, len(columns)), dtype=np.uint8)
-    for k in range(itemsize):
-        np.copyto(planes[k], columns[:, k])
-    return planes.reshape(-1)
-
-
-# An encoded tensor is one record per byte plane: a mode byte (0: the plane as is, 1: zstd), the
+# An encoded tensor is one record per byte plane (byte ``k`` of every element together, for
+# ``k`` = 0, 1, ...: like bytes compress together): a mode byte (0: the plane as is, 1: zstd), the
 # payload's length (8 bytes, little-endian), the payload. A plane of low mantissa bytes is close
 # to random and zstd would spend time for nothing on it: a sample decides.
 _RAW, _ZSTD = 0, 1
@@ -140,29 +127,63 @@ _SAMPLE = 64 * 1024
 _COMPRESSIBLE = 0.9
 
 
-def _pack_planes(
-    planes: np.ndarray[Any, Any], itemsize: int, compressor: zstandard.ZstdCompressor
-) -> bytearray:
-    parts: list[bytes | memoryview] = []
-    for plane in planes.reshape(itemsize, -1):
-        sample = plane[:_SAMPLE]
-        if len(compressor.compress(sample.data)) > _COMPRESSIBLE * sample.size:
-            parts += [_RECORD.pack(_RAW, plane.size), plane.data]
-        else:
-            payload = compressor.compress(plane.data)
-            parts += [_RECORD.pack(_ZSTD, len(payload)), payload]
-    blob = bytearray(sum(len(part) for part in parts))  # one copy of each part, writable
+def _xor_planes(
+    now: np.ndarray[Any, Any],
+    then: np.ndarray[Any, Any],
+    itemsize: int,
+    compressor: zstandard.ZstdCompressor,
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The encoded XOR of ``now`` and ``then``, the bytes of ``itemsize``-byte elements.
+
+    One pass: each plane's XOR is computed straight into its place in the blob (a strided read
+    of both tensors, a contiguous write), and a compressible plane's zstd frame then overwrites
+    it there; no XOR, plane or record is held anywhere else (computing the XOR, then the
+    planes, then joining the records copied every byte three times: benchmarks/delta.py)."""
+    count = now.size // itemsize
+    # Every plane as is: the most it takes. Not zero-filled: every byte given is written first.
+    blob = np.empty(itemsize * (_RECORD.size + count), dtype=np.uint8)
+    now_columns, then_columns = now.reshape(-1, itemsize), then.reshape(-1, itemsize)
     pos = 0
-    for part in parts:
-        blob[pos : pos + len(part)] = part
-        pos += len(part)
-    return blob
+    for k in range(itemsize):
+        start = pos + _RECORD.size
+        plane = blob[start : start + count]
+        np.bitwise_xor(now_columns[:, k], then_columns[:, k], out=plane)
+        mode, length = _RAW, count
+        payload = _packed(plane, compressor)
+        if payload is not None:
+            mode, length = _ZSTD, len(payload)
+            blob[start : start + length] = np.frombuffer(payload, dtype=np.uint8)
+        _RECORD.pack_into(blob.data, pos, mode, length)
+        pos = start + length
+    return blob[:pos]
 
 
-def _any_bit(data: np.ndarray[Any, Any]) -> bool:
-    """Whether any bit of ``data`` (bytes) is set; read eight bytes at a time where it can."""
-    words = data.size // 8 * 8
-    return bool(data[:words].view(np.uint64).any() or data[words:].any())
+def _packed(plane: np.ndarray[Any, Any], compressor: zstandard.ZstdCompressor) -> bytes | None:
+    """``plane`` as one zstd frame, or None where zstd would not make it smaller by a tenth.
+
+    A plane of low mantissa bytes is close to random: the frame's first ``_SAMPLE`` bytes
+    decide, and the rest of the plane goes on into the same frame only when they were
+    compressible, so no byte is compressed twice (compressing a sample on its own first doubled
+    zstd's work on every small tensor: benchmarks/delta.py)."""
+    count = plane.size
+    if count <= 4 * _SAMPLE:
+        payload = compressor.compress(plane.data)
+        return payload if len(payload) <= _COMPRESSIBLE * count else None
+    stream = compressor.compressobj(size=count)
+    head = stream.compress(plane[:_SAMPLE].data)
+    head += stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    if len(head) > _COMPRESSIBLE * _SAMPLE:
+        return None
+    payload = head + stream.compress(plane[_SAMPLE:].data) + stream.flush()
+    return payload if len(payload) < count else None
+
+
+def _same_bytes(now: np.ndarray[Any, Any], then: np.ndarray[Any, Any]) -> bool:
+    """Whether ``now`` and ``then`` (bytes) are equal, compared eight bytes at a time."""
+    words = now.size // 8 * 8
+    return np.array_equal(now[:words].view(np.uint64), then[:words].view(np.uint64)) and (
+        np.array_equal(now[words:], then[words:])
+    )
 
 
 def _each_plane(
@@ -255,22 +276,21 @@ def encode_delta(
             or tensor.numel() == 0
         ):
             return tensor, None
-        now, then = _bytes(tensor), _bytes(previous)
         dtype = dtype_name(tensor.dtype, where=name)
-        xor = np.bitwise_xor(now, then)
-        if not _any_bit(xor):  # bitwise: NaN payloads and -0.0 count as they are
-            return _EMPTY, DeltaEntry(i, "same", dtype, tuple(tensor.shape), base.checksums[name])
+        now, then = _bytes(tensor), _bytes(previous)
+        # The checksum is needed anyway and runs at ~30 GB/s: only a tensor whose checksum is
+        # its base's can be unchanged, and is then compared byte for byte (bitwise: NaN
+        # payloads and -0.0 count as they are), so "same" never rests on the hash alone.
+        checksum = digest(tensor_bytes(tensor))
+        if checksum == base.checksums[name] and _same_bytes(now, then):
+            return _EMPTY, DeltaEntry(i, "same", dtype, tuple(tensor.shape), checksum)
         if check is not None:
             check.tensor(i)
-        planes = _planes(xor, tensor.element_size())
-        del xor
-        blob = _pack_planes(planes, tensor.element_size(), _compressor(config.level))
-        if len(blob) > _WORTH_IT * now.size:
+        blob = _xor_planes(now, then, tensor.element_size(), _compressor(config.level))
+        if blob.size > _WORTH_IT * now.size:
             return tensor, None
-        stored = torch.frombuffer(blob, dtype=torch.uint8)
-        return stored, DeltaEntry(
-            i, "xor-zstd", dtype, tuple(tensor.shape), digest(tensor_bytes(tensor))
-        )
+        stored = torch.from_numpy(blob)
+        return stored, DeltaEntry(i, "xor-zstd", dtype, tuple(tensor.shape), checksum)
 
     with ThreadPoolExecutor(config.threads, thread_name_prefix="crashproof-delta") as pool:
         results = list(pool.map(encode, range(len(tensors))))
