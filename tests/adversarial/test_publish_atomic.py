@@ -289,8 +289,7 @@ def test_a_reader_caught_mid_read_by_a_resave_reads_the_step_again(
         ckpt.save(2, cp.TrainState(model=_linear_with(5.0)))  # the new copy of step 2
     step2 = root / checkpoint_dir_name(2)
 
-    from crashproof.checkpoint import _restorer
-    from crashproof.checkpoint.restore import _rank_read
+    from crashproof.checkpoint.restore import _fan_out, _rank_read
 
     swapped: list[bool] = []
 
@@ -301,7 +300,7 @@ def test_a_reader_caught_mid_read_by_a_resave_reads_the_step_again(
             os.rename(other / checkpoint_dir_name(2), step2)
 
     if when == "after the manifest":
-        real = _restorer.read_manifest
+        real = _fan_out.read_manifest  # (where a restore reads it: rank 0's plan)
 
         def read_then_swap(storage: Any, path: str) -> Any:
             manifest = real(storage, path)
@@ -309,7 +308,7 @@ def test_a_reader_caught_mid_read_by_a_resave_reads_the_step_again(
                 swap_once()
             return manifest
 
-        monkeypatch.setattr(_restorer, "read_manifest", read_then_swap)
+        monkeypatch.setattr(_fan_out, "read_manifest", read_then_swap)
     else:
         real_index = _rank_read.read_rank_index
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,19 +20,29 @@ from tests.warm_ranks import WarmRanks
 STEPS = 30
 
 
-def _torchrun(run_dir: Path, log: Path, *extra: str, check: bool = True) -> int:
+def _torchrun(
+    run_dir: Path, log: Path, *extra: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     args = [
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(EXAMPLES / "train_tiny.py"), "--run-dir", str(run_dir), "--steps", str(STEPS),
         "--every", "5", "--workers", "1", "--step-log", str(log), *extra,
     ]  # fmt: skip
-    return run_python(args, check=check, timeout=240).returncode
+    return run_python(args, check=check, timeout=240)
 
 
 def test_two_ranks_resume_bit_identical_after_a_crash(tmp_path: Path) -> None:
     _torchrun(tmp_path / "ref", tmp_path / "ref.log", "--dump", str(tmp_path / "ref.safetensors"))
-    assert _torchrun(tmp_path / "run", tmp_path / "run.log", "--crash-at", "17", check=False) != 0
-    _torchrun(tmp_path / "run", tmp_path / "run.log", "--dump", str(tmp_path / "run.safetensors"))
+    crashed = _torchrun(tmp_path / "run", tmp_path / "run.log", "--crash-at", "17", check=False)
+    assert crashed.returncode != 0
+    resumed = _torchrun(
+        tmp_path / "run", tmp_path / "run.log", "--dump", str(tmp_path / "run.safetensors")
+    )
+    # Where it resumed: a restore that found nothing would replay from step 0 to the same end.
+    # (Step 15's asynchronous save may not have committed before the crash after step 17.)
+    starts = re.findall(r"starting at step (\d+)", resumed.stdout)
+    assert len(starts) == 2 and len(set(starts)) == 1, resumed.stdout + resumed.stderr
+    assert starts[0] in ("10", "15"), resumed.stdout
 
     expected, resumed = (
         load_file(tmp_path / "ref.safetensors"),

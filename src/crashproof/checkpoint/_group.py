@@ -46,6 +46,11 @@ class Group(Protocol):
         """Every rank's ``obj`` on every rank (in rank order)."""
         ...
 
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """``objs[r]`` (given on rank 0, one per rank) on rank ``r``: each rank receives its
+        own, not every rank's."""
+        ...
+
     def max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of every rank's ``values`` (cheap: one small all-reduce)."""
         ...
@@ -70,6 +75,10 @@ class SoloGroup:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
 
     def max(self, values: list[int]) -> list[int]:
         return list(values)
@@ -104,6 +113,11 @@ class DistGroup:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0, group=self._group)
+        return box[0]
 
     def max(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)

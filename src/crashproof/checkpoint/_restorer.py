@@ -28,10 +28,11 @@ from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import ReadBuffer, checkpoint_dir_name
 from crashproof.checkpoint.restore import (
+    RankPlan,
     RankRead,
     checkpoint_not_found,
+    plan_restore,
     read_manifest,
-    source_rank,
 )
 from crashproof.checkpoint.root import (
     abandoned,
@@ -364,6 +365,32 @@ class Restorer:
         available = _host_memory.available_memory_bytes()
         return 0 if available is None else max(0, available - HEADROOM_BYTES)
 
+    def _plan(self, state: TrainState, path: str, storage: Storage) -> RankPlan:
+        """This rank's part of the checkpoint in ``path``, read once by rank 0 and handed out
+        (:mod:`crashproof.checkpoint.restore._fan_out`): every rank calls this, and what rank
+        0 met reading it (a corrupt or refused file, a mismatch) is raised on every rank."""
+        plans: list[RankPlan | Exception] | None = None
+        if self._group.rank == 0:
+            try:
+                plans = list(
+                    plan_restore(
+                        storage, path, self._group.world_size, per_rank=state.per_rank_names()
+                    )
+                )
+            except Exception as exc:  # every rank raises it, rather than wait for rank 0
+                # (without its traceback: sent to the other ranks, and no cycle through this
+                # frame keeps the manager, and with it the root's lock, alive after a failure)
+                plans = [exc.with_traceback(None)] * self._group.world_size
+        mine = self._group.scatter(plans)
+        plans = None
+        if isinstance(mine, Exception):
+            try:
+                raise mine
+            finally:
+                del mine
+        assert isinstance(mine, RankPlan)
+        return mine
+
     def _load_candidate(
         self, state: TrainState, step: int, path: str, storage: Storage
     ) -> tuple[str, RankRead | None, str]:
@@ -378,11 +405,9 @@ class Restorer:
         reader: RankRead | None = None
         identity = _directory_identity(storage, path)
         try:
-            manifest = read_manifest(storage, path)  # (also: that it is this step's)
+            plan = self._plan(state, path, storage)  # (also: that it is this step's)
+            manifest, source = plan.manifest, plan.source
             # Another world size: replicated state only, each rank reading a saved rank's part.
-            source = source_rank(
-                storage, path, manifest, rank, world_size, per_rank=state.per_rank_names()
-            )
             if source != rank or manifest.world_size != world_size:
                 log.info(
                     "checkpoint step %d was saved by %d ranks: rank %d restores saved rank %d's state",
@@ -402,7 +427,7 @@ class Restorer:
                         world_size,
                     )
             reader = RankRead(
-                storage, path, manifest, source,
+                storage, path, manifest, source, base=plan.base,
                 into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
             )  # fmt: skip
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.

@@ -1,13 +1,14 @@
 """Reading checkpoints back: the manifest and the ranks' indexes, a rank's tensors and state
 verified (the same path as ``crashproof verify``), sharded (DTensor) state through
-``torch.distributed.checkpoint``, and which saved rank a new rank restores when the world
-size changed.
+``torch.distributed.checkpoint``, which saved rank a new rank restores when the world size
+changed, and each rank's part of the manifest, read once by rank 0 (``_fan_out``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
@@ -27,10 +28,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CrashproofReader",
+    "RankPlan",
     "RankRead",
     "checkpoint_not_found",
     "load_rank_state",
     "load_sharded",
+    "plan_restore",
     "read_manifest",
     "read_manifest_bytes",
     "read_rank_index",

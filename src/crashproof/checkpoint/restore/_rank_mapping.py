@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from crashproof.checkpoint.format import Manifest
+from crashproof.checkpoint.format import Manifest, RankIndex
 from crashproof.checkpoint.restore._read_manifest import read_rank_index
 from crashproof.errors import StateMismatchError
 from crashproof.storage import Storage
 
-__all__ = ["source_rank"]
+__all__ = ["source_rank", "source_ranks"]
 
 _PER_RANK_PREFIXES = ("rng/",)
 
@@ -44,9 +44,23 @@ def source_rank(
     Raises :class:`StateMismatchError` when the world size differs and the saved ranks' tensors
     are not the same; :class:`~crashproof.CorruptCheckpointError` for an unreadable index.
     """
+    sources, _ = source_ranks(storage, ckpt_dir, manifest, world_size, per_rank=per_rank)
+    return sources[rank]
+
+
+def source_ranks(
+    storage: Storage,
+    ckpt_dir: str,
+    manifest: Manifest,
+    world_size: int,
+    *,
+    per_rank: Collection[str] = (),
+) -> tuple[list[int], list[RankIndex]]:
+    """The saved rank each of ``world_size`` ranks restores, and the saved ranks' indexes read
+    to check that the state is replicated (none when the world size is the one saved)."""
     saved = manifest.world_size
     if saved == world_size:
-        return rank
+        return list(range(world_size)), []
     indexes = [read_rank_index(storage, ckpt_dir, manifest, r) for r in range(saved)]
     # A save that wrote replicated tensors once (they point into another rank's file) wrote the
     # rest of the model per rank on purpose: its buffers (see TrainState.replicated_names).
@@ -77,4 +91,4 @@ def source_rank(
                 f"redistributed over {world_size} ranks. Restore with {saved} ranks, or shard "
                 f"with FSDP2 / DTensor."
             )
-    return rank % saved
+    return [rank % saved for rank in range(world_size)], indexes

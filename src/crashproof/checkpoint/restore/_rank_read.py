@@ -90,6 +90,7 @@ class RankRead:
         keep: bool | Callable[[str], bool] = True,
         on_bytes: Callable[[int], None] | None = None,
         buffer: ReadBuffer | None = None,
+        base: Manifest | None = None,
     ) -> None:
         self._index = read_rank_index(storage, ckpt_dir, manifest, rank)
         self._index_where = storage.describe(storage.join(ckpt_dir, index_name(rank)))
@@ -110,7 +111,7 @@ class RankRead:
         self._check_ties(bound, into)
         if manifest.kind == "delta":
             self._base = self._open_base(
-                storage, ckpt_dir, manifest, rank, into, keep, on_bytes, buffer
+                storage, ckpt_dir, manifest, rank, into, keep, on_bytes, buffer, base
             )
             keep = True  # the encoded bytes are needed to rebuild the tensors
             # An encoded tensor is a blob of bytes, never read into the live tensor of its name.
@@ -176,34 +177,19 @@ class RankRead:
         keep: bool | Callable[[str], bool],
         on_bytes: Callable[[int], None] | None,
         buffer: ReadBuffer | None,
+        base: Manifest | None,
     ) -> RankRead:
         """The base's rank, its live destinations limited to the tensors the deltas rebuild.
 
-        The base must be the very checkpoint the delta was taken against (its manifest's
-        checksum, where the delta records it), and must hold every tensor a delta rebuilds with
-        the delta's shape and dtype: checked from metadata, before a tensor byte is read."""
-        assert manifest.base_step is not None
-        base_dir = storage.join(
-            posixpath.dirname(ckpt_dir.rstrip("/")), checkpoint_dir_name(manifest.base_step)
-        )
+        The base must be the very checkpoint the delta was taken against (:func:`base_manifest`;
+        ``base``, its manifest when the caller read and checked it already), and must hold every
+        tensor a delta rebuilds with the delta's shape and dtype: checked from metadata, before
+        a tensor byte is read."""
+        if base is None:
+            base_dir, base = base_manifest(storage, ckpt_dir, manifest)
+        else:
+            base_dir = _base_dir(storage, ckpt_dir, manifest)
         try:
-            base_bytes, base = read_manifest_bytes(storage, base_dir)
-            if (
-                base.kind != "full"
-                or base.step != manifest.base_step
-                or base.world_size != manifest.world_size
-            ):
-                raise CorruptCheckpointError(
-                    f"it is a {base.kind} checkpoint of step {base.step} by {base.world_size} ranks"
-                )
-            found = digest(base_bytes)
-            if manifest.base_manifest is not None and found != manifest.base_manifest:
-                raise CorruptCheckpointError(
-                    f"its manifest has checksum {found}, the delta records {manifest.base_manifest}: "
-                    "it is not the checkpoint the delta was taken against (step "
-                    f"{manifest.base_step} was saved again since, e.g. after a restore fell back "
-                    "past it)"
-                )
             rebuilt = {self._index.tensors[d.index].name for d in self._index.deltas}
             base_into = {k: v for k, v in (into or {}).items() if k in rebuilt}
             reader = RankRead(
@@ -211,10 +197,7 @@ class RankRead:
                 into=base_into, keep=keep, on_bytes=on_bytes, buffer=buffer,
             )  # fmt: skip
         except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(
-                f"{storage.describe(ckpt_dir)}: a delta against step {manifest.base_step}, whose "
-                f"checkpoint cannot be used ({exc}); every delta on that base is unusable"
-            ) from None
+            raise unusable_base(storage, ckpt_dir, manifest, exc) from None
         try:
             self._check_deltas_fit(reader._index)
         except BaseException:
@@ -479,6 +462,49 @@ def _distinct_memory(into: Mapping[str, Any]) -> dict[str, Any]:
             kept.add(name)
             end = stop
     return {name: into[name] for name in into if name in kept}
+
+
+def _base_dir(storage: Storage, ckpt_dir: str, manifest: Manifest) -> str:
+    assert manifest.base_step is not None
+    parent = posixpath.dirname(ckpt_dir.rstrip("/"))
+    return storage.join(parent, checkpoint_dir_name(manifest.base_step))
+
+
+def unusable_base(
+    storage: Storage, ckpt_dir: str, manifest: Manifest, exc: CorruptCheckpointError
+) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{storage.describe(ckpt_dir)}: a delta against step {manifest.base_step}, whose "
+        f"checkpoint cannot be used ({exc}); every delta on that base is unusable"
+    )
+
+
+def base_manifest(storage: Storage, ckpt_dir: str, manifest: Manifest) -> tuple[str, Manifest]:
+    """The directory and manifest of the full checkpoint the delta ``manifest`` was taken
+    against, checked to be that very checkpoint (its manifest's checksum, where the delta
+    records it: a checkpoint saved again under the same step is another base)."""
+    base_dir = _base_dir(storage, ckpt_dir, manifest)
+    try:
+        base_bytes, base = read_manifest_bytes(storage, base_dir)
+        if (
+            base.kind != "full"
+            or base.step != manifest.base_step
+            or base.world_size != manifest.world_size
+        ):
+            raise CorruptCheckpointError(
+                f"it is a {base.kind} checkpoint of step {base.step} by {base.world_size} ranks"
+            )
+        found = digest(base_bytes)
+        if manifest.base_manifest is not None and found != manifest.base_manifest:
+            raise CorruptCheckpointError(
+                f"its manifest has checksum {found}, the delta records {manifest.base_manifest}: "
+                "it is not the checkpoint the delta was taken against (step "
+                f"{manifest.base_step} was saved again since, e.g. after a restore fell back "
+                "past it)"
+            )
+    except CorruptCheckpointError as exc:
+        raise unusable_base(storage, ckpt_dir, manifest, exc) from None
+    return base_dir, base
 
 
 def load_rank_state(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> Any:
