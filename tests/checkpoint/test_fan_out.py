@@ -142,3 +142,53 @@ def test_two_ranks_fall_back_together_and_rank_1_never_reads_the_manifest(
     fell_back = _outcomes(root)
     assert {step for step, _, _ in fell_back.values()} == {1}, fell_back
     assert fell_back[0][1] == fell_back[1][1] == pytest.approx(intact[0][1] - 1.0)  # step 1's
+
+
+class _Unpicklable(Exception):
+    """An error that cannot be sent to another rank as it is (it holds a lambda)."""
+
+    def __init__(self) -> None:
+        super().__init__("a storage library's own error")
+        self.callback = lambda: None
+
+
+def _rank0_meets(rank: int, where: str, port: int, out: Any) -> None:
+    """Restore on two ranks, rank 0 meeting ``case`` when it reads the manifest."""
+    root, case = where.split("|")
+    if rank == 0:
+        from crashproof.checkpoint.restore import _fan_out
+
+        def failing(storage: Any, path: str) -> Any:
+            if case == "refused":
+                raise OSError(5, "Input/output error", path)
+            raise _Unpicklable()
+
+        _fan_out.read_manifest = failing  # type: ignore[assignment]
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    with cp.CheckpointManager(root, handle_signals=False) as ckpt:
+        try:
+            outcome = str(ckpt.restore(cp.TrainState(model=model)))
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    out.put((rank, outcome))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["refused", "unpicklable"])
+def test_what_rank_0_meets_reading_the_manifest_every_rank_raises(
+    tmp_path: Path, case: str
+) -> None:
+    root = tmp_path / "ckpt"
+    assert _two_ranks(_save_two_steps, str(root))[1] == [0, 0]
+    outcomes, codes = _two_ranks(_rank0_meets, f"{root}|{case}")
+    assert codes == [0, 0], (outcomes, codes)  # nobody left waiting for rank 0
+    said = dict(outcomes)
+    if case == "refused":  # no verdict on the checkpoint: never fallen back past
+        assert all(said[r].startswith("CheckpointReadError") for r in (0, 1)), said
+        assert all("Input/output error" in said[r] for r in (0, 1)), said
+    else:
+        assert all(said[r].startswith("RuntimeError") for r in (0, 1)), said
+        assert all("a storage library's own error" in said[r] for r in (0, 1)), said

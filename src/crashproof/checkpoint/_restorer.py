@@ -43,7 +43,12 @@ from crashproof.checkpoint.root import (
 )
 from crashproof.checkpoint.save import exactness_environment, named_tensors
 from crashproof.checkpoint.tiers import download_checkpoint
-from crashproof.errors import CheckpointReadError, CorruptCheckpointError, StateMismatchError
+from crashproof.errors import (
+    CheckpointReadError,
+    CorruptCheckpointError,
+    CrashproofError,
+    StateMismatchError,
+)
 from crashproof.state import TrainState
 from crashproof.storage import Storage, local_backend
 
@@ -378,9 +383,7 @@ class Restorer:
                     )
                 )
             except Exception as exc:  # every rank raises it, rather than wait for rank 0
-                # (without its traceback: sent to the other ranks, and no cycle through this
-                # frame keeps the manager, and with it the root's lock, alive after a failure)
-                plans = [exc.with_traceback(None)] * self._group.world_size
+                plans = [_portable(exc)] * self._group.world_size
         mine = self._group.scatter(plans)
         plans = None
         if isinstance(mine, Exception):
@@ -476,6 +479,23 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc``, raised on rank 0 while planning a restore, as every rank can receive it: of the
+    kind that decides what restore does with it (a mismatch, a refused read, corruption), with
+    its message and no traceback. Any exception could not be sent (one that does not pickle
+    would leave the other ranks waiting), and no cycle through the planning frame keeps the
+    manager, and with it the root's lock, alive after a failure."""
+    message = str(exc)
+    if isinstance(exc, CrashproofError):  # (each takes its message alone)
+        return type(exc)(message)
+    if unreadable(exc):
+        assert isinstance(exc, OSError)
+        return OSError(exc.errno, exc.strerror, exc.filename) if exc.errno else OSError(message)
+    if isinstance(exc, FileNotFoundError):  # (a file the manifest lists is missing: corrupt)
+        return FileNotFoundError(message)
+    return RuntimeError(f"rank 0 failed to read the checkpoint: {type(exc).__name__}: {message}")
 
 
 def _load_tree(
