@@ -14,6 +14,7 @@ a leftover (never chosen by restore) but never a half-deleted step directory.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import select
@@ -33,6 +34,7 @@ import crashproof
 from crashproof.checkpoint import verify_checkpoint
 
 N_KILLS = 18
+N_LATE_KILLS = 4  # at most, each later than the last, while no kill has landed after the commit
 DELAY_SEED = 20240611
 MARKER_TIMEOUT_S = 60.0
 
@@ -307,8 +309,19 @@ def _run_campaign(zygote: _Zygote, base: Path, dump_dir: Path) -> Campaign:
         torch.nn.ReLU(),
         torch.nn.Linear(1536, 512),
     )
-    outcomes = []
-    for i, fraction in enumerate(fractions):
+    outcomes: list[KillOutcome] = []
+    # After the seeded kills, while none has landed after the commit (the machine slowed down
+    # since the reference runs), kill later and later: the end of the save must be covered.
+    late = (1.5 + 1.5 * k for k in range(N_LATE_KILLS))
+    schedule = iter(fractions)
+    for i in itertools.count():
+        fraction = next(schedule, None)
+        if fraction is None:
+            if any(o.restored == 2 for o in outcomes):
+                break
+            fraction = next(late, None)
+            if fraction is None:
+                break
         root = base / f"kill_{i:02d}"
         zygote.start(root, "kill", dump_dir)
         zygote.read_until("PID")

@@ -40,6 +40,7 @@ from crashproof.state._kinds import check_same_kind
 from crashproof.state._module_load import custom_loaders, under
 from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
+from crashproof.state._stateful_data import resume_without_draws
 from crashproof.state._structure import check_structure, is_json_like
 
 __all__ = ["Stateful", "TrainState"]
@@ -376,6 +377,7 @@ class TrainState:
             self.sampler.load_state_dict(tree["data"])
         elif self.data is not None:
             self.data.load_state_dict(tree["data"])
+            resume_without_draws(self.data, tree["data"])
         for key, value in self.extra.items():
             entry = tree["extra"][key]
             if isinstance(value, Stateful):

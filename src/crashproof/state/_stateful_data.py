@@ -1,0 +1,57 @@
+"""Loaders with a state of their own (torchdata's ``StatefulDataLoader``): the iterator a
+resumed run makes again draws nothing from torch's global RNG.
+
+A ``DataLoader`` without a ``generator`` of its own draws its workers' base seed (and a
+shuffling sampler's seed) from torch's global generator each time an iterator is made. In an
+uninterrupted run the epoch's iterator was made before the checkpoint, so its draws are already
+in the RNG state the checkpoint holds; a resumed run makes that iterator again after the restore,
+and its draws would shift every random number after them (dropout, noise, augmentation on the
+main process): the samples come back in their order, but the weights differ. The loader's own
+state brings back the seeds that iterator drew (``StatefulDataLoader`` saves its base seed and
+its sampler's state), so the iterator made again needs no draw: crashproof puts torch's global
+RNG back as it was once it is made. An iterator that starts a new epoch (the saved state says
+the previous one had finished) draws as it would have in the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+__all__ = ["resume_without_draws"]
+
+_NEUTRAL_CLASSES: dict[type, type] = {}
+
+
+def resume_without_draws(data: Any, state: Any) -> None:
+    """After ``data.load_state_dict(state)``: ``data``'s next ``iter()`` leaves torch's global
+    RNG as it found it, unless ``state`` says its iterator had finished (a new epoch's iterator
+    draws in the uninterrupted run too). Loaders that are not ``DataLoader``s are left alone."""
+    if not isinstance(data, DataLoader):
+        return
+    if isinstance(state, Mapping) and state.get("_iterator_finished") is True:
+        return
+    base = type(data)
+    if getattr(base, "_crashproof_neutral_base", None) is None:
+        neutral = _NEUTRAL_CLASSES.get(base)
+        if neutral is None:
+            neutral = type(base.__name__, (base,), {"__iter__": _iter_once_without_draws})
+            setattr(neutral, "_crashproof_neutral_base", neutral)  # noqa: B010 - for super()
+            _NEUTRAL_CLASSES[base] = neutral
+        data.__class__ = neutral
+    setattr(data, "_crashproof_without_draws", True)  # noqa: B010 - read by __iter__ below
+
+
+def _iter_once_without_draws(self: Any) -> Any:
+    own_iter = super(self._crashproof_neutral_base, self).__iter__
+    if not getattr(self, "_crashproof_without_draws", False):
+        return own_iter()
+    self._crashproof_without_draws = False
+    saved = torch.random.get_rng_state()
+    try:
+        return own_iter()
+    finally:
+        torch.random.set_rng_state(saved)
