@@ -13,7 +13,9 @@ from torch import nn
 import crashproof as cp
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
-pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")  # torchdata on torch 2.13
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.set_vital. is deprecated"
+)  # torchdata on torch 2.13
 
 STEPS = 40  # 25 batches an epoch: the runs cross into a second epoch
 
