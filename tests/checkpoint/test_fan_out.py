@@ -5,6 +5,7 @@ every rank's outcome, and a rank never reads another rank's index or the manifes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -16,9 +17,25 @@ import pytest
 import torch
 
 import crashproof as cp
-from crashproof.checkpoint.format import MANIFEST_NAME, checkpoint_dir_name
-from crashproof.checkpoint.restore import plan_restore
+from crashproof.checkpoint.format import (
+    MANIFEST_NAME,
+    FileEntry,
+    checkpoint_dir_name,
+    digest,
+    dumps,
+    parse_rank_index,
+    seal_manifest,
+)
+from crashproof.checkpoint.format._shard_file import shard_checksum
+from crashproof.checkpoint.restore import (
+    PartialManifest,
+    RankRead,
+    plan_restore,
+    read_manifest,
+    verify_checkpoint,
+)
 from tests.checkpoint.test_distributed import _two_ranks
+from tests.conftest import free_port, warm_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import coordination  # (the benchmark's simulated checkpoints, at test size)
@@ -207,3 +224,94 @@ def test_what_rank_0_meets_reading_the_manifest_every_rank_raises(
     else:
         assert all(said[r].startswith("RuntimeError") for r in (0, 1)), said
         assert all("a storage library's own error" in said[r] for r in (0, 1)), said
+
+
+# A plan is an economy, never a narrower judgement than `crashproof verify`'s: checkpoints that
+# crashproof does not write but that are valid (every checksum right) restore as they did when
+# every rank read the whole manifest.
+
+
+def _rewrite_index(ckpt_dir: Path, rank: int, change: Any) -> None:
+    """Replace rank ``rank``'s index entries by ``change(entries, shard_header)`` (which returns
+    the new entries and the tensors left in the rank's own shard), and reseal everything."""
+    index_path = ckpt_dir / f"rank_{rank:05d}.json"
+    index = parse_rank_index(index_path.read_bytes(), "test")
+    tensors, own = change(index.tensors)
+    data = dumps(dataclasses.replace(index, tensors=tensors).to_json())
+    index_path.write_bytes(data)
+    manifest = read_manifest(cp.LocalStorage(), str(ckpt_dir))
+    files = dict(manifest.files)
+    files[index_path.name] = FileEntry(len(data), digest(data))
+    if own is not None:
+        shard = ckpt_dir / f"rank_{rank:05d}.safetensors"
+        header = shard.read_bytes()[: min(t.offset for t in own)]
+        files[shard.name] = dataclasses.replace(
+            files[shard.name], checksum=shard_checksum(header, [t.checksum for t in own])
+        )
+    sealed = seal_manifest(dataclasses.replace(manifest, files=files).to_json())
+    (ckpt_dir / MANIFEST_NAME).write_bytes(sealed)
+    verify_checkpoint(cp.LocalStorage(), str(ckpt_dir))  # valid, as crashproof verify sees it
+
+
+def _points_into_rank_2s_shard(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The first tensor of rank 1's shard read from rank 2's (the same bytes there)."""
+    first = min(range(len(tensors)), key=lambda i: tensors[i].offset)
+    moved = [dataclasses.replace(t, file="rank_00002.safetensors") if i == first else t
+             for i, t in enumerate(tensors)]  # fmt: skip
+    return moved, sorted((t for i, t in enumerate(tensors) if i != first), key=lambda t: t.offset)
+
+
+def _sharded_model(tensors: list[Any]) -> tuple[list[Any], None]:
+    """Rank 1's model tensors recorded as whole-tensor pieces (rank 0's are not)."""
+    return [
+        dataclasses.replace(t, global_shape=t.shape, global_offset=(0,) * len(t.shape))
+        if t.name.startswith("model/") else t
+        for t in tensors
+    ], None  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world", "change"),
+    [(3, _points_into_rank_2s_shard), (2, _sharded_model)],
+    ids=["a-shard-only-rank-1-points-into", "sharded-pieces-on-rank-1-only"],
+)
+def test_a_rank_whose_index_needs_more_than_its_plan_reads_the_whole_manifest(
+    tmp_path: Path, world: int, change: Any
+) -> None:
+    ckpt_dir = Path(_simulated(tmp_path, world))
+    _rewrite_index(ckpt_dir, 1, change)
+    plan = plan_restore(cp.LocalStorage(), str(ckpt_dir), world)[1]
+    with pytest.raises(PartialManifest):  # not "corrupt": the manifest on disk lists it all
+        RankRead(cp.LocalStorage(), str(ckpt_dir), plan.manifest, 1)
+    whole = read_manifest(cp.LocalStorage(), str(ckpt_dir))
+    RankRead(cp.LocalStorage(), str(ckpt_dir), whole, 1).close()
+
+
+def _restore_read_only(rank: int, where: str, port: int, out: Any) -> None:
+    root, world = where.split("|")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=int(world)
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    with cp.CheckpointManager(root, handle_signals=False, read_only=True) as ckpt:
+        out.put((rank, ckpt.restore(cp.TrainState(model=model))))
+    torch.distributed.destroy_process_group()
+
+
+def test_three_ranks_restore_a_checkpoint_whose_rank_1_points_where_rank_0_does_not(
+    tmp_path: Path,
+) -> None:
+    ckpt_dir = Path(_simulated(tmp_path, 3))
+    _rewrite_index(ckpt_dir, 1, _points_into_rank_2s_shard)
+    ctx, port = warm_context(), free_port()
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_restore_read_only, args=(r, f"{tmp_path}|3", port, queue))
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert outcomes == {0: 1000, 1: 1000, 2: 1000}  # (before: all three "no valid checkpoint")

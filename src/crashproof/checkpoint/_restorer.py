@@ -28,6 +28,7 @@ from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import ReadBuffer, checkpoint_dir_name
 from crashproof.checkpoint.restore import (
+    PartialManifest,
     RankPlan,
     RankRead,
     checkpoint_not_found,
@@ -429,10 +430,17 @@ class Restorer:
                         manifest.world_size,
                         world_size,
                     )
-            reader = RankRead(
-                storage, path, manifest, source, base=plan.base,
-                into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
-            )  # fmt: skip
+            try:
+                reader = RankRead(
+                    storage, path, manifest, source, base=plan.base,
+                    into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
+                )  # fmt: skip
+            except PartialManifest:  # its index needs more than its plan: the whole manifest
+                manifest = read_manifest(storage, path)
+                reader = RankRead(
+                    storage, path, manifest, source,
+                    into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
+                )  # fmt: skip
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Nothing here writes into the live state: only finish() does, after all ranks agree.
             reader.verify()

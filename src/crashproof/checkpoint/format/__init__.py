@@ -31,6 +31,7 @@ from crashproof.checkpoint.format._rank_index import (
     DeltaEntry,
     RankIndex,
     TensorEntry,
+    UnlistedShardError,
     parse_rank_index,
 )
 from crashproof.checkpoint.format._shard_file import (
@@ -63,6 +64,7 @@ __all__ = [
     "ReadBuffer",
     "ShardRead",
     "TensorEntry",
+    "UnlistedShardError",
     "checked_metadata",
     "checkpoint_dir_name",
     "copy_tensor_bytes",

@@ -117,6 +117,9 @@ class Manifest:
     """``kind == "delta"``: the checksum of that checkpoint's ``manifest.json`` bytes, which binds
     the delta to it: a checkpoint saved again under the same step has another manifest. None in
     deltas written before it was recorded (see docs/format.md)."""
+    complete: bool = field(default=True, compare=False)
+    """False for a rank's part of a manifest, cut down to that rank's files by a restore's plan
+    (:mod:`crashproof.checkpoint.restore._fan_out`); never written."""
 
     def to_json(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"base_step": self.base_step} if self.base_step is not None else {}

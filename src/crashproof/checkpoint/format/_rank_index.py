@@ -26,7 +26,14 @@ from crashproof.checkpoint.format._fields import (
 from crashproof.checkpoint.format._names import FORMAT_VERSION
 from crashproof.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["ENCODINGS", "DeltaEntry", "RankIndex", "TensorEntry", "parse_rank_index"]
+__all__ = [
+    "ENCODINGS",
+    "DeltaEntry",
+    "RankIndex",
+    "TensorEntry",
+    "UnlistedShardError",
+    "parse_rank_index",
+]
 
 ENCODINGS = ("same", "xor-zstd")
 """How a delta checkpoint stores a tensor against its base (see :mod:`crashproof.checkpoint.save._delta`)."""
@@ -96,6 +103,10 @@ class RankIndex:
         }  # fmt: skip
 
 
+class UnlistedShardError(CorruptCheckpointError):
+    """An index names a shard its manifest does not list."""
+
+
 def parse_rank_index(
     data: bytes, where: str, *, file_sizes: Mapping[str, int] | None = None
 ) -> RankIndex:
@@ -115,7 +126,7 @@ def parse_rank_index(
     shard_size = None
     if file_sizes is not None:
         if shard_file not in file_sizes:
-            raise CorruptCheckpointError(
+            raise UnlistedShardError(
                 f"{where}: names shard {shard_file!r}, which the manifest does not list"
             )
         shard_size = file_sizes[shard_file]
@@ -185,7 +196,7 @@ def _parse_tensor(
         file = check_plain_name(obj.get("file"), where)
         if file_sizes is not None:
             if file not in file_sizes:
-                raise CorruptCheckpointError(
+                raise UnlistedShardError(
                     f"{where} ({name}): in shard {file!r}, which the manifest does not list"
                 )
             shard_size = file_sizes[file]

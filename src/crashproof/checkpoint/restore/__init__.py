@@ -12,6 +12,7 @@ from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
+    PartialManifest,
     checkpoint_not_found,
     read_manifest,
     read_manifest_bytes,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CrashproofReader",
+    "PartialManifest",
     "RankPlan",
     "RankRead",
     "checkpoint_not_found",

@@ -8,7 +8,11 @@ replicated tensors written once (every rank reads those); and, on another world 
 saved rank's index, to check once that the state is replicated. Each rank then receives a
 :class:`RankPlan`: the manifest with only the entries of its own files and of those shards,
 whose size does not grow with W, so the aggregate grows linearly. A rank checks each file it
-reads against its entry as before: nothing is trusted that was not checked.
+reads against its entry as before: nothing is trusted that was not checked. A rank whose own
+index needs more than its plan holds (a shard only it points into, which crashproof never
+writes but a valid checkpoint may hold, or sharded pieces) reads the whole manifest itself
+(:class:`~crashproof.checkpoint.restore._read_manifest.PartialManifest`): the plan is an
+economy, never a narrower judgement than ``crashproof verify``'s.
 
 Sharded (DTensor) state is the exception: every rank describes every saved piece to
 ``torch.distributed.checkpoint``'s planner and so reads every rank's index; those ranks get the
@@ -92,4 +96,4 @@ def _cut(manifest: Manifest, rank: int, shared: set[str]) -> Manifest:
     not by going through every rank's files (which would make rank 0's work quadratic)."""
     names = {index_name(rank), shard_name(rank), *shared}
     files = {n: manifest.files[n] for n in sorted(names) if n in manifest.files}
-    return dataclasses.replace(manifest, files=files)
+    return dataclasses.replace(manifest, files=files, complete=False)

@@ -17,6 +17,7 @@ from crashproof.checkpoint.format import (
     FileEntry,
     Manifest,
     RankIndex,
+    UnlistedShardError,
     digest,
     index_name,
     parse_manifest,
@@ -28,6 +29,7 @@ from crashproof.errors import CheckpointNotFoundError, CorruptCheckpointError, C
 from crashproof.storage import Storage, read_all
 
 __all__ = [
+    "PartialManifest",
     "checkpoint_not_found",
     "read_error",
     "read_manifest",
@@ -111,6 +113,12 @@ def _file_entry(manifest: Manifest, name: str, where: str) -> FileEntry:
         raise CorruptCheckpointError(f"{where}: the manifest does not list {name}") from None
 
 
+class PartialManifest(Exception):
+    """A rank's index needs more of the manifest than its restore plan holds: a shard only that
+    rank points into (a checkpoint crashproof does not write, but that is valid), or sharded
+    pieces (whose reader reads every rank's index). The rank reads the whole manifest itself."""
+
+
 def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: int) -> RankIndex:
     """The verified, parsed index of ``rank``."""
     name = index_name(rank)
@@ -134,7 +142,14 @@ def read_rank_index(storage: Storage, ckpt_dir: str, manifest: Manifest, rank: i
             f"{entry.size} bytes with checksum {entry.checksum}"
         )
     sizes = {n: e.size for n, e in manifest.files.items()}
-    index = parse_rank_index(data, where, file_sizes=sizes)
+    try:
+        index = parse_rank_index(data, where, file_sizes=sizes)
+    except UnlistedShardError:
+        if manifest.complete:
+            raise
+        raise PartialManifest(where) from None
+    if not manifest.complete and any(t.global_shape is not None for t in index.tensors):
+        raise PartialManifest(where)  # sharded pieces: every rank's index is read
     if index.rank != rank or index.step != manifest.step:
         raise CorruptCheckpointError(
             f"{where}: holds rank {index.rank} step {index.step}, expected rank {rank} step {manifest.step}"
