@@ -194,6 +194,8 @@ def _rank0_meets(rank: int, where: str, port: int, out: Any) -> None:
         def failing(storage: Any, path: str) -> Any:
             if case == "refused":
                 raise OSError(5, "Input/output error", path)
+            if case == "interrupted":
+                raise KeyboardInterrupt
             raise _Unpicklable()
 
         _fan_out.read_manifest = failing  # type: ignore[assignment]
@@ -204,13 +206,13 @@ def _rank0_meets(rank: int, where: str, port: int, out: Any) -> None:
     with cp.CheckpointManager(root, handle_signals=False) as ckpt:
         try:
             outcome = str(ckpt.restore(cp.TrainState(model=model)))
-        except Exception as exc:
+        except BaseException as exc:  # (KeyboardInterrupt too)
             outcome = f"{type(exc).__name__}: {exc}"
     out.put((rank, outcome))
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["refused", "unpicklable"])
+@pytest.mark.parametrize("case", ["refused", "unpicklable", "interrupted"])
 def test_what_rank_0_meets_reading_the_manifest_every_rank_raises(
     two_rank_root: Path, tmp_path: Path, case: str
 ) -> None:
@@ -221,6 +223,9 @@ def test_what_rank_0_meets_reading_the_manifest_every_rank_raises(
     if case == "refused":  # no verdict on the checkpoint: never fallen back past
         assert all(said[r].startswith("CheckpointReadError") for r in (0, 1)), said
         assert all("Input/output error" in said[r] for r in (0, 1)), said
+    elif case == "interrupted":  # rank 0 unwinds; rank 1 is told at once, not at the timeout
+        assert said[0].startswith("KeyboardInterrupt"), said
+        assert said[1].startswith("RuntimeError") and "KeyboardInterrupt" in said[1], said
     else:
         assert all(said[r].startswith("RuntimeError") for r in (0, 1)), said
         assert all("a storage library's own error" in said[r] for r in (0, 1)), said

@@ -9,6 +9,7 @@ the restore list the checkpoints again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -385,6 +386,13 @@ class Restorer:
                 )
             except Exception as exc:  # every rank raises it, rather than wait for rank 0
                 plans = [_portable(exc)] * self._group.world_size
+            except BaseException as exc:  # interrupted: the others are told, not left waiting
+                stopped = RuntimeError(
+                    f"rank 0 stopped while reading the checkpoint ({type(exc).__name__})"
+                )
+                with contextlib.suppress(Exception):
+                    self._group.scatter([stopped] * self._group.world_size)
+                raise
         mine = self._group.scatter(plans)
         plans = None
         if isinstance(mine, Exception):
