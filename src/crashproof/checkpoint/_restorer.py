@@ -27,7 +27,7 @@ from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
-from crashproof.checkpoint.format import ReadBuffer, checkpoint_dir_name
+from crashproof.checkpoint.format import Manifest, ReadBuffer, checkpoint_dir_name
 from crashproof.checkpoint.restore import (
     PartialManifest,
     RankPlan,
@@ -438,17 +438,18 @@ class Restorer:
                         manifest.world_size,
                         world_size,
                     )
-            try:
-                reader = RankRead(
-                    storage, path, manifest, source, base=plan.base,
+
+            def read(manifest: Manifest, base: Manifest | None = None) -> RankRead:
+                return RankRead(
+                    storage, path, manifest, source, base=base,
                     into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
                 )  # fmt: skip
+
+            try:
+                reader = read(manifest, base=plan.base)
             except PartialManifest:  # its index needs more than its plan: the whole manifest
                 manifest = read_manifest(storage, path)
-                reader = RankRead(
-                    storage, path, manifest, source,
-                    into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
-                )  # fmt: skip
+                reader = read(manifest)
             # Verify first, so a corrupt file is skipped rather than reported as a mismatch.
             # Nothing here writes into the live state: only finish() does, after all ranks agree.
             reader.verify()
