@@ -20,6 +20,7 @@ Two more things keep the resumed run identical to an uninterrupted one:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,9 +29,7 @@ from torch.utils.data import DataLoader
 from crashproof.errors import ConfigError
 from crashproof.state._sampler import ResumableSampler
 
-__all__ = ["find_resumable_sampler", "track_loader"]
-
-_TRACKED_CLASSES: dict[type, type] = {}
+__all__ = ["find_resumable_sampler", "own_iter", "replace_iter", "track_loader"]
 
 
 def find_resumable_sampler(loader: DataLoader[Any]) -> ResumableSampler | None:
@@ -70,7 +69,7 @@ class _TrackedIterator:
                 (sampler.seed * 7_919 + sampler.epoch * 104_729 + 1) & ((1 << 63) - 1)
             )
             loader.generator = generator
-        self._inner = _base_iter(loader)
+        self._inner = own_iter(loader)
         self._start_epoch, self._generation = sampler.epoch, sampler.generation
 
     def __iter__(self) -> _TrackedIterator:
@@ -95,9 +94,28 @@ class _TrackedIterator:
         return batch
 
 
-def _base_iter(loader: Any) -> Any:
-    """The iterator of the loader's own class (the one crashproof subclassed)."""
+def own_iter(loader: Any) -> Any:
+    """The iterator of the loader's own class (the one :func:`replace_iter` subclassed)."""
     return super(loader._crashproof_base, loader).__iter__()
+
+
+_SUBCLASSES: dict[tuple[type, Callable[[Any], Any]], type] = {}
+
+
+def replace_iter(loader: Any, iter_fn: Callable[[Any], Any], prefix: str = "") -> None:
+    """Give this ``loader`` instance (not its class) ``iter_fn`` as ``__iter__``: its class
+    becomes a subclass of the one it had, made once per class and function, and ``iter_fn``
+    reaches the original iterator through :func:`own_iter`. Nothing else about the loader
+    changes. Done once: a loader given one already keeps it."""
+    base = type(loader)
+    if getattr(base, "_crashproof_base", None) is base:
+        return
+    subclass = _SUBCLASSES.get((base, iter_fn))
+    if subclass is None:
+        subclass = type(f"{prefix}{base.__name__}", (base,), {"__iter__": iter_fn})
+        setattr(subclass, "_crashproof_base", subclass)  # noqa: B010 - read by own_iter's super()
+        _SUBCLASSES[base, iter_fn] = subclass
+    loader.__class__ = subclass
 
 
 def _tracked_iter(self: Any) -> _TrackedIterator:
@@ -119,15 +137,9 @@ def track_loader(loader: DataLoader[Any]) -> ResumableSampler:
         raise ConfigError(
             "TrainState(data=loader): the loader's batch sampler has no batch_size; use batch_size="
         )
-    base = type(loader)
     if getattr(loader, "_crashproof_sampler", None) is None:
-        tracked = _TRACKED_CLASSES.get(base)
-        if tracked is None:
-            tracked = type(f"Resumable{base.__name__}", (base,), {"__iter__": _tracked_iter})
-            setattr(tracked, "_crashproof_base", tracked)  # noqa: B010 - read by _tracked_iter's super()
-            _TRACKED_CLASSES[base] = tracked
         setattr(loader, "_crashproof_own_generator", loader.generator is not None)  # noqa: B010
-        loader.__class__ = tracked
+        replace_iter(loader, _tracked_iter, "Resumable")
         setattr(loader, "_crashproof_sampler", sampler)  # noqa: B010
         setattr(loader, "_crashproof_open", None)  # noqa: B010 - (epoch, generation) under way
     return sampler

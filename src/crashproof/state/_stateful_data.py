@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["resume_without_draws"]
+from crashproof.state._data import own_iter, replace_iter
 
-_NEUTRAL_CLASSES: dict[type, type] = {}
+__all__ = ["resume_without_draws"]
 
 
 def resume_without_draws(data: Any, state: Any) -> None:
@@ -34,24 +34,16 @@ def resume_without_draws(data: Any, state: Any) -> None:
         return
     if isinstance(state, Mapping) and state.get("_iterator_finished") is True:
         return
-    base = type(data)
-    if getattr(base, "_crashproof_neutral_base", None) is None:
-        neutral = _NEUTRAL_CLASSES.get(base)
-        if neutral is None:
-            neutral = type(base.__name__, (base,), {"__iter__": _iter_once_without_draws})
-            setattr(neutral, "_crashproof_neutral_base", neutral)  # noqa: B010 - for super()
-            _NEUTRAL_CLASSES[base] = neutral
-        data.__class__ = neutral
+    replace_iter(data, _iter_once_without_draws)
     setattr(data, "_crashproof_without_draws", True)  # noqa: B010 - read by __iter__ below
 
 
 def _iter_once_without_draws(self: Any) -> Any:
-    own_iter = super(self._crashproof_neutral_base, self).__iter__
     if not getattr(self, "_crashproof_without_draws", False):
-        return own_iter()
+        return own_iter(self)
     self._crashproof_without_draws = False
     saved = torch.random.get_rng_state()
     try:
-        return own_iter()
+        return own_iter(self)
     finally:
         torch.random.set_rng_state(saved)
