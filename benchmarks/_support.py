@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 
-__all__ = ["free_port", "start_moto_server"]
+from crashproof.storage import LocalStorage, ReadStream
+
+__all__ = ["CountingStorage", "CountingStream", "draw_kills", "free_port", "start_moto_server"]
 
 
 def free_port() -> int:
@@ -44,3 +48,40 @@ def start_moto_server() -> subprocess.Popen[bytes]:
         AWS_DEFAULT_REGION="us-east-1",
     )
     return proc
+
+
+def draw_kills(rng: random.Random, mtbf_s: float, horizon_s: float) -> list[tuple[float, int]]:
+    """(seconds after launch, rank of 2) of each SIGKILL before ``horizon_s``: exponential gaps
+    of mean ``mtbf_s``, drawn from ``rng``."""
+    at, kills = 0.0, []
+    while True:
+        at += rng.expovariate(1.0 / mtbf_s)
+        if at >= horizon_s:
+            return kills
+        kills.append((at, rng.randrange(2)))
+
+
+class CountingStream:
+    def __init__(self, stream: ReadStream, path: str, counts: Counter[str]) -> None:
+        self._stream, self._path, self._counts = stream, path, counts
+
+    def size(self) -> int:
+        return self._stream.size()
+
+    def readinto(self, offset: int, buf: memoryview, /) -> None:
+        self._stream.readinto(offset, buf)
+        self._counts[self._path] += buf.nbytes
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class CountingStorage(LocalStorage):
+    """Local files, counting the bytes read from each (``counts``, by path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def open(self, path: str) -> ReadStream:
+        return CountingStream(super().open(path), path, self.counts)

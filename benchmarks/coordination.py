@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import crashproof as cp
-from _support import free_port
+from _support import CountingStorage, free_port
 from crashproof.checkpoint import default_group
 from crashproof.checkpoint.format import (
     MANIFEST_NAME,
@@ -142,52 +142,28 @@ def fan_out_costs(world: int, work: Path, *, restore_on: int | None = None) -> d
     simulated_checkpoint(directory, world)
     ckpt_dir = str(directory / checkpoint_dir_name(1000))
     ranks = restore_on or world
-    storage = _CountingStorage()
+    storage = CountingStorage()
     started = time.perf_counter()
     plans = plan_restore(storage, ckpt_dir, ranks)
     plan_s = time.perf_counter() - started
+    read = sum(storage.counts.values())  # rank 0's reads
+    index_bytes = max(
+        n
+        for p, n in storage.counts.items()
+        if Path(p).name.startswith("rank_") and p.endswith(".json")
+    )
     sent = [len(pickle.dumps(plan)) for plan in plans]
     manifest_bytes = (directory / checkpoint_dir_name(1000) / MANIFEST_NAME).stat().st_size
     shutil.rmtree(directory)
     # Each rank then reads its (source's) own index, before as after; before, on another world
     # size, every rank read every saved rank's index instead.
-    own = ranks * storage.index_bytes
+    own = ranks * index_bytes
     return {
         "world": world, "ranks": ranks, "rank0_plan_ms": plan_s * 1e3,
-        "rank0_read_kb": storage.read / 1e3, "plan_kb_max": max(sent) / 1e3,
-        "after_aggregate_mb": (storage.read + sum(sent) + own) / 1e6,
+        "rank0_read_kb": read / 1e3, "plan_kb_max": max(sent) / 1e3,
+        "after_aggregate_mb": (read + sum(sent) + own) / 1e6,
         "before_aggregate_mb": (ranks * manifest_bytes + (own * world if restore_on else own)) / 1e6,
     }  # fmt: skip
-
-
-class _CountingStorage:
-    """The local storage, counting the bytes read through it (rank 0's reads)."""
-
-    def __init__(self) -> None:
-        self._storage = LocalStorage()
-        self.read = 0
-        self.index_bytes = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._storage, name)
-
-    def open(self, path: str) -> Any:
-        stream, outer = self._storage.open(path), self
-
-        class Counted:
-            def size(self) -> int:
-                return int(stream.size())
-
-            def readinto(self, offset: int, buf: memoryview) -> None:
-                stream.readinto(offset, buf)
-                outer.read += len(buf)
-                if path.endswith(".json") and "manifest" not in path:
-                    outer.index_bytes = max(outer.index_bytes, len(buf))
-
-            def close(self) -> None:
-                stream.close()
-
-        return Counted()
 
 
 def _collectives(rank: int, world: int, port: int, out: Any) -> None:

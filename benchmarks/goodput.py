@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _support import draw_kills
 from recovery import Run, loadavg, log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,16 +53,7 @@ def kill_schedule(
 ) -> list[list[tuple[float, int]]]:
     """Per round: (seconds after launch, rank) of each SIGKILL."""
     rng = random.Random(seed)
-    rounds = []
-    for _ in range(count):
-        at, kills = 0.0, []
-        while True:
-            at += rng.expovariate(1.0 / mtbf_s)
-            if at >= duration_s:
-                break
-            kills.append((at, rng.randrange(2)))
-        rounds.append(kills)
-    return rounds
+    return [draw_kills(rng, mtbf_s, duration_s) for _ in range(count)]
 
 
 def newest_step(run: Run) -> int:

@@ -39,19 +39,11 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from _support import draw_kills
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / ".bench-tmp" / "user_campaign"
 TRAINER = REPO / "benchmarks" / "user_trainer.py"
-
-
-def kill_times(seed: int, mtbf: float, horizon: float) -> list[tuple[float, int]]:
-    """(seconds after launch, rank) of each kill: exponential gaps of mean ``mtbf``."""
-    rng, t, out = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(1 / mtbf)
-        if t > horizon:
-            return out
-        out.append((t, rng.randrange(2)))
 
 
 def _records(log: Path) -> list[dict[str, Any]]:
@@ -148,7 +140,7 @@ def campaign(args: argparse.Namespace) -> list[dict[str, Any]]:
     for i in range(args.rounds):
         base = args.dir / f"round{i}-{int(time.time())}"
         clean = one_run(base / "clean", args, [])
-        kills = kill_times(args.seed + i, args.mtbf, clean["wall_s"] * 1.5)
+        kills = draw_kills(random.Random(args.seed + i), args.mtbf, clean["wall_s"] * 1.5)
         faulted = one_run(base / "faulted", args, kills)
         book = ledger(str(Path(faulted["dir"]) / "run"))
         costs = kill_costs(faulted)

@@ -17,6 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+# The benchmarks' scripts import their helpers by name (they run from benchmarks/); tests that
+# use a benchmark at test size, or its helpers, import them the same way.
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def run_python(

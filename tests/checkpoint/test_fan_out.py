@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import coordination  # (the benchmark's simulated checkpoints, at test size: tests/conftest.py)
 import crashproof as cp
 from crashproof.checkpoint.format import (
     MANIFEST_NAME,
@@ -36,9 +37,6 @@ from crashproof.checkpoint.restore import (
 )
 from tests.checkpoint.test_distributed import _two_ranks
 from tests.conftest import free_port, warm_context
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import coordination  # (the benchmark's simulated checkpoints, at test size)
 
 
 def _simulated(tmp_path: Path, world: int, **kwargs: Any) -> str:

@@ -14,34 +14,9 @@ import torch
 from torch import nn
 
 import crashproof as cp
+from _support import CountingStorage, CountingStream  # (benchmarks/: tests/conftest.py)
 from crashproof.errors import ConfigError
 from crashproof.storage import LocalStorage, ReadStream
-
-
-class _CountingStream:
-    def __init__(self, stream: ReadStream, path: str, counts: Counter[str]) -> None:
-        self._stream, self._path, self._counts = stream, path, counts
-
-    def size(self) -> int:
-        return self._stream.size()
-
-    def readinto(self, offset: int, buf: memoryview, /) -> None:
-        self._stream.readinto(offset, buf)
-        self._counts[self._path] += buf.nbytes
-
-    def close(self) -> None:
-        self._stream.close()
-
-
-class CountingStorage(LocalStorage):
-    """Local files, counting the bytes read from each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def open(self, path: str) -> ReadStream:
-        return _CountingStream(super().open(path), path, self.counts)
 
 
 def _state(seed: int) -> cp.TrainState:
@@ -182,7 +157,7 @@ class _RemovedBeforeTheSecondRead(LocalStorage):
         stream = super().open(path)
         storage = self
 
-        class _Stream(_CountingStream):
+        class _Stream(CountingStream):
             def readinto(self, offset: int, buf: memoryview, /) -> None:
                 with storage.lock:  # (read on several threads: removed once)
                     if storage.verified and not storage.removed and offset > 0:
