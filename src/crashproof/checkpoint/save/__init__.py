@@ -5,6 +5,7 @@ check that what is saved is finite, persist and commit; and the counters of save
 from __future__ import annotations
 
 from crashproof.checkpoint.save._delta import Delta, DeltaBase, apply_delta, keep_as_base
+from crashproof.checkpoint.save._rank_files import commit_rank_files, write_rank_files
 from crashproof.checkpoint.save._staging import StagingArea
 from crashproof.checkpoint.save._stats import SaveStats
 from crashproof.checkpoint.save._writer import (
@@ -29,10 +30,12 @@ __all__ = [
     "StagingArea",
     "apply_delta",
     "assign_owners",
+    "commit_rank_files",
     "exactness_environment",
     "keep_as_base",
     "named_tensors",
     "new_tmp_name",
     "persist",
     "take_snapshot",
+    "write_rank_files",
 ]
