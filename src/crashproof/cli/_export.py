@@ -1,5 +1,6 @@
-"""``crashproof export``: a checkpoint written as safetensors (the model weights) or as a
-``torch.distributed.checkpoint`` directory; never over what an export did not write.
+"""``crashproof export``: a checkpoint written as safetensors (the model weights), as a
+``torch.distributed.checkpoint`` directory, or as a Hugging Face ``save_pretrained`` directory;
+never over what an export did not write.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 from crashproof._console import output_unwritable, say
 from crashproof._units import SIZE_FORMS
 from crashproof.checkpoint import check_target, export_dcp, export_safetensors
+from crashproof.checkpoint.export import HF_CONFIG, HfExport, export_hf
 from crashproof.cli._checkpoints import human
 from crashproof.cli._conventions import fail, size
 from crashproof.cli._roots import open_root, pick, refusal, storage_refused
@@ -26,17 +28,19 @@ def add_export_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument(
         "--format",
         default="safetensors",
-        choices=["safetensors", "dcp"],
+        choices=["safetensors", "dcp", "hf"],
         help="safetensors: the model weights (FILE); dcp: model, optimizer, scheduler and scaler "
-        "state as a torch.distributed.checkpoint directory (-o DIR)",
+        "state as a torch.distributed.checkpoint directory (-o DIR); hf: the model weights and "
+        f"config.json (carried as the extra {HF_CONFIG!r}) as a Hugging Face save_pretrained "
+        "directory (-o DIR)",
     )
     p.add_argument("-o", "--output", required=True, metavar="FILE|DIR")
     p.add_argument(
         "--what",
         default=None,
         metavar="model|ema|optimizer|all|KEY/PATH",
-        help="the state to export: model (safetensors' default), ema (the extra named 'ema'), "
-        "optimizer, all, or a key path as `crashproof inspect` lists it "
+        help="the state to export: model (safetensors' and hf's default), ema (the extra named "
+        "'ema'), optimizer, all, or a key path as `crashproof inspect` lists it "
         "(extra/ema/state_dict/shadow); "
         "dcp's default: model, optimizer, scheduler and scaler",
     )
@@ -63,7 +67,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # root, an ancestor of it, or the current directory (the export functions check again).
     check_target(
         args.output,
-        kind="dir" if args.format == "dcp" else "file",
+        kind="file" if args.format == "safetensors" else "dir",
         force=args.force,
         protected=[path] if "://" not in path else [],
     )
@@ -76,6 +80,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                     f"exported step {step} ({', '.join(sorted(state))}) as a "
                     f"torch.distributed.checkpoint directory: {args.output}"
                 )
+                return EXIT_OK
+            if args.format == "hf":
+                what = "model" if args.what is None else args.what
+                done = export_hf(storage, ckpt, args.output, max_shard_bytes=args.max_shard_size,
+                                 force=args.force, what=what)  # fmt: skip
+                _say_hf(done, args.output)
                 return EXIT_OK
             tensors, files = export_safetensors(
                 storage,
@@ -104,3 +114,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"exported {len(tensors)} tensors ({human(size_bytes)}) of step {step} to {where}")
         return EXIT_OK
     return fail(f"no valid checkpoint to export in {storage.describe(path)}", EXIT_INVALID)
+
+
+def _say_hf(done: HfExport, out: str) -> None:
+    size_bytes = sum(t.numel() * t.element_size() for t in done.tensors.values())
+    print(
+        f"exported {len(done.tensors)} tensors ({human(size_bytes)}) of step {done.step} as a "
+        f"Hugging Face save_pretrained directory: {out} ({', '.join(_grouped(done.files))})"
+    )
+    if not done.has_config:
+        say(
+            "crashproof",
+            f"note: {out} has no config.json, which from_pretrained needs: this checkpoint "
+            f"carries no extra {HF_CONFIG!r} (an import of a Hugging Face directory carries "
+            f"it; a training script saves it with TrainState(extra={{'{HF_CONFIG}': "
+            "json.loads(model.config.to_json_string())})); copy the model's config.json into it",
+        )
+
+
+def _grouped(files: list[str]) -> list[str]:
+    """The files of an hf export for a person: the shards counted, not listed."""
+    shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+    rest = [f for f in files if f not in shards]
+    return [*rest, f"{len(shards)} shards"] if shards else rest

@@ -26,19 +26,25 @@ root, its ancestors and the current directory never are (the checks, and the mar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from crashproof._files import fresh_name, write_atomically
 from crashproof._version import __version__
+from crashproof.checkpoint.export._output import (
+    nbytes,
+    shard_names,
+    split_shards,
+    swap_in,
+    writing,
+)
 from crashproof.checkpoint.export._target import (
     MARK_KEY,
     MARKER,
@@ -60,6 +66,8 @@ __all__ = [
     "export_dcp",
     "export_safetensors",
     "model_tensors",
+    "write_safetensors_file",
+    "write_sharded",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
@@ -163,16 +171,34 @@ def flat_tensors(node: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], 
     return tensors, others
 
 
-def _chosen_tensors(
-    storage: Storage, ckpt_dir: str, what: str
-) -> tuple[dict[str, torch.Tensor], int, list[str]]:
-    tree = saved_state(storage, ckpt_dir)
-    step = int(tree.pop("step"))  # added by saved_state: not part of the saved state
-    where = f"{storage.describe(ckpt_dir)} (step {step})"
+def chosen_tensors(tree: dict[str, Any], what: str, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``tree``'s part ``what`` (see :func:`select_state`), each of a dtype
+    safetensors stores; the values that are not tensors are left out, and logged."""
     tensors, others = flat_tensors(select_state(tree, what, where))
     if not tensors:
         raise ConfigError(f"{where}: --what {what}: holds no tensors to export")
-    return tensors, step, others
+    if others:
+        log.warning(
+            "--what %s: %d values that are not tensors are not exported (safetensors holds "
+            "tensors only): %s",
+            what,
+            len(others),
+            ", ".join(others[:10]) + (", ..." if len(others) > 10 else ""),
+        )
+    for name, tensor in tensors.items():
+        if safetensors_code(dtype_name(tensor.dtype, where=name)) is None:
+            raise ConfigError(
+                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
+            )
+    return tensors
+
+
+def _chosen_tensors(
+    storage: Storage, ckpt_dir: str, what: str
+) -> tuple[dict[str, torch.Tensor], int]:
+    tree = saved_state(storage, ckpt_dir)
+    step = int(tree.pop("step"))  # added by saved_state: not part of the saved state
+    return chosen_tensors(tree, what, f"{storage.describe(ckpt_dir)} (step {step})"), step
 
 
 def export_safetensors(
@@ -191,26 +217,13 @@ def export_safetensors(
     export's files (see :func:`check_target`), whichever layout it had: the files of the earlier
     export this one does not overwrite (marked shards its marked index lists, the index, a
     single file) are removed once the new files are in place. An OSError writing the output is
-    raised with ``filename`` set to ``out_path`` (see :func:`_writing`)."""
+    raised with ``filename`` set to ``out_path`` (see :func:`~._output.writing`)."""
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes}: must be positive")
     protected = protected_roots(storage, ckpt_dir)
     check_target(out_path, kind="file", force=force, protected=protected)
-    tensors, step, others = _chosen_tensors(storage, ckpt_dir, what)
-    if others:
-        log.warning(
-            "--what %s: %d values that are not tensors are not exported (safetensors holds "
-            "tensors only): %s",
-            what,
-            len(others),
-            ", ".join(others[:10]) + (", ..." if len(others) > 10 else ""),
-        )
-    for name, tensor in tensors.items():
-        if safetensors_code(dtype_name(tensor.dtype, where=name)) is None:
-            raise ConfigError(
-                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
-            )
-    shards = _split(sorted(tensors.items()), max_shard_bytes)
+    tensors, step = _chosen_tensors(storage, ckpt_dir, what)
+    shards = split_shards(sorted(tensors.items()), max_shard_bytes)
     mark = f"step {step} of {storage.describe(ckpt_dir)}, crashproof {__version__}"
     stem = out_path[: -len(".safetensors")] if out_path.endswith(".safetensors") else out_path
     index_path = f"{stem}.safetensors.index.json"
@@ -218,28 +231,18 @@ def export_safetensors(
         if file_mark(index_path) is not None:  # a sharded export here: replaced with --force
             check_target(index_path, kind="file", force=force, protected=protected)
         earlier = listed_shards(index_path)
-        with _writing(out_path):
+        with writing(out_path):
             os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-            _write_safetensors(out_path, shards[0], mark)
+            write_safetensors_file(out_path, shards[0], mark)
             remove_earlier(index_path, earlier - {os.path.abspath(out_path)})
         return tensors, [out_path]
-    names = [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = shard_names(stem, len(shards))
     for name in [*names, index_path]:  # every file checked before the first is written
         check_target(name, kind="file", force=force, protected=protected)
     earlier = listed_shards(index_path)
-    with _writing(out_path):
+    with writing(out_path):
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        for name, shard in zip(names, shards, strict=True):
-            _write_safetensors(name, shard, mark)
-        index = {
-            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values()), MARK_KEY: mark},
-            "weight_map": {
-                tensor_name: os.path.basename(file)
-                for file, shard in zip(names, shards, strict=True)
-                for tensor_name, _ in shard
-            },
-        }
-        write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+        write_sharded(names, shards, index_path, mark)
         # A single-file export at out_path (check_target let it through: marked, --force) and
         # the shards of a sharded one that this one did not overwrite.
         remove_earlier(out_path, earlier - {os.path.abspath(n) for n in names})
@@ -276,7 +279,7 @@ def export_dcp(
         path = WHAT_SHORTCUTS.get(what, what).strip("/")
         state = {path.rsplit("/", 1)[-1]: select_state(tree, what, where)}
     state["step"] = torch.tensor(tree["step"])
-    with _writing(out_dir):
+    with writing(out_dir):
         _write_dcp(state, int(tree["step"]), storage.describe(ckpt_dir), out_dir, force, protected)
     return state
 
@@ -308,7 +311,7 @@ def _write_dcp(
             "files": sorted(files_under(tmp)),
         }
         write_atomically(os.path.join(tmp, MARKER), json.dumps(mark, indent=2).encode())
-        _swap_in(tmp, out_dir, force=force, protected=protected)
+        swap_in(tmp, out_dir, force=force, protected=protected)
     finally:
         if os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp)  # ours: a fresh name, created above
@@ -324,58 +327,34 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-@contextlib.contextmanager
-def _writing(out: str) -> Iterator[None]:
-    """Writing the export ``out``: an OSError met is re-raised as one whose ``filename`` is
-    ``out`` (errno kept; the file it was met on in its text), so that a caller tells a failure
-    to write the output (``crashproof export``: exit 74 naming ``-o``) from a failure to read
-    the checkpoint."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename == out and type(exc) is OSError:
-            raise
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        at = f" at {exc.filename}" if exc.filename not in (None, out) else ""
-        raise OSError(exc.errno, f"{reason}{at}", out) from exc
+def write_sharded(
+    names: Sequence[str],
+    shards: Sequence[list[tuple[str, torch.Tensor]]],
+    index_path: str,
+    mark: str,
+) -> None:
+    """Write each shard to its name, then the index naming, for every tensor, its shard file
+    (``weight_map``) and the total size: the layout ``from_pretrained`` reads. The index is
+    written last, so one that exists lists only shards complete on disk."""
+    for name, shard in zip(names, shards, strict=True):
+        write_safetensors_file(name, shard, mark)
+    index = {
+        "metadata": {
+            "total_size": sum(nbytes(t) for shard in shards for _, t in shard),
+            MARK_KEY: mark,
+        },
+        "weight_map": {
+            tensor_name: os.path.basename(file)
+            for file, shard in zip(names, shards, strict=True)
+            for tensor_name, _ in shard
+        },
+    }
+    write_atomically(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
 
 
-def _swap_in(tmp: str, out_dir: str, *, force: bool, protected: Sequence[str]) -> None:
-    """Rename ``tmp`` to ``out_dir``, the earlier export there (checked again, now) removed."""
-    check_target(out_dir, kind="dir", force=force, protected=protected)
-    if not os.path.lexists(out_dir) or not os.listdir(out_dir):
-        os.replace(tmp, out_dir)  # onto nothing, or onto an empty directory
-        return
-    old = fresh_name(out_dir, "old")
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)  # put the earlier export back
-        raise
-    shutil.rmtree(old)  # the earlier export, holding only what it wrote (check_target)
-
-
-def _split(
-    tensors: list[tuple[str, torch.Tensor]], max_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in tensors:
-        if shards[-1] and size + _nbytes(tensor) > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, tensor))
-        size += _nbytes(tensor)
-    return shards
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], mark: str) -> None:
+def write_safetensors_file(path: str, tensors: list[tuple[str, torch.Tensor]], mark: str) -> None:
+    """Write ``tensors`` as the safetensors file ``path``, marked as an export's: beside it under
+    a fresh name, then renamed into place."""
     tmp = fresh_name(path, "tmp")
     write_shard(LocalStorage(), tmp, tensors, metadata={"format": "pt", MARK_KEY: mark})
     try:  # write_shard removes its file when it fails; from here on, the file is ours to remove

@@ -34,10 +34,19 @@ __all__ = [
 ]
 
 MARKER = ".crashproof-export.json"
-_DCP_OUTPUT = re.compile(r"\.metadata|__\d+_\d+\.distcp")
-"""The names torch.distributed.checkpoint's file system writer gives what it writes."""
-"""In a DCP export's directory: which export wrote it and the files it wrote (``--force`` replaces
-such a directory only while it holds nothing else)."""
+"""In a directory an export wrote (DCP, hf): which export wrote it and the files it wrote
+(``--force`` replaces such a directory only while it holds nothing else)."""
+_OWN_OUTPUT = {
+    # the names torch.distributed.checkpoint's file system writer gives what it writes
+    "dcp": re.compile(r"\.metadata|__\d+_\d+\.distcp"),
+    # a save_pretrained directory's weights, their index and the configs
+    "hf": re.compile(
+        r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+        r"|config\.json|generation_config\.json"
+    ),
+}
+"""By the marker's ``format``: the only names a forced export replaces, whatever the marker
+lists (see :func:`_check_dir_target`)."""
 
 MARK_KEY = "crashproof_export"
 """In a safetensors export's ``__metadata__`` and its index's ``metadata``: which export wrote it."""
@@ -95,7 +104,7 @@ def _inside(path: str, directory: str) -> bool:
 def _check_dir_target(out: str, force: bool) -> None:
     if not os.path.isdir(out):
         raise ConfigError(
-            f"-o {out}: exists and is not a directory; a DCP export writes a directory: "
+            f"-o {out}: exists and is not a directory; this export writes a directory: "
             "choose a new path"
         )
     present = files_under(out)
@@ -111,9 +120,10 @@ def _check_dir_target(out: str, force: bool) -> None:
     # Only what a DCP export writes counts as its own, whatever the marker lists: the marker is
     # a plain file anyone can write, and one listing a user's file must not get it replaced.
     listed = {name for name in mark.get("files", []) if isinstance(name, str)}
+    own = _OWN_OUTPUT.get(str(mark.get("format", "dcp")), _OWN_OUTPUT["dcp"])
     extra = sorted(
         name for name in present
-        if name != MARKER and (name not in listed or not _DCP_OUTPUT.fullmatch(name))
+        if name != MARKER and (name not in listed or not own.fullmatch(name))
     )  # fmt: skip
     if extra:
         raise ConfigError(
