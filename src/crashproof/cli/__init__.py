@@ -4,8 +4,8 @@ export checkpoints; report, plan and test a run's resilience.
 One module per command group, each registering its parser and the function it dispatches to:
 ``_run`` (``crashproof run``: torchrun's parser, launched by :mod:`crashproof.supervisor.launch`,
 whose docstring lists its exit codes), ``_checkpoints`` (``ls``, ``verify``, ``inspect``),
-``_prune``, ``_export``, ``_report``, ``_plan``, ``_chaos``; ``_conventions`` and ``_roots`` hold
-what they share. This is the top layer: it may import every part, and nothing imports it.
+``_prune``, ``_export``, ``_import``, ``_report``, ``_plan``, ``_chaos``; ``_conventions`` and
+``_roots`` hold what they share. This is the top layer: it may import every part, and nothing imports it.
 
 Exit codes of the rest (README "Command line" has the table):
 
@@ -38,6 +38,7 @@ from crashproof.cli._chaos import add_chaos_parser
 from crashproof.cli._checkpoints import add_checkpoint_parsers
 from crashproof.cli._conventions import OneLineParser, fail
 from crashproof.cli._export import add_export_parser
+from crashproof.cli._import import add_import_parser
 from crashproof.cli._plan import add_plan_parser
 from crashproof.cli._prune import add_prune_parser
 from crashproof.cli._report import add_report_parser
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_parsers(sub)
     add_prune_parser(sub)
     add_export_parser(sub)
+    add_import_parser(sub)
     add_plan_parser(sub)
     add_report_parser(sub)
     add_chaos_parser(sub)
