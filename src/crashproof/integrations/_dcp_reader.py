@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from crashproof.checkpoint.format import JSONValue, decode_tree
+from crashproof.checkpoint.format import MANIFEST_NAME, JSONValue, Manifest, decode_tree
 from crashproof.checkpoint.restore import CrashproofReader, read_manifest, read_rank_index
 from crashproof.errors import CorruptCheckpointError
 from crashproof.integrations._dcp_target import Target
@@ -91,12 +91,12 @@ class StorageReader(CrashproofReader):
         """Whether ``checkpoint_id`` is a directory holding a crashproof manifest."""
         try:
             target = Target.of(checkpoint_id)
-            return "manifest.json" in target.storage.list(target.final)
+            return MANIFEST_NAME in target.storage.list(target.final)
         except Exception:  # DCP asks only yes or no
             return False
 
 
-def _saved_values(target: Target, manifest: Any) -> dict[str, JSONValue]:
+def _saved_values(target: Target, manifest: Manifest) -> dict[str, JSONValue]:
     """The non-tensor values of a DCP-written checkpoint by name, as stored (JSON); the rank
     that wrote each is the one DCP's planner gave it to (the lowest, where several did)."""
     values: dict[str, JSONValue] = {}
