@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +32,8 @@ from crashproof.errors import ConfigError
 from crashproof.state import TrainState, capture_rng, restore_rng
 
 __all__ = ["TrainRun", "check_trainer"]
+
+log = logging.getLogger("crashproof.integrations")
 
 # The Trainer's methods crashproof takes over (checked to exist: a Trainer that renamed them
 # would otherwise silently resume from nothing).
@@ -77,10 +80,28 @@ def check_trainer(trainer: Any, *, trainer_checkpoints: bool, root: str) -> None
                 "optimizer and model state are sharded by it. Use the Trainer without it, or "
                 "crashproof's CheckpointManager with FSDP2 (fully_shard) directly"
             )
+    _warn_inexact(trainer)
     if trainer.model_init is not None:
         raise ConfigError(
             "CrashproofCallback with Trainer(model_init=...): the Trainer makes a new model at "
             "every train(), so a resumed state would be thrown away. Pass model=... instead"
+        )
+
+
+def _warn_inexact(trainer: Any) -> None:
+    """Say so where the Trainer's own resume cannot be exact (docs/transformers.md)."""
+    if getattr(trainer.data_collator, "mlm", False):
+        log.warning(
+            "CrashproofCallback: the data collator masks at random (mlm=True); the Trainer puts "
+            "the random state back only after fetching the first batches past a resume, so "
+            "their masks will differ from an uninterrupted run's (docs/transformers.md)"
+        )
+    if trainer.args.dataloader_num_workers > 0:
+        log.warning(
+            "CrashproofCallback: with dataloader_num_workers=%d, randomness inside the workers "
+            "(random transforms) differs after a resume: their seeds are drawn when the resumed "
+            "epoch starts (docs/transformers.md)",
+            trainer.args.dataloader_num_workers,
         )
 
 
