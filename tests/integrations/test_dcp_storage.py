@@ -91,18 +91,27 @@ def _cli(*args: str | Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_save_verifies_with_the_cli_and_loads_bit_identical(tmp_path: Path) -> None:
+def _no_pickle(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("pickled or unpickled")
+
+
+def test_save_verifies_with_the_cli_and_loads_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _state(*_trained(seed=0), EXTRA)
-    dcp.save(state, storage_writer=StorageWriter(tmp_path, step=3), no_dist=True)
+    with monkeypatch.context() as tripwires:  # DCP's own path for values is torch.save/load
+        tripwires.setattr(torch, "save", _no_pickle)
+        tripwires.setattr(torch, "load", _no_pickle)
+        dcp.save(state, storage_writer=StorageWriter(tmp_path, step=3), no_dist=True)
+        live = _fresh()
+        dcp.load(live, storage_reader=StorageReader(tmp_path, step=3), no_dist=True)
+    _assert_same(state, live)
 
     code, said = _cli("verify", tmp_path)
     assert code == 0 and "step 3: valid" in said, said
     code, said = _cli("inspect", tmp_path)
     assert code == 0 and "model.0.weight" in said and "optim.state.0.exp_avg" in said, said
 
-    live = _fresh()
-    dcp.load(live, storage_reader=StorageReader(tmp_path, step=3), no_dist=True)
-    _assert_same(state, live)
     assert live["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)  # a tuple again
     assert live["optim"]["state"][0]["step"].item() == 2.0
 

@@ -51,10 +51,10 @@ _RANK_FILES = "<crashproof: rank files>"
 
 @dataclasses.dataclass(frozen=True)
 class _Stamp:
-    """What the coordinator tells each rank in its plan: which rank it is, of how many."""
+    """What the coordinator tells each rank in its plan: which rank it is, so that rank ``r``
+    writes ``rank_<r>.*`` and the coordinator finds rank ``r``'s report at ``results[r]``."""
 
     rank: int
-    world_size: int
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -119,8 +119,7 @@ class StorageWriter(_DCPStorageWriter):
         replaced, clear a temporary directory an earlier save left, number the ranks."""
         self._target.prepare(overwrite=self._overwrite)
         return [
-            dataclasses.replace(plan, storage_data=_Stamp(rank, len(plans)))
-            for rank, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=_Stamp(rank)) for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
