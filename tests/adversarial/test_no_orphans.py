@@ -287,7 +287,9 @@ def test_a_failed_attempts_programs_are_gone_before_the_next_attempt(
     run = start_run(
         tmp_path / "run",
         (["--cold-start"] if start == "cold" else []) + ["--max-restarts", "2"],
-        ["--steps", "400", "--every", "4", "--fail-at", "6", "--fail-rank", "0",
+        # 150 steps: the second attempt trains ~145 steps (seconds), long past the check that
+        # the run is still going right after the restart
+        ["--steps", "150", "--every", "4", "--fail-at", "6", "--fail-rank", "0",
          "--fail-attempts", "1", "--clean-env-children", str(children)],
     )  # fmt: skip
     runs.append(run)
