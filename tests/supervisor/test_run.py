@@ -193,17 +193,18 @@ def test_the_restart_budget_is_respected(tmp_path: Path) -> None:
 
 
 def test_the_restart_budget_counts_only_the_restarts_within_its_window(tmp_path: Path) -> None:
-    # one restart per second: each attempt lasts longer than that, so three failures that each
-    # made progress are all restarted; torchrun's lifetime count of one would stop at the second
+    # one restart per half second: each attempt lasts longer than that (7 steps of 0.1 s of
+    # sleep each, at least 0.7 s, before its failure), so three failures that each made progress
+    # are all restarted; torchrun's lifetime count of one would stop at the second
     code, events, output = crashproof_run(
         tmp_path,
-        ["--max-restarts", "1", "--restart-window", "1s"],
-        ["--steps", "20", "--fail-at", "7", "--fail-every-attempt", "--step-s", "0.2"],
+        ["--max-restarts", "1", "--restart-window", "0.5s"],
+        ["--steps", "20", "--fail-at", "7", "--fail-every-attempt", "--step-s", "0.1"],
     )
     assert code == 0, output
     assert [e["restart"] for e in of(events, "restart")] == [1, 2, 3]
     assert all(e["remaining_restarts"] == 0 for e in of(events, "restart"))
-    assert events[0]["max_restarts"] == 1 and events[0]["restart_window_s"] == 1.0
+    assert events[0]["max_restarts"] == 1 and events[0]["restart_window_s"] == 0.5
     assert not of(events, "budget_spent")
 
 
