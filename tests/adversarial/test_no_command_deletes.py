@@ -548,7 +548,7 @@ def test_a_reused_run_directory_keeps_the_earlier_sessions_stack_dumps(
     user = snapshot(tmp_path)
     first = start_run(
         run_dir,
-        ["--hang-timeout", "3", "--metrics-port", "0"],
+        ["--hang-timeout", "2", "--metrics-port", "0"],
         ["--steps", "8", "--every", "2", "--stop-at", "3"],
     )
     runs.append(first)
