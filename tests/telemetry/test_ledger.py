@@ -368,7 +368,7 @@ def test_a_real_run_with_a_killed_rank_has_one_failure_and_adds_up(tmp_path: Pat
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2",
         "--max-restarts", "3", "--run-dir", str(run), str(EXAMPLES / "train_tiny.py"), "--",
-        "--run-dir", str(run), "--steps", "600", "--every", str(EVERY), "--sync",
+        "--run-dir", str(run), "--steps", "300", "--every", str(EVERY), "--sync",
         "--workers", "0",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CRASHPROOF_PROGRESS_INTERVAL_S": "0.25"}
@@ -409,5 +409,5 @@ def test_a_real_run_with_a_killed_rank_has_one_failure_and_adds_up(tmp_path: Pat
     assert failure.lost_steps == failure.step_reached - failure.step_restored
     assert failure.lost_s > 0 or failure.lost_steps == 0
     assert failure.detect_s > 0 and failure.restart_s > 0 and failure.restore_s > 0
-    assert ledger.restarts == 1 and ledger.final_step == 600 and ledger.outcome == "succeeded"
+    assert ledger.restarts == 1 and ledger.final_step == 300 and ledger.outcome == "succeeded"
     assert {p.attempt for p in ledger.timeline} == {0, 1}
