@@ -255,7 +255,7 @@ def test_damaged_and_unknown_sources_are_refused_naming_the_file(
     assert not root.exists()
 
 
-def test_a_root_a_running_writer_holds_is_refused(
+def test_a_root_a_running_writer_holds_or_a_file_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model, _, _ = small()
@@ -266,6 +266,9 @@ def test_a_root_a_running_writer_holds_is_refused(
         code, _, err = run("import", tmp_path / "w.pt", root, "--step", "2", capsys=capsys)
     assert code == 74 and "is locked by pid" in err
     assert steps(root) == [1]
+    (tmp_path / "a-file").write_text("")
+    code, _, err = run("import", tmp_path / "w.pt", tmp_path / "a-file", capsys=capsys)
+    assert code == 2 and "a-file: exists and is not a directory" in err
 
 
 # -- Hugging Face --------------------------------------------------------------------------------

@@ -11,18 +11,15 @@ refuses or a root another process is writing. The root's earlier checkpoints are
 from __future__ import annotations
 
 import argparse
+import os
 
 from crashproof.checkpoint.format import MAX_STEP
 from crashproof.checkpoint.imports import Imported, import_checkpoint, read_source
 from crashproof.cli._checkpoints import human
 from crashproof.cli._conventions import fail, print_json, usage_error, whole_number
-from crashproof.errors import (
-    CheckpointWriteError,
-    ConfigError,
-    CorruptCheckpointError,
-    RootLockedError,
-)
+from crashproof.errors import ConfigError, CorruptCheckpointError, CrashproofError, RootLockedError
 from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_STORAGE, EXIT_USAGE
+from crashproof.storage import local_path
 
 __all__ = ["add_import_parser"]
 
@@ -68,24 +65,38 @@ def cmd_import(args: argparse.Namespace) -> int:
         )
     if not args.root.strip():
         usage_error("ROOT is empty: give the checkpoint root to import into")
+    given = local_path(args.root)
+    if given is not None and os.path.lexists(given) and not os.path.isdir(given):
+        usage_error(
+            f"{args.root}: exists and is not a directory; give the checkpoint root, a directory "
+            "(created if missing)"
+        )
     try:
         found = read_source(args.source, trust_pickle=args.trust_pickle)
         if args.strip_prefix is not None:
             found.strip_prefix(args.strip_prefix)
-        done = import_checkpoint(found, args.root, args.step)
+    except OSError as exc:  # the file system's refusal to read the source, naming the file
+        if isinstance(exc, CrashproofError):
+            raise
+        return fail(
+            f"{exc.filename or args.source}: cannot be read ({exc.strerror or exc}); check the "
+            "permissions",
+            EXIT_STORAGE,
+        )
     except CorruptCheckpointError as exc:  # the source's files are damaged
         return fail(f"{exc}; nothing was imported", EXIT_INVALID)
-    except ConfigError as exc:
+    except ConfigError as exc:  # no such source, no known layout, a pickle needing trust
         return fail(str(exc), EXIT_USAGE)
+    try:
+        done = import_checkpoint(found, args.root, args.step)
     except RootLockedError as exc:  # it names the holder and what to do
         return fail(str(exc), EXIT_STORAGE)
-    except CheckpointWriteError as exc:
-        return fail(f"{args.root}: the import could not be written ({exc})", EXIT_STORAGE)
-    except OSError as exc:  # reading the source: the file system's refusal names the file
-        where = exc.filename or args.source
-        reason = exc.strerror or str(exc)
+    except ConfigError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except OSError as exc:  # a CheckpointWriteError too: the root could not be written
         return fail(
-            f"{where}: cannot be read ({reason}); check that it exists and the permissions",
+            f"{args.root}: the import could not be written ({exc}); check the root's storage "
+            "and permissions",
             EXIT_STORAGE,
         )
     if args.json:
