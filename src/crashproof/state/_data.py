@@ -29,7 +29,13 @@ from torch.utils.data import DataLoader
 from crashproof.errors import ConfigError
 from crashproof.state._sampler import ResumableSampler
 
-__all__ = ["find_resumable_sampler", "own_iter", "replace_iter", "track_loader"]
+__all__ = [
+    "find_resumable_sampler",
+    "own_iter",
+    "refuse_accelerate_loader",
+    "replace_iter",
+    "track_loader",
+]
 
 
 def find_resumable_sampler(loader: DataLoader[Any]) -> ResumableSampler | None:
@@ -121,6 +127,20 @@ def replace_iter(loader: Any, iter_fn: Callable[[Any], Any], prefix: str = "") -
 def _tracked_iter(self: Any) -> _TrackedIterator:
     batch_size = self.batch_size or getattr(self.batch_sampler, "batch_size", None) or 1
     return _TrackedIterator(self, self._crashproof_sampler, batch_size)
+
+
+def refuse_accelerate_loader(data: Any) -> None:
+    """A DataLoader prepared by Accelerate deals batches to the ranks itself (and its
+    ``state_dict`` is empty unless made stateful): refused, saying what to do instead."""
+    if type(data).__module__.startswith("accelerate."):  # on one process too: a trap for two
+        raise ConfigError(
+            f"TrainState(data=loader): this DataLoader was prepared by Accelerate "
+            f"({type(data).__name__}), which deals the batches out to the ranks itself, so "
+            "the position the loop has received cannot be saved. Leave the DataLoader out of "
+            "accelerator.prepare, give it sampler=crashproof.ResumableSampler(len(dataset), "
+            "shuffle=..., seed=...) (it deals each rank its share), and move each batch to "
+            "accelerator.device in the loop (docs/accelerate.md)"
+        )
 
 
 def track_loader(loader: DataLoader[Any]) -> ResumableSampler:

@@ -33,7 +33,7 @@ from crashproof.state._check import (
     trial_load,
 )
 from crashproof.state._classes import recorded_classes
-from crashproof.state._data import track_loader
+from crashproof.state._data import refuse_accelerate_loader, track_loader
 from crashproof.state._dtensor import is_dtensor
 from crashproof.state._finite import finite_names, parameter_names
 from crashproof.state._kinds import check_same_kind
@@ -109,6 +109,7 @@ class TrainState:
                 raise ConfigError(
                     f"TrainState({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict()"
                 )
+        refuse_accelerate_loader(data)
         if data is not None and not isinstance(data, Stateful):
             if not isinstance(data, torch.utils.data.DataLoader):
                 raise ConfigError(
