@@ -74,8 +74,9 @@ def build_trainer(
     """The Trainer of this example, checkpointed by crashproof under ``root``."""
     torch.manual_seed(0)  # the model's initial weights
     config = GPT2Config(
-        vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1
-    )
+        vocab_size=256, n_positions=BLOCK, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
     training_args = TrainingArguments(
         output_dir=out or root.rstrip("/") + "-out",  # the Trainer's logs; never inside a root
         per_device_train_batch_size=4,

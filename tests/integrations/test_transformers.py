@@ -116,6 +116,16 @@ def test_a_resume_falls_back_past_a_corrupt_checkpoint_and_stays_exact(tmp_path:
     hf_trainer.dump(again, actual)
     _same_run(expected, actual, summaries=1)
 
+    # The model's config travels with the checkpoint: an export loads with from_pretrained.
+    from transformers import AutoModelForCausalLM
+
+    from crashproof.cli import main
+
+    assert main(["export", str(root), "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, tensor in again.model.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+
 
 def _train(root: Path, **kwargs: Any) -> Any:
     trainer = hf_trainer.build_trainer(str(root), **kwargs)

@@ -257,11 +257,19 @@ class TrainRun:
     # -- the state -----------------------------------------------------------------------------
 
     def _train_state(self, model: Any, optimizer: Any) -> TrainState:
+        extra: dict[str, Any] = {
+            "trainer": self._trainer_stash,
+            "lr_scheduler": self._scheduler_stash,
+        }
+        config = getattr(self.trainer.model, "config", None)
+        if hasattr(config, "to_json_string"):
+            # For `crashproof export --format hf`: the model's config.json, beside its weights.
+            extra["hf_config"] = json.loads(config.to_json_string())
         return TrainState(
             model=model,
             optimizer=_inner(optimizer),
             scaler=getattr(self.trainer.accelerator, "scaler", None),
-            extra={"trainer": self._trainer_stash, "lr_scheduler": self._scheduler_stash},
+            extra=extra,
         )
 
     def _capture_trainer(self) -> dict[str, Any]:
