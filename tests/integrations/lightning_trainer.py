@@ -1,8 +1,8 @@
 """The tests' Lightning fit: ``examples/lightning_train.py`` with a kill and a dump of the end.
 
-``--kill-at STEP``: the process SIGKILLs itself at the end of that optimizer step, the first
-time only (``--kill-marker`` is created just before: a restarted attempt finds it and trains
-on). ``--dump PATH`` saves rank 0's final model and optimizer state (``torch.save``).
+``--kill-at STEP`` (repeatable): the process SIGKILLs itself at the end of that optimizer step,
+the first time only (``--kill-marker DIR`` gets a file for it just before: a restarted attempt
+finds it and trains on). ``--dump PATH`` saves rank 0's final model and optimizer state (``torch.save``).
 """
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ import lightning_train
 
 
 class KillOnce(L.Callback):
-    def __init__(self, step: int, marker: Path) -> None:
-        self.step, self.marker = step, marker
+    def __init__(self, steps: list[int], markers: Path) -> None:
+        self.steps, self.markers = steps, markers
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step and not self.marker.exists():
-            self.marker.touch()
+        marker = self.markers / f"killed_at_{trainer.global_step}"
+        if trainer.global_step in self.steps and not marker.exists():
+            marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--kill-at", type=int, action="append", default=[])
     parser.add_argument("--kill-marker", type=Path)
     parser.add_argument("--dump", type=Path)
     ours, rest = parser.parse_known_args()

@@ -21,7 +21,10 @@ moments Lightning would otherwise let draws slip in (a resumed fit's start, afte
 
 from __future__ import annotations
 
+import contextlib
 import random
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +41,13 @@ from torch.utils.data import (
 
 from crashproof.state import ResumableSampler, Stateful, TrainState
 
-__all__ = ["EpochSampler", "RandomState", "has_own_state", "make_resumable"]
+__all__ = [
+    "EpochSampler",
+    "RandomState",
+    "has_own_state",
+    "make_resumable",
+    "quiet_lightning_doubt",
+]
 
 
 class EpochSampler(ResumableSampler):
@@ -108,6 +117,23 @@ def make_resumable(
     batch_sampler.sampler = sampler
     TrainState(data=loader)  # crashproof tracks the loader: received batches, draw-free iter()
     return sampler
+
+
+_LIGHTNING_DOUBT = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def quiet_lightning_doubt() -> Callable[[], None]:
+    """Silence Lightning's warning that a mid-epoch resume of a loader without state_dict()
+    is unreliable (true of the loader it built, not of the one crashproof tracks); returns the
+    function that lets it speak again."""
+    warnings.filterwarnings("ignore", message=re.escape(_LIGHTNING_DOUBT))
+    entry = warnings.filters[0]
+
+    def restore() -> None:
+        with contextlib.suppress(ValueError):  # (warnings.resetwarnings() took it already)
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]
+
+    return restore
 
 
 def has_own_state(loader: Any) -> bool:

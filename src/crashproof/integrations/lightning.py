@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from crashproof.integrations._requires import require
@@ -39,6 +40,7 @@ from crashproof.integrations._lightning_data import (  # noqa: E402
     RandomState,
     has_own_state,
     make_resumable,
+    quiet_lightning_doubt,
 )
 from crashproof.integrations._lightning_state import (  # noqa: E402
     LightningState,
@@ -96,6 +98,7 @@ class CrashproofCallback(Callback):
         self._tracked: Any = None  # the train loader whose position is saved
         self._last_step = -1  # trainer.global_step at the previous batch end
         self._saved_step = -1
+        self._speak_again: Callable[[], None] | None = None  # Lightning's resume warning
 
     def has_checkpoint(self) -> bool:
         """Whether the root holds a valid checkpoint (what a ``fit`` would resume from)."""
@@ -193,6 +196,8 @@ class CrashproofCallback(Callback):
             )
             return
         lightning.sampler = found
+        if self._speak_again is None:
+            self._speak_again = quiet_lightning_doubt()
         if position is not None:
             found.load_state_dict(position)  # StateMismatchError: another dataset size or seed
 
@@ -245,6 +250,9 @@ class CrashproofCallback(Callback):
             self._close()
 
     def _close(self) -> None:
+        if self._speak_again is not None:
+            self._speak_again()
+            self._speak_again = None
         manager, self.manager = self.manager, None
         self._state = self._random_at_batch_end = None
         if manager is not None:
