@@ -72,19 +72,21 @@ class Regressor(L.LightningModule):
 class Data(L.LightningDataModule):
     """Samples made from a fixed seed; it counts the epochs it served (saved and restored)."""
 
-    def __init__(self, samples: int = 96, batch_size: int = 8) -> None:
+    def __init__(self, samples: int = 96, batch_size: int = 8, workers: int = 0) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(1234)
         x = torch.randn(samples + 32, 8, generator=generator)
         y = torch.tanh(x @ torch.randn(8, 1, generator=generator))
         self.train_set = TensorDataset(x[:samples], y[:samples])
         self.val_set = TensorDataset(x[samples:], y[samples:])
-        self.batch_size = batch_size
+        self.batch_size, self.workers = batch_size, workers
         self.served = 0
 
     def train_dataloader(self) -> DataLoader[Any]:
         self.served += 1
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.workers
+        )
 
     def val_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.val_set, batch_size=self.batch_size)
@@ -112,6 +114,7 @@ def main(
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--every", type=int, default=5, help="save every N optimizer steps")
     parser.add_argument("--devices", type=int, default=1, help="2: DDP over gloo")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = parser.parse_args(argv)
 
     L.seed_everything(0)  # the model's initial weights, and the data order's seed
@@ -128,7 +131,7 @@ def main(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, Data())
+    trainer.fit(model, Data(workers=args.workers))
     if trainer.is_global_zero:
         print(f"resumed from step {crashproof.restored_step}", flush=True)
         print(f"step {trainer.global_step}, weights {digest(model)}", flush=True)
