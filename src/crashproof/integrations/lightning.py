@@ -125,7 +125,7 @@ class CrashproofCallback(Callback):
         if not self.restored_step:
             return
         # The generators as saved: Lightning draws from them before training goes on (sanity
-        # check, the loader's first iterator); they are put back at on_train_start.
+        # check, the loader's first iterator); they are put back from on_train_start on.
         self._restored_random = RandomState()
         assert self._lightning.loaded is not None
         apply_checkpoint(trainer, self._lightning.loaded)
