@@ -136,8 +136,33 @@ def test_a_mid_epoch_position_deals_exactly_the_rest_of_the_epoch_to_the_ranks(
         sampler = ResumableSampler(n, shuffle=True, seed=5, rank=rank, world_size=world_size)
         sampler.load_state_dict(state)
         dealt += list(sampler)
-    assert set(dealt) == set(order[position:])
-    assert len(dealt) - (n - position) < world_size
+    # The tail is padded with the epoch's first samples, as the uninterrupted epoch pads it.
+    pad = len(dealt) - (n - position)
+    assert pad < world_size
+    assert sorted(dealt) == sorted(order[position:] + order[:pad])
+
+
+@pytest.mark.parametrize(
+    ("n", "world_size", "batch"), [(10, 4, 1), (23, 3, 2), (7, 2, 3), (5, 4, 1)]
+)
+def test_an_epoch_resumed_part_way_deals_each_rank_the_rest_of_its_uninterrupted_share(
+    n: int, world_size: int, batch: int
+) -> None:
+    # Also where the ranks' shares are padded (n not a multiple of the world size): the padding
+    # must be the uninterrupted epoch's, or a resumed run trains on other samples at the end.
+    def shares(consumed: int) -> list[list[int]]:
+        state = {"n": n, "shuffle": True, "seed": 3, "epoch": 1, "consumed": consumed}
+        found = []
+        for rank in range(world_size):
+            sampler = ResumableSampler(n, shuffle=True, seed=3, rank=rank, world_size=world_size)
+            sampler.load_state_dict(state)
+            found.append(list(sampler))
+        return found
+
+    whole = shares(0)
+    for batches in range(1, -(-n // (world_size * batch))):
+        resumed = shares(min(n, batches * batch * world_size))
+        assert resumed == [share[batches * batch :] for share in whole], batches
 
 
 # -- the position ----------------------------------------------------------------------------

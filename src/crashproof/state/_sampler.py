@@ -92,25 +92,27 @@ class ResumableSampler(Sampler[int]):
                 merged.append((start, end))
         return merged
 
-    def _kept_positions(self) -> torch.Tensor:
-        """Positions from ``consumed`` to the end of the epoch that are not skipped."""
-        kept = torch.ones(self.n - self.consumed, dtype=torch.bool)
-        for start, end in self._skipped_here():
-            kept[max(start - self.consumed, 0) : max(end - self.consumed, 0)] = False
-        return kept.nonzero().flatten() + self.consumed
+    def _kept_positions(self, start: int | None = None) -> torch.Tensor:
+        """Positions from ``start`` (default: ``consumed``) to the end of the epoch that are not
+        skipped."""
+        start = self.consumed if start is None else start
+        kept = torch.ones(self.n - start, dtype=torch.bool)
+        for skip_start, skip_end in self._skipped_here():
+            kept[max(skip_start - start, 0) : max(skip_end - start, 0)] = False
+        return kept.nonzero().flatten() + start
 
     def _remaining(self) -> torch.Tensor:
         order = self._order()
-        rest = order[self._kept_positions()] if self._skipped_here() else order[self.consumed :]
+        skipped = self._skipped_here()
+        rest = order[self._kept_positions()] if skipped else order[self.consumed :]
         # Every rank must get the same number of samples or collectives hang at the epoch's end:
-        # wrap around to pad the tail, as torch's DistributedSampler does.
+        # pad the tail with the epoch's first samples, wrapping around, as torch's
+        # DistributedSampler does. The epoch's, not the rest's: an epoch resumed part-way pads
+        # exactly as the uninterrupted epoch did.
         if self.world_size > 1 and len(rest) % self.world_size:
             pad = self.world_size - len(rest) % self.world_size
-            rest = (
-                torch.cat([rest, rest[:pad]])
-                if len(rest) >= pad
-                else rest.repeat(pad + 1)[: len(rest) + pad]
-            )
+            whole = order[self._kept_positions(0)] if skipped else order
+            rest = torch.cat([rest, whole.repeat(-(-pad // len(whole)))[:pad]])
         return rest[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
