@@ -7,9 +7,6 @@ and a OneCycle scheduler with ``accelerator.prepare``, and leaves its DataLoader
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,37 +15,38 @@ from safetensors.torch import load_file
 
 import crashproof as cp
 from crashproof.errors import ConfigError
-from crashproof.telemetry import read_events
-from tests.conftest import EXAMPLES
+from tests.integrations.launch import run_example
 
 pytest.importorskip("accelerate")
-
-
-def _run(run_dir: Path, *script_args: str) -> tuple[int, list[dict[str, object]], str]:
-    command = [sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2"]
-    command += ["--run-dir", str(run_dir), "--metrics-port", "-1", "--cold-start"]
-    command += [str(EXAMPLES / "accelerate_train.py"), *script_args]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    return proc.returncode, list(read_events(run_dir / "events.jsonl")), proc.stdout + proc.stderr
 
 
 def test_an_accelerate_loop_killed_under_crashproof_run_resumes_bit_identical(
     tmp_path: Path,
 ) -> None:
     expected, actual = tmp_path / "expected.st", tmp_path / "actual.st"
-    code, _, output = _run(
-        tmp_path / "run-a", "--root", str(tmp_path / "a"), "--dump", str(expected)
+    code, _, output = run_example(
+        "accelerate_train.py",
+        tmp_path / "run-a",
+        "--root",
+        str(tmp_path / "a"),
+        "--dump",
+        str(expected),
     )
     assert code == 0, output
-    code, events, output = _run(
-        tmp_path / "run-b", "--root", str(tmp_path / "b"), "--kill-at", "13", "--dump", str(actual)
+    code, events, output = run_example(
+        "accelerate_train.py",
+        tmp_path / "run-b",
+        "--root",
+        str(tmp_path / "b"),
+        "--kill-at",
+        "13",
+        "--dump",
+        str(actual),
     )
     assert code == 0, output
     assert len([e for e in events if e["event"] == "restart"]) == 1, output
-    assert {e["step"] for e in events if e["event"] == "restore"} == {10}, output
+    # From step 10, or 5 where the asynchronous save of step 10 was still being written.
+    assert {e["step"] for e in events if e["event"] == "restore"} in ({10}, {5}), output
     a, b = load_file(expected), load_file(actual)
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

@@ -261,8 +261,8 @@ class TrainRun:
             "trainer": self._trainer_stash,
             "lr_scheduler": self._scheduler_stash,
         }
-        config = getattr(self.trainer.model, "config", None)
-        if hasattr(config, "to_json_string"):
+        config: Any = getattr(self.trainer.model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
             # For `crashproof export --format hf`: the model's config.json, beside its weights.
             extra["hf_config"] = json.loads(config.to_json_string())
         return TrainState(
