@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from crashproof.state._data import own_iter, replace_iter
+from crashproof.state._streaming_hf import forget_saved_position, replays_saved_position
 
 __all__ = ["resume_without_draws"]
 
@@ -29,21 +30,40 @@ __all__ = ["resume_without_draws"]
 def resume_without_draws(data: Any, state: Any) -> None:
     """After ``data.load_state_dict(state)``: ``data``'s next ``iter()`` leaves torch's global
     RNG as it found it, unless ``state`` says its iterator had finished (a new epoch's iterator
-    draws in the uninterrupted run too). Loaders that are not ``DataLoader``s are left alone."""
+    draws in the uninterrupted run too). A Hugging Face ``IterableDataset`` read in the main
+    process is made to start each later epoch at its beginning (see :mod:`._streaming_hf`).
+    Loaders that are not ``DataLoader``s are left alone."""
     if not isinstance(data, DataLoader):
         return
-    if isinstance(state, Mapping) and state.get("_iterator_finished") is True:
+    finished = isinstance(state, Mapping) and state.get("_iterator_finished") is True
+    replays = replays_saved_position(data)
+    if finished and not replays:
         return
-    replace_iter(data, _iter_once_without_draws)
-    setattr(data, "_crashproof_without_draws", True)  # noqa: B010 - read by __iter__ below
+    replace_iter(data, _iter_after_restore)
+    setattr(data, "_crashproof_without_draws", not finished)  # noqa: B010 - read by __iter__ below
+    # when to drop the dataset's loaded position: "after" this iter() (it starts a new epoch,
+    # the loaded position is that of a finished one), "next": at the iter() after this one
+    forget = None if not replays else "after" if finished else "next"
+    setattr(data, "_crashproof_forget", forget)  # noqa: B010
 
 
-def _iter_once_without_draws(self: Any) -> Any:
-    if not getattr(self, "_crashproof_without_draws", False):
-        return own_iter(self)
-    self._crashproof_without_draws = False
-    saved = torch.random.get_rng_state()
-    try:
-        return own_iter(self)
-    finally:
-        torch.random.set_rng_state(saved)
+def _iter_after_restore(self: Any) -> Any:
+    forget = getattr(self, "_crashproof_forget", None)
+    if forget == "before":  # the resumed iteration is over: the next one starts at the start
+        self._crashproof_forget = forget = None
+        forget_saved_position(self)
+    if getattr(self, "_crashproof_without_draws", False):
+        self._crashproof_without_draws = False
+        saved = torch.random.get_rng_state()
+        try:
+            iterator = own_iter(self)
+        finally:
+            torch.random.set_rng_state(saved)
+    else:
+        iterator = own_iter(self)
+    if forget == "after":  # (the dataset applies it lazily, at the iterator's first item)
+        self._crashproof_forget = None
+        forget_saved_position(self)
+    elif forget == "next":
+        self._crashproof_forget = "before"
+    return iterator

@@ -41,6 +41,7 @@ from crashproof.state._module_load import custom_loaders, under
 from crashproof.state._rng import capture_rng, restore_rng
 from crashproof.state._sampler import ResumableSampler
 from crashproof.state._stateful_data import resume_without_draws
+from crashproof.state._streaming_hf import warn_inexact_streaming
 from crashproof.state._structure import check_structure, is_json_like
 
 __all__ = ["Stateful", "TrainState"]
@@ -110,6 +111,7 @@ class TrainState:
                     f"TrainState({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict()"
                 )
         refuse_accelerate_loader(data)
+        warn_inexact_streaming(data)
         if data is not None and not isinstance(data, Stateful):
             if not isinstance(data, torch.utils.data.DataLoader):
                 raise ConfigError(
