@@ -81,11 +81,11 @@ class _FailAt(TrainerCallback):  # type: ignore[misc]
 
 def test_a_resume_falls_back_past_a_corrupt_checkpoint_and_stays_exact(tmp_path: Path) -> None:
     expected, actual = str(tmp_path / "expected.st"), str(tmp_path / "actual.st")
-    hf_trainer.dump(_train(tmp_path / "a"), expected)
+    hf_trainer.dump(_train(tmp_path / "a", epochs=1), expected)  # 42 steps
 
     root = tmp_path / "b"
     with pytest.raises(RuntimeError, match="failing at step 30"):
-        hf_trainer.build_trainer(str(root), more_callbacks=[_FailAt(30)]).train()
+        hf_trainer.build_trainer(str(root), epochs=1, more_callbacks=[_FailAt(30)]).train()
     steps = sorted(p.name for p in root.glob("step_*"))
     assert steps == ["step_0000000024", "step_0000000028"]
     shard = root / steps[-1] / "rank_00000.safetensors"
@@ -93,7 +93,7 @@ def test_a_resume_falls_back_past_a_corrupt_checkpoint_and_stays_exact(tmp_path:
     data[-100] ^= 0x01  # a flipped bit deep in the tensors
     shard.write_bytes(bytes(data))
 
-    trainer = hf_trainer.build_trainer(str(root))
+    trainer = hf_trainer.build_trainer(str(root), epochs=1)
     callback = next(
         c for c in trainer.callback_handler.callbacks if isinstance(c, CrashproofCallback)
     )
@@ -104,7 +104,7 @@ def test_a_resume_falls_back_past_a_corrupt_checkpoint_and_stays_exact(tmp_path:
 
     # Started again once finished, a run resumes at its last step and trains no further (the
     # Trainer adds one more summary line to its log history: this call's).
-    again = hf_trainer.build_trainer(str(root))
+    again = hf_trainer.build_trainer(str(root), epochs=1)
     again.train()
     hf_trainer.dump(again, actual)
     _same_run(expected, actual, summaries=1)
