@@ -17,7 +17,7 @@ def run_example(
 ) -> tuple[int, list[dict[str, Any]], str]:
     """``crashproof run --nproc-per-node 2 examples/SCRIPT ARGS``: exit code, events, output."""
     command = [sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2"]
-    command += ["--run-dir", str(run_dir), "--metrics-port", "-1", "--cold-start"]
+    command += ["--run-dir", str(run_dir), "--metrics-port", "-1"]
     command += [str(EXAMPLES / script), *script_args]
     proc = subprocess.run(
         command, capture_output=True, text=True, timeout=240, check=False,

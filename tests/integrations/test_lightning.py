@@ -77,7 +77,10 @@ def test_a_fit_killed_twice_under_crashproof_run_ends_bit_identical(tmp_path: Pa
     assert uninterrupted.returncode == 0, said
     assert supervised.returncode == 0, supervised.stdout[-4000:] + supervised.stderr[-4000:]
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
-    assert [e["step"] for e in events if e["event"] == "restore"] == [12, 18]
+    # From 12 and 18, or from the checkpoint before one whose asynchronous save was still being
+    # written when the kill came (a step takes milliseconds; a loaded machine writes slower).
+    restored = [e["step"] for e in events if e["event"] == "restore"]
+    assert len(restored) == 2 and restored[0] in (6, 12) and restored[1] in (12, 18), restored
     assert "You're resuming from a checkpoint" not in supervised.stdout + supervised.stderr
     expected = torch.load(tmp_path / "a.pt")
     assert _equal(expected, torch.load(tmp_path / "b.pt")) == 16  # 4 weights, 3 AdamW tensors each

@@ -99,6 +99,7 @@ def test_a_resume_falls_back_past_a_corrupt_checkpoint_and_stays_exact(tmp_path:
     )
     trainer.train()
     assert callback.restored_step == 24  # step 28 did not verify
+    assert callback.manager is None  # closed with its train() call
     hf_trainer.dump(trainer, actual)
     _same_run(expected, actual)
 
