@@ -277,7 +277,7 @@ class TrainRun:
         _update_callback_states(trainer)
         return {
             # A string: the log history may hold NaN or inf, which JSON values may not.
-            "state_json": json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True),
+            "state_json": json.dumps(dataclasses.asdict(trainer.state), sort_keys=True),
             "current_flos": float(getattr(trainer, "current_flos", 0.0)),
             "tr_loss": getattr(trainer, "_tr_loss", torch.zeros(())),
             "globalstep_last_logged": int(getattr(trainer, "_globalstep_last_logged", 0)),

@@ -32,6 +32,7 @@ import os
 import sys
 from typing import Any
 
+from crashproof.checkpoint import CheckpointManager
 from crashproof.errors import ConfigError
 from crashproof.integrations._requires import require
 from crashproof.integrations._trainer_run import TrainRun, check_trainer
@@ -78,6 +79,12 @@ class CrashproofCallback(TrainerCallback):  # type: ignore[misc]
         """The step the last ``train()`` resumed from (None: it started afresh)."""
         self._trainer: Any = None
         self._run: TrainRun | None = None
+
+    @property
+    def manager(self) -> CheckpointManager | None:
+        """The :class:`crashproof.CheckpointManager` of the ``train()`` call under way (None
+        between calls): its ``stats`` say what each save cost the loop."""
+        return self._run.manager if self._run is not None else None
 
     # -- binding to the Trainer ----------------------------------------------------------------
 
