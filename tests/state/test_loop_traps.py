@@ -159,14 +159,14 @@ def test_an_index_loop_with_an_annealed_lr_and_a_carried_hidden_state_resumes_ex
     epoch's anneal, ends bit for bit where an uninterrupted run ends."""
     from tests.conftest import EXAMPLES, run_python
 
-    script = str(EXAMPLES / "train_words.py")
-    straight = run_python([script, "--dir", str(tmp_path / "straight")])
+    script, epochs = str(EXAMPLES / "train_words.py"), ["--epochs", "2"]  # one anneal between
+    straight = run_python([script, "--dir", str(tmp_path / "straight"), *epochs])
     crashed = str(tmp_path / "crashed")
     for crash_at in ("50", "130"):  # 100 batches an epoch: in the first, then in the second
-        proc = run_python([script, "--dir", crashed, "--crash-at", crash_at], check=False)
+        proc = run_python([script, "--dir", crashed, *epochs, "--crash-at", crash_at], check=False)
         assert proc.returncode == 3, proc.stderr
-    resumed = run_python([script, "--dir", crashed])
-    assert resumed.stdout.splitlines()[-1] == straight.stdout.splitlines()[-1]  # lr 5.0, loss
+    resumed = run_python([script, "--dir", crashed, *epochs])
+    assert resumed.stdout.splitlines()[-1] == straight.stdout.splitlines()[-1]  # lr, loss
     expected = torch.load(tmp_path / "straight" / "final.pt")
     final = torch.load(tmp_path / "crashed" / "final.pt")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
