@@ -169,6 +169,9 @@ def test_settings_that_conflict_are_refused_with_what_to_do(tmp_path: Path) -> N
             callbacks=[CrashproofCallback(tmp_path / "r")],
         )  # fmt: skip
 
+    with pytest.raises(ConfigError, match="no options of CheckpointManager"):
+        CrashproofCallback(tmp_path / "r", evry=5)  # a typo: said at once, not at train()
+
     shared = CrashproofCallback(tmp_path / "r")
     Trainer(model=model, args=quiet, train_dataset=data, callbacks=[shared])
     with pytest.raises(ConfigError, match="another Trainer"):

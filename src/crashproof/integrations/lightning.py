@@ -21,7 +21,6 @@ never imports it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -47,13 +46,13 @@ from crashproof.integrations._lightning_state import (  # noqa: E402
     apply_checkpoint,
     check_hyperparameters,
 )
+from crashproof.integrations._options import manager_options as manager_options_for  # noqa: E402
 from crashproof.policy import RetentionPolicy, SavePolicy  # noqa: E402
 from crashproof.state import TrainState  # noqa: E402
 
 __all__ = ["CrashproofCallback"]
 
 log = logging.getLogger("crashproof.integrations.lightning")
-_MANAGER_OPTIONS = frozenset(inspect.signature(CheckpointManager).parameters) - {"root"}
 
 
 class CrashproofCallback(Callback):
@@ -78,16 +77,8 @@ class CrashproofCallback(Callback):
         keep: RetentionPolicy | None = None,
         **manager_options: Any,
     ) -> None:
-        unknown = sorted(set(manager_options) - _MANAGER_OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"CrashproofCallback: {unknown} are no options of CheckpointManager; it takes "
-                f"{sorted(_MANAGER_OPTIONS)}"
-            )
-        if manager_options.get("read_only"):
-            raise ConfigError("CrashproofCallback(read_only=True): the callback saves; drop it")
+        self._options = manager_options_for("CrashproofCallback", every, keep, manager_options)
         self.root = os.fspath(root)
-        self._options: dict[str, Any] = {"every": every, "keep": keep, **manager_options}
         self.manager: CheckpointManager | None = None
         """The run's manager, from ``setup`` to the end of ``fit``."""
         self.restored_step = 0

@@ -34,6 +34,7 @@ from typing import Any
 
 from crashproof.checkpoint import CheckpointManager
 from crashproof.errors import ConfigError
+from crashproof.integrations._options import manager_options as manager_options_for
 from crashproof.integrations._requires import require
 from crashproof.integrations._trainer_run import TrainRun, check_trainer
 
@@ -74,7 +75,9 @@ class CrashproofCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self.root = os.fspath(root)
         self.trainer_checkpoints = trainer_checkpoints
-        self.manager_options: dict[str, Any] = {"every": every, "keep": keep, **manager_options}
+        self.manager_options = manager_options_for(
+            "CrashproofCallback", every, keep, manager_options
+        )
         self.restored_step: int | None = None
         """The step the last ``train()`` resumed from (None: it started afresh)."""
         self._trainer: Any = None
