@@ -100,6 +100,18 @@ def _let_the_handler_run() -> None:
 def test_ctrl_c_checkpoints_by_default_and_raises_keyboard_interrupt_when_asked(
     tmp_path: Path,
 ) -> None:
+    import signal
+
+    # A script starts with Python's own SIGINT handler; a pytest-xdist worker ignores SIGINT, and
+    # an earlier test's manager left open may have left its handler: start as a script does.
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_in_a_script(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
+def _ctrl_c_in_a_script(tmp_path: Path) -> None:
     import os
     import signal
 
