@@ -1,4 +1,7 @@
-"""Launching an example under ``crashproof run`` on two ranks, as the integration tests do."""
+"""Launching an example under ``crashproof run`` on two ranks, as the integration tests do.
+
+A test that compares a killed run with an uninterrupted one starts both at once (``start`` then
+``finish``): the machine's cores are not all busy while a run waits on its processes."""
 
 from __future__ import annotations
 
@@ -11,16 +14,29 @@ from typing import Any
 from crashproof.telemetry import read_events
 from tests.conftest import EXAMPLES
 
+Outcome = tuple[int, list[dict[str, Any]], str]
 
-def run_example(
-    script: str, run_dir: Path, *script_args: str
-) -> tuple[int, list[dict[str, Any]], str]:
-    """``crashproof run --nproc-per-node 2 examples/SCRIPT ARGS``: exit code, events, output."""
+
+def start(script: str, run_dir: Path, *script_args: str) -> tuple[subprocess.Popen[str], Path]:
+    """Start ``crashproof run --nproc-per-node 2 examples/SCRIPT ARGS``."""
     command = [sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2"]
     command += ["--run-dir", str(run_dir), "--metrics-port", "-1"]
     command += [str(EXAMPLES / script), *script_args]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, check=False,
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
-    return proc.returncode, list(read_events(run_dir / "events.jsonl")), proc.stdout + proc.stderr
+    return proc, run_dir
+
+
+def finish(started: tuple[subprocess.Popen[str], Path], timeout: float = 240) -> Outcome:
+    """Its exit code, events and output, once it has ended."""
+    proc, run_dir = started
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, list(read_events(run_dir / "events.jsonl")), output
+

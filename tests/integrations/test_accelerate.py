@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import crashproof as cp
 from crashproof.errors import ConfigError
-from tests.integrations.launch import run_example
+from tests.integrations.launch import finish, start
 
 pytest.importorskip("accelerate")
 
@@ -24,26 +24,18 @@ def test_an_accelerate_loop_killed_under_crashproof_run_resumes_bit_identical(
     tmp_path: Path,
 ) -> None:
     expected, actual = tmp_path / "expected.st", tmp_path / "actual.st"
-    code, _, output = run_example(
-        "accelerate_train.py",
-        tmp_path / "run-a",
-        "--root",
-        str(tmp_path / "a"),
-        "--dump",
-        str(expected),
-    )
+    uninterrupted = start(
+        "accelerate_train.py", tmp_path / "run-a", "--root", str(tmp_path / "a"),
+        "--dump", str(expected),
+    )  # fmt: skip
+    killed = start(
+        "accelerate_train.py", tmp_path / "run-b", "--root", str(tmp_path / "b"),
+        "--kill-at", "13", "--dump", str(actual),
+    )  # fmt: skip
+    code, events, output = finish(killed)
     assert code == 0, output
-    code, events, output = run_example(
-        "accelerate_train.py",
-        tmp_path / "run-b",
-        "--root",
-        str(tmp_path / "b"),
-        "--kill-at",
-        "13",
-        "--dump",
-        str(actual),
-    )
-    assert code == 0, output
+    code, _, said = finish(uninterrupted)
+    assert code == 0, said
     assert len([e for e in events if e["event"] == "restart"]) == 1, output
     # From step 10, or 5 where the asynchronous save of step 10 was still being written.
     assert {e["step"] for e in events if e["event"] == "restore"} in ({10}, {5}), output

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from crashproof.errors import ConfigError
 from tests.conftest import EXAMPLES
-from tests.integrations.launch import run_example
+from tests.integrations.launch import finish, start
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -47,21 +47,18 @@ def test_a_trainer_killed_under_crashproof_run_resumes_bit_identical(tmp_path: P
     # after step 7 (mid-epoch, 3 steps after the checkpoint of step 4).
     common = ["--epochs", "2", "--accumulate", "2", "--every", "4"]
     expected, actual = str(tmp_path / "expected.st"), str(tmp_path / "actual.st")
-    code, _, output = run_example(
-        "hf_trainer.py",
-        tmp_path / "run-a",
-        "--root",
-        str(tmp_path / "a"),
-        *common,
-        "--dump",
-        expected,
-    )
-    assert code == 0, output
-    code, events, output = run_example(
+    uninterrupted = start(
+        "hf_trainer.py", tmp_path / "run-a", "--root", str(tmp_path / "a"), *common,
+        "--dump", expected,
+    )  # fmt: skip
+    killed = start(
         "hf_trainer.py", tmp_path / "run-b", "--root", str(tmp_path / "b"), *common, "--kill-at", "7",
         "--dump", actual,
     )  # fmt: skip
+    code, events, output = finish(killed)
     assert code == 0, output
+    code, _, said = finish(uninterrupted)
+    assert code == 0, said
     restarts = [e for e in events if e["event"] == "restart"]
     assert len(restarts) == 1, output
     # From step 4 (an asynchronous save of step 4 still being written at the kill, on a slow
