@@ -39,4 +39,3 @@ def finish(started: tuple[subprocess.Popen[str], Path], timeout: float = 240) ->
             proc.kill()
             proc.wait()
     return proc.returncode, list(read_events(run_dir / "events.jsonl")), output
-
