@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from tests.conftest import EXAMPLES
 Outcome = tuple[int, list[dict[str, Any]], str]
 
 
-def start(script: str, run_dir: Path, *script_args: str) -> tuple[subprocess.Popen[str], Path]:
-    """Start ``crashproof run --nproc-per-node 2 examples/SCRIPT ARGS``."""
+def start(
+    script: str | Path, run_dir: Path, *script_args: str, options: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], Path]:
+    """Start ``crashproof run --nproc-per-node 2 [OPTIONS] SCRIPT ARGS`` (SCRIPT: a path, or the
+    name of a script in ``examples/``)."""
     command = [sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2"]
-    command += ["--run-dir", str(run_dir), "--metrics-port", "-1"]
+    command += ["--run-dir", str(run_dir), "--metrics-port", "-1", *options]
     command += [str(EXAMPLES / script), *script_args]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

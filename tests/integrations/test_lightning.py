@@ -27,6 +27,7 @@ import torch
 from crashproof.errors import ConfigError, UnsupportedStateError
 from crashproof.integrations._safe_values import TAG, decode_safe, encode_safe
 from tests.conftest import EXAMPLES
+from tests.integrations.launch import finish, start
 
 L = pytest.importorskip("lightning")
 
@@ -91,29 +92,21 @@ def test_a_ddp_fit_killed_under_crashproof_run_ends_bit_identical(tmp_path: Path
     # Two ranks (DDP over gloo, one Lightning device per crashproof run rank): 96 samples in
     # batches of 8 per rank, 6 steps an epoch, 4 epochs; a save every 5 steps; killed at 8 (mid
     # epoch 1). The uninterrupted fit runs beside, under crashproof run too.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MKL_CBWR": "AUTO,STRICT", "MKL_DYNAMIC": "FALSE"}
+    def launch(name: str, *args: str) -> tuple[subprocess.Popen[str], Path]:
+        return start(
+            TRAINER, tmp_path / f"run-{name}", "--devices", "2", "--every", "5",
+            "--root", str(tmp_path / name), "--dump", str(tmp_path / f"{name}.pt"), *args,
+            options=["--max-restarts", "2", "--preload", "lightning.pytorch"],
+        )  # fmt: skip
 
-    def command(name: str, *args: str) -> list[str]:
-        return [
-            sys.executable, "-m", "crashproof.cli", "run", "--nproc-per-node", "2",
-            "--max-restarts", "2", "--preload", "lightning.pytorch", "--metrics-port", "-1",
-            "--run-dir", str(tmp_path / f"run-{name}"), str(TRAINER), "--devices", "2",
-            "--every", "5", "--root", str(tmp_path / name), "--dump", str(tmp_path / f"{name}.pt"),
-            *args,
-        ]  # fmt: skip
-
-    uninterrupted = subprocess.Popen(
-        command("a"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    uninterrupted = launch("a")
     (tmp_path / "markers").mkdir()
-    killed = subprocess.run(
-        command("b", "--kill-at", "8", "--kill-marker", str(tmp_path / "markers")),
-        env=env, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
-    said = uninterrupted.communicate(timeout=240)[0]
-    assert uninterrupted.returncode == 0, said[-4000:]
-    assert killed.returncode == 0, killed.stdout[-4000:] + killed.stderr[-4000:]
-    events = [json.loads(line) for line in (tmp_path / "run-b" / "events.jsonl").open()]
+    code, events, output = finish(
+        launch("b", "--kill-at", "8", "--kill-marker", str(tmp_path / "markers"))
+    )
+    assert code == 0, output[-8000:]
+    code, _, said = finish(uninterrupted)
+    assert code == 0, said[-4000:]
     assert len([e for e in events if e["event"] == "restart"]) == 1
     # From step 5 (or from the start, where its asynchronous save was cut short by the kill).
     assert {e["step"] for e in events if e["event"] == "restore"} <= {5}
