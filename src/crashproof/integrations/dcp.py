@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from crashproof.checkpoint.restore import dcp_failures
 from crashproof.errors import CrashproofError
 from crashproof.integrations._dcp_reader import StorageReader
 from crashproof.integrations._dcp_writer import StorageWriter
@@ -83,15 +84,7 @@ def crashproof_error(exc: BaseException) -> CrashproofError | None:
     """
     if isinstance(exc, CrashproofError):
         return exc
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return None
-    for rank in sorted(failures):
-        failure = failures[rank]
-        inner = failure[0] if isinstance(failure, tuple) and failure else failure
-        if isinstance(inner, CrashproofError):
-            return inner
-    return None
+    return next((e for e in dcp_failures(exc) if isinstance(e, CrashproofError)), None)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from crashproof.checkpoint.restore._read_manifest import (
 if TYPE_CHECKING:
     from crashproof.checkpoint.restore._dcp_reader import (
         CrashproofReader,
+        dcp_failures,
         load_sharded,
         restore_targets,
     )
@@ -33,6 +34,7 @@ __all__ = [
     "RankPlan",
     "RankRead",
     "checkpoint_not_found",
+    "dcp_failures",
     "load_rank_state",
     "load_sharded",
     "plan_restore",
@@ -45,7 +47,7 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_SHARDED = frozenset({"CrashproofReader", "load_sharded", "restore_targets"})
+_SHARDED = frozenset({"CrashproofReader", "dcp_failures", "load_sharded", "restore_targets"})
 
 
 def __getattr__(name: str) -> Any:

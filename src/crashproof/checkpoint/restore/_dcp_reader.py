@@ -57,7 +57,7 @@ from crashproof.errors import CorruptCheckpointError, StateMismatchError
 from crashproof.state import empty_like_piece, is_dtensor
 from crashproof.storage import Storage, storage_for
 
-__all__ = ["CrashproofReader", "load_sharded", "restore_targets"]
+__all__ = ["CrashproofReader", "dcp_failures", "load_sharded", "restore_targets"]
 
 
 class CrashproofReader(StorageReader):
@@ -268,13 +268,23 @@ def load_sharded(
         ) from exc
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """DCP wraps a rank's exception in a ``CheckpointException`` holding it per rank."""
+def dcp_failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions behind a DCP failure, by rank: DCP catches what each rank's storage reader,
+    writer or planner raises and raises a ``CheckpointException`` holding them per rank (empty
+    for any other exception)."""
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
+    if not isinstance(failures, dict):
+        return []
+    found = []
+    for rank in sorted(failures):
+        inner = failures[rank]
         if isinstance(inner, tuple) and inner:  # (exception, its stack summary)
             inner = inner[0]
         if isinstance(inner, BaseException):
-            return inner
-    return exc
+            found.append(inner)
+    return found
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first rank's exception under DCP's wrapper (``exc`` itself when it wraps none)."""
+    return next(iter(dcp_failures(exc)), exc)
