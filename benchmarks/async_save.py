@@ -113,6 +113,9 @@ MAX_PERSIST_VS_RAW = 1 / 0.9
 MAX_TRAIN_OVERHEAD_PCT = 3.0
 
 NO_CKPT, SYNC_CKPT, ASYNC_CKPT = "no checkpoints", "crashproof sync", "crashproof async"
+MEMORY_CKPT = "crashproof memory snapshots"
+"""Snapshots into the memory of crashproof run's agent every ``every`` steps, none to disk (the
+caller runs the agent's memory host: training_overhead.py --memory)."""
 NO_WRITE, THREAD_WRITE, PROCESS_WRITE = "no background write", "writer thread", "writer process"
 
 _ALIGN = 64  # byte alignment of each tensor inside the shared staging buffer
@@ -474,11 +477,13 @@ def train_run(
     manager = None
     if variant != NO_CKPT:
         clear_dir(root)
+        memory = variant == MEMORY_CKPT
         manager = crashproof.CheckpointManager(
             str(root),
-            every=crashproof.EverySteps(every),
+            every=crashproof.EverySteps(10**9 if memory else every),
             keep=crashproof.KeepLast(1),
-            async_save=variant == ASYNC_CKPT,
+            async_save=variant in (ASYNC_CKPT, MEMORY_CKPT),
+            memory_every=crashproof.EverySteps(every) if memory else None,
         )
     state = trainer.state()
     blocking: list[float] = []
@@ -491,6 +496,8 @@ def train_run(
             trainer.step()
             if manager is not None and manager.maybe_save(step, state):
                 blocking.append(manager.last_blocking_s)
+            elif manager is not None and variant == MEMORY_CKPT and step % every == 0:
+                blocking.append(manager.stats.memory_last_blocking_s)
         loop_s = time.perf_counter() - started
         started = time.perf_counter()
     finally:

@@ -15,12 +15,19 @@ time is the training loop plus ``close()`` (the last checkpoint committed), with
 (``KeepLast(1)``: each commit removes the checkpoint before it) as a run has it. About 10 minutes at the defaults::
 
     .venv/bin/python benchmarks/training_overhead.py --pairs 10 --markdown
+
+With ``--memory-every N`` the variant with checkpoints takes memory snapshots instead, every N
+steps, into the memory of an agent's memory host run in this process (what ``crashproof run``
+does; ``CheckpointManager(memory_every=EverySteps(N))``), and nothing to disk::
+
+    .venv/bin/python benchmarks/training_overhead.py --pairs 10 --memory-every 10 --markdown
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,6 +37,7 @@ from typing import Any
 
 from async_save import (
     ASYNC_CKPT,
+    MEMORY_CKPT,
     NO_CKPT,
     TrainConfig,
     calibrate,
@@ -55,20 +63,21 @@ def bootstrap_ci(
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = TrainConfig(Shape(args.vocab, args.d_model, args.layers), args.batch, args.seq)
     step_s = calibrate(config)
-    every = checkpoint_every(step_s, args.ckpt_seconds)
+    every = args.memory_every or checkpoint_every(step_s, args.ckpt_seconds)
+    variant = MEMORY_CKPT if args.memory_every else ASYNC_CKPT
     steps = run_steps(step_s, every, args.train_seconds)
     saves = steps // every
     nbytes = state_bytes(config)
     log(
-        f"{config}: {step_s * 1000:.0f} ms/step, {steps} steps per run, an asynchronous "
-        f"checkpoint every {every} steps ({saves} saves), {nbytes / MB:.1f} MB of state"
+        f"{config}: {step_s * 1000:.0f} ms/step, {steps} steps per run, {variant} every "
+        f"{every} steps ({saves} per run), {nbytes / MB:.1f} MB of state"
     )
     root = Path(tempfile.mkdtemp(prefix="overhead-", dir=args.dir))
     pairs: list[dict[str, Any]] = []
     for i in range(args.pairs + args.warmup):
-        order = [NO_CKPT, ASYNC_CKPT] if i % 2 == 0 else [ASYNC_CKPT, NO_CKPT]
+        order = [NO_CKPT, variant] if i % 2 == 0 else [variant, NO_CKPT]
         runs = {v: train_run(config, v, steps, every, root / "ckpt") for v in order}
-        without, with_ = runs[NO_CKPT]["wall_s"], runs[ASYNC_CKPT]["wall_s"]
+        without, with_ = runs[NO_CKPT]["wall_s"], runs[variant]["wall_s"]
         counted = i >= args.warmup
         log(
             f"  pair {i + 1 - args.warmup if counted else 'warm-up'}: without {without:.2f} s, "
@@ -76,12 +85,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         if counted:
             pairs.append({"without_s": without, "with_s": with_, "order": order,
-                          "blocking_s": runs[ASYNC_CKPT]["blocking_s"],
-                          "waited_busy": runs[ASYNC_CKPT].get("waited_busy")})  # fmt: skip
+                          "blocking_s": runs[variant]["blocking_s"],
+                          "waited_busy": runs[variant].get("waited_busy")})  # fmt: skip
     differences = [p["with_s"] / p["without_s"] - 1 for p in pairs]
     low, high = bootstrap_ci(differences)
     withouts = [p["without_s"] for p in pairs]
     return {
+        "variant": variant,
         "config": str(config),
         "step_s": step_s,
         "steps": steps,
@@ -99,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     low, high = result["ci95"]
     lines = [
-        f"{result['config']}: {result['steps']} steps per run, an asynchronous checkpoint every "
+        f"{result['config']}: {result['steps']} steps per run, {result['variant']} every "
         f"{result['every']} steps ({result['saves_per_run']} per run), "
         f"{result['state_bytes'] / MB:.1f} MB of state; {len(result['pairs'])} pairs.",
         "",
@@ -132,12 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="scratch dir on the disk to test")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=0,
+        help="measure memory snapshots every N steps (an agent's memory host in this process)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
     if args.pairs < 2 or args.warmup < 0:
         p.error("--pairs must be >= 2 and --warmup >= 0")
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.memory_every:
+        from crashproof.link import ENV_MEMORY_SOCKET
+        from crashproof.supervisor._memory_host import MemoryHost
+        from crashproof.telemetry import EventLog
+
+        host = MemoryHost(EventLog(args.dir / "memory-events.jsonl"))
+        os.environ[ENV_MEMORY_SOCKET] = host.address
     result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))

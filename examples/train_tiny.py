@@ -99,7 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument(
-        "--crash-at", type=int, default=None, help="simulate a crash: os._exit after this step"
+        "--crash-at",
+        type=int,
+        default=None,
+        help="simulate a crash: os._exit after this step (in the first attempt only: a trainer "
+        "crashproof run restarts goes on)",
     )
     p.add_argument("--step-log", default=None, help="append one JSON line per step to this file")
     p.add_argument(
@@ -112,6 +116,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(safetensors; DUMP.rank<r> on several ranks)",
     )
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=0,
+        help="under crashproof run, also snapshot into the agent's memory every N steps",
+    )
+    p.add_argument(
+        "--staging-buffers", type=int, default=1, help="1, or 2 to double-buffer the saves"
+    )
     p.add_argument(
         "--full-every", type=int, default=0, help="deltas between full checkpoints (0: all full)"
     )
@@ -170,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         async_save=not args.sync,
         delta=cp.Delta(full_every=args.full_every) if args.full_every else None,
         remote=args.remote or None,
+        memory_every=cp.EverySteps(args.memory_every) if args.memory_every else None,
+        staging_buffers=args.staging_buffers,
     )
     # Before each update: a NaN loss rolls back to the checkpoint before it and skips that data.
     # In the state, so a resumed run judges loss spikes with the same history.
@@ -228,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
         ckpt.maybe_save(step + 1, state)
-        if args.crash_at is not None and step + 1 == args.crash_at:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if args.crash_at is not None and step + 1 == args.crash_at and first_attempt:
             print(f"simulated crash after step {step + 1}", flush=True)
             os._exit(17)
     ckpt.close()

@@ -49,6 +49,20 @@ def step_records(log: Path) -> dict[int, Any]:
 
 
 @pytest.fixture
+def memory_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The memory host ``crashproof run``'s agent runs, in this process, its address set for
+    the managers the test makes (as it is for a supervised trainer)."""
+    from crashproof.link import ENV_MEMORY_SOCKET
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    host = MemoryHost(EventLog(tmp_path / "memory-events.jsonl"))
+    monkeypatch.setenv(ENV_MEMORY_SOCKET, host.address)
+    yield host
+    host.close()
+
+
+@pytest.fixture
 def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local server answering like the AWS, GCP and Azure metadata services, used by
     crashproof through ``CRASHPROOF_METADATA_URL``."""

@@ -472,3 +472,47 @@ def test_plan_command_answers_without_the_cost_flags(capsys: pytest.CaptureFixtu
     assert set(data) == CONTRACT_KEYS | {"inputs"}, "the JSON keys are kept, null when unknown"
     assert data["daly_interval_hours"] > 0 and data["expected_goodput"] is None
     assert data["inputs"]["restart_minutes"] is None
+
+
+def test_two_tiers_give_each_tier_youngs_interval_for_its_own_failures() -> None:
+    from crashproof.telemetry._economics import two_tier
+
+    memory, disk, goodput = two_tier(
+        memory_cost=0.01, memory_restart=0.02, disk_cost=0.1, disk_restart=0.2, mtbf=10.0,
+        recoverable=0.9,
+    )  # fmt: skip
+    assert memory == pytest.approx(math.sqrt(2 * 0.01 * 10.0 / 0.9))
+    assert disk == pytest.approx(math.sqrt(2 * 0.1 * 10.0 / 0.1))
+    lost = 0.9 * (memory / 2 + 0.02) + 0.1 * (disk / 2 + 0.2)
+    assert goodput == pytest.approx(1 - 0.01 / memory - 0.1 / disk - lost / 10.0)
+
+    # Each interval is the optimum of the overhead: a step either way costs more.
+    def overhead(m: float, d: float) -> float:
+        lost = 0.9 * (m / 2 + 0.02) + 0.1 * (d / 2 + 0.2)
+        return 0.01 / m + 0.1 / d + lost / 10.0
+
+    for m, d in (
+        (memory * 1.1, disk),
+        (memory * 0.9, disk),
+        (memory, disk * 1.1),
+        (memory, disk * 0.9),
+    ):
+        assert overhead(m, d) > 1 - goodput
+
+
+def test_the_plan_shows_the_two_tier_gain_only_with_every_input() -> None:
+    base = {"devices": 1024, "mtbf_hours": 50000.0, "days": 30.0, "ckpt_minutes": 2.0,
+            "restart_minutes": 10.0}  # fmt: skip
+    assert plan(**base).two_tier_goodput is None  # type: ignore[arg-type]
+    result = plan(
+        **base,
+        memory_ckpt_minutes=0.05,
+        memory_restart_minutes=1.0,
+        memory_recoverable=0.9,  # type: ignore[arg-type]
+    )
+    assert result.two_tier_goodput is not None and result.one_tier_goodput_first_order is not None
+    assert result.two_tier_goodput > result.one_tier_goodput_first_order  # cheap, frequent, quick
+    assert result.two_tier_disk_interval_hours > result.young_interval_hours  # type: ignore[operator]
+    assert "two_tier_goodput" in result.to_json()
+    with pytest.raises(ConfigError, match="memory_recoverable"):
+        plan(**base, memory_ckpt_minutes=0.05, memory_restart_minutes=1.0, memory_recoverable=1.0)  # type: ignore[arg-type]

@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from crashproof.errors import CheckpointWriteError
 
-__all__ = ["ARRIVAL_PATIENCE_S", "DistGroup", "Group", "SoloGroup", "default_group"]
+__all__ = [
+    "ARRIVAL_PATIENCE_S",
+    "DistGroup",
+    "Group",
+    "RankAlone",
+    "SoloGroup",
+    "default_group",
+]
 
 log = logging.getLogger("crashproof.checkpoint")
 
@@ -85,6 +92,14 @@ class SoloGroup:
 
     def arrive(self, what: str) -> None:
         return None
+
+
+class RankAlone(SoloGroup):
+    """One rank of a job acting alone, keeping its rank and the job's size: its part of a
+    checkpoint written and committed by itself (a snapshot in the agent's memory)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
 
 
 class DistGroup:

@@ -97,6 +97,20 @@ class ManagerOptions:
     the reading). None: the host memory this process may still allocate at the restore (the
     machine's, within its memory cgroup and address-space limits), less 256 MiB of headroom; 0:
     always read the live tensors' bytes twice."""
+    memory_every: SavePolicy | None = None
+    """When :meth:`~crashproof.CheckpointManager.maybe_save` also snapshots the state into the
+    memory of ``crashproof run``'s agent, between the checkpoints ``every`` writes to disk (e.g.
+    ``EverySteps(10)`` beside ``every=EverySteps(500)``). A trainer that crashes resumes from the
+    newest snapshot every rank holds, read from RAM and verified like a checkpoint on disk. A
+    snapshot costs one copy of the state into the staging buffers and never waits for a save
+    in flight (it is skipped instead). Under ``crashproof run`` every asynchronous save is a
+    memory snapshot too, with or without this; not under it, this does nothing. See
+    docs/recovery.md. With several ranks, a policy that counts steps (every rank snapshots the
+    same steps)."""
+    memory: bool = True
+    """Under ``crashproof run``, keep snapshots in the agent's memory (the staging buffers of
+    asynchronous saves live there). False: staging buffers in this process, restores from
+    storage only (as ``crashproof run --no-memory`` does for every manager)."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
     prunes or rolls back, never removes or renames anything in the root (not even a save in
@@ -122,6 +136,11 @@ class ManagerOptions:
         )
 
     def __post_init__(self) -> None:
+        if self.memory_every is not None and self.read_only:
+            raise ConfigError(
+                "CheckpointManager(memory_every=..., read_only=True): a read-only manager takes "
+                "no snapshots; drop memory_every"
+            )
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={self.timeout_s}): must be positive")
         if self.on_busy not in ("wait", "skip"):

@@ -14,7 +14,9 @@ import functools
 import logging
 import os
 import posixpath
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._manager_state import ManagerState
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import Manifest, ReadBuffer, checkpoint_dir_name
+from crashproof.checkpoint.memory import MemorySnapshots
 from crashproof.checkpoint.restore import (
     PartialManifest,
     RankPlan,
@@ -63,8 +66,12 @@ _RELISTS = 3
 (a writer's retention removed it after committing a newer one)."""
 
 Candidate = tuple[int, str, list[str | None]]
-"""A checkpoint to try: its step, its local path, and its sources (None: the local copy, else a
-tier's URI)."""
+"""A checkpoint to try: its step, its local path, and its sources (None: the local copy,
+:data:`MEMORY`: the agent's memory, else a tier's URI)."""
+
+MEMORY = "memory"
+"""The source of a step every rank holds in the memory of ``crashproof run``'s agent: tried
+before any copy in storage."""
 
 
 class Restorer:
@@ -79,8 +86,14 @@ class Restorer:
         *,
         read_only: bool,
         memory_bytes: int | None = None,
+        memory: MemorySnapshots | None = None,
     ) -> None:
         self._shared = shared
+        self._memory = memory
+        self.last_kind = "local"
+        """Where the last restore read from: ``memory``, ``local`` or ``tier``."""
+        self.last_bytes = 0
+        """How many bytes this rank read and verified in the last restore."""
         self._memory_bytes = memory_bytes  # ManagerOptions.restore_memory_bytes
         self._group = group
         self._agreement = agreement
@@ -101,8 +114,9 @@ class Restorer:
         root, storage = self._shared.root, self._shared.storage
         skipped: list[str] = []
         tried: set[tuple[int, str | None]] = set()
+        in_memory = set() if self._memory is None else self._memory.common_steps(self._group)
         for listing in range(_RELISTS + 1):
-            candidates = self._agreement.on_rank0(self._candidates)
+            candidates = self._agreement.on_rank0(functools.partial(self._candidates, in_memory))
             if below is not None:
                 candidates = [c for c in candidates if c[0] < below]
             if step is not None:
@@ -120,6 +134,8 @@ class Restorer:
                         state, candidate, path, source, skipped, vanished, refused
                     )
                     if restored is not None:
+                        if self._memory is not None:  # (those after it were abandoned)
+                            self._memory.drop(newer_than=restored[0])
                         return restored
                     if vanished:  # the listing is out of date: newer ones may be there now
                         tried.discard((candidate, source))  # (and this one back, re-saved)
@@ -166,10 +182,11 @@ class Restorer:
         self._tiers.notify()
         return restored
 
-    def _candidates(self) -> list[Candidate]:
-        """Every checkpoint, newest first. A tier that cannot be listed is logged and left out; a
-        tier's copy that a rollback abandoned (see :mod:`crashproof.checkpoint.root._rollbacks`) is
-        never a candidate."""
+    def _candidates(self, in_memory: set[int]) -> list[Candidate]:
+        """Every checkpoint, newest first, and ``in_memory`` (the steps every rank holds in the
+        agent's memory) first among the sources of each. A tier that cannot be listed is logged
+        and left out; a tier's copy that a rollback abandoned (see
+        :mod:`crashproof.checkpoint.root._rollbacks`) is never a candidate."""
         local_storage, local_root = self._shared.storage, self._shared.root
         local = dict(committed_steps(local_storage, local_root))
         sources: dict[int, list[str | None]] = {s: [None] for s in local}
@@ -185,6 +202,8 @@ class Restorer:
                     sources.setdefault(remote_step, []).append(tier.uri)
             except Exception as exc:  # a dead tier must not stop a restore from the others
                 log.error("cannot list %s to restore from it: %s", tier.uri, exc)
+        for step in in_memory:
+            sources.setdefault(step, []).insert(0, MEMORY)
         return [
             (s, local.get(s) or local_storage.join(local_root, checkpoint_dir_name(s)), sources[s])
             for s in sorted(sources, reverse=True)
@@ -200,8 +219,21 @@ class Restorer:
         vanished: list[int],
         refused: list[str],
     ) -> tuple[int, str] | None:
-        """Restore ``candidate`` from its local copy (``source`` None) or a tier's copy."""
+        """Restore ``candidate`` from its local copy (``source`` None), the agent's memory or a
+        tier's copy."""
         storage, where = self._shared.storage, path
+        self.last_kind = "local" if source is None else "tier"
+        if source == MEMORY and self._memory is not None:
+            memory = self._memory
+            self.last_kind = "memory"
+            slot_storage, where = memory.storage(candidate)
+            plan = functools.partial(self._memory_plan, memory, candidate)
+            restored = self._try_restore(
+                state, candidate, where, skipped, slot_storage, vanished, refused, plan=plan
+            )
+            if restored is None:  # found wanting on some rank: never offered again
+                memory.drop(candidate)
+            return restored
         if source is not None and self._read_only:  # read in place: the root stays as is
             try:
                 root, storage = self._tiers.open_tier(source)
@@ -271,6 +303,8 @@ class Restorer:
         storage: Storage,
         vanished: list[int],
         refused: list[str],
+        *,
+        plan: Callable[[], RankPlan] | None = None,
     ) -> tuple[int, str] | None:
         """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if
         not, with ``candidate`` in ``vanished`` when it is no longer there on some rank and why
@@ -278,9 +312,12 @@ class Restorer:
 
         Two phases: every rank verifies its part and checks (and trial-loads) everything with
         real values, the live tensors' values aside, before any rank writes anything live; the
-        loading that follows has nothing left to refuse."""
+        loading that follows has nothing left to refuse.
+
+        ``plan``: this rank's part, planned by itself (a snapshot in memory, which only this
+        rank holds) instead of by rank 0 from the manifest."""
         started = time.perf_counter()
-        status, reader, reason = self._load_candidate(state, candidate, path, storage)
+        status, reader, reason = self._load_candidate(state, candidate, path, storage, plan)
         where = storage.describe(path)
         try:
             statuses = self._group.all_gather((status, reason))
@@ -328,7 +365,8 @@ class Restorer:
         self._warn_if_inexact(candidate)
         shared = self._shared
         shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
-        shared.newest_valid = candidate
+        if plan is None:  # (a step in memory may not be on disk: retention goes by the disk)
+            shared.newest_valid = candidate
         # Deltas are taken against what this manager committed; after a restore (or a rollback)
         # the next save is full, or it could name a base that is later than it or gone.
         shared.delta_base = None
@@ -403,8 +441,16 @@ class Restorer:
         assert isinstance(mine, RankPlan)
         return mine
 
+    def _memory_plan(self, memory: MemorySnapshots, step: int) -> RankPlan:
+        return RankPlan(memory.manifest(step), self._group.rank)
+
     def _load_candidate(
-        self, state: TrainState, step: int, path: str, storage: Storage
+        self,
+        state: TrainState,
+        step: int,
+        path: str,
+        storage: Storage,
+        local_plan: Callable[[], RankPlan] | None = None,
     ) -> tuple[str, RankRead | None, str]:
         """Check and verify one candidate without touching the live state.
 
@@ -417,7 +463,8 @@ class Restorer:
         reader: RankRead | None = None
         identity = _directory_identity(storage, path)
         try:
-            plan = self._plan(state, path, storage)  # (also: that it is this step's)
+            # (Rank 0's plan also checks that it is this step's.)
+            plan = local_plan() if local_plan is not None else self._plan(state, path, storage)
             manifest, source = plan.manifest, plan.source
             # Another world size: replicated state only, each rank reading a saved rank's part.
             if source != rank or manifest.world_size != world_size:
@@ -439,9 +486,16 @@ class Restorer:
                         world_size,
                     )
 
+            self.last_bytes = 0
+            counting = threading.Lock()
+
+            def count(nbytes: int) -> None:  # (called by the read threads)
+                with counting:
+                    self.last_bytes += nbytes
+
             def read(manifest: Manifest, base: Manifest | None = None) -> RankRead:
                 return RankRead(
-                    storage, path, manifest, source, base=base,
+                    storage, path, manifest, source, base=base, on_bytes=count,
                     into=state.live_tensors(), buffer=ReadBuffer(self._buffer_bytes()),
                 )  # fmt: skip
 

@@ -30,6 +30,7 @@ from crashproof.checkpoint._options import ManagerOptions
 from crashproof.checkpoint._retention_runner import RetentionRunner
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import MAX_STEP, checked_metadata, digest
+from crashproof.checkpoint.memory import MemorySnapshots
 from crashproof.checkpoint.save import (
     CommitResult,
     SaveStats,
@@ -80,6 +81,7 @@ class SavePipeline:
         reporter: SupervisedReporter | Unsupervised,
         retention: RetentionRunner,
         tiers: TierCoordinator,
+        memory: MemorySnapshots | None = None,
     ) -> None:
         self._shared = shared
         self._options = options
@@ -90,10 +92,26 @@ class SavePipeline:
         self._retention = retention
         self._tiers = tiers
         n = options.staging_buffers
-        self._stagings = [StagingArea() for _ in range(n)] if options.async_save else []
+        # Under crashproof run the staging buffers live in the agent's memory (one slot each):
+        # every asynchronous save is a memory snapshot too, at no extra copy.
+        slots = memory.slots if memory is not None else [None] * n
+        self._stagings = [StagingArea(slots[i]) for i in range(n)] if options.async_save else []
+        self._memory = memory
+        # Memory snapshots stage into the save's buffers; a synchronous manager (which writes
+        # from the live tensors) has one area for them alone.
+        self._memory_stagings = (
+            [] if memory is None else self._stagings or [StagingArea(memory.slots[0])]
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-persist")
+        # One thread of its own, so a slow disk write never delays a memory commit.
+        self._memory_executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-memory")
         # Saves not yet collected, oldest first, with the staging area each one reads from.
         self._inflight: deque[tuple[Future[CommitResult], int]] = deque()
+        # Memory commits not yet collected: the future, its slot and its step.
+        self._memory_inflight: deque[tuple[Future[CommitResult], int, int]] = deque()
+        self._warned_sharded = False
+        self.last_memory_step: int | None = None
+        self.last_memory_s: float | None = None
         self._tmp_token: str | None = None  # in every save's temporary name, the same on all ranks
         self.last_commit: CommitResult | None = None
 
@@ -132,16 +150,8 @@ class SavePipeline:
         if free is None:
             return False
         staging = self._stagings[free] if self._stagings else None
-        tree = state.capture()
-        snapshot = take_snapshot(
-            step,
-            tree,
-            staging=staging,
-            metadata=metadata,
-            must_be_finite=(
-                state.must_be_finite(tree, step=step) if self._options.check_finite else frozenset()
-            ),
-        )
+        self._wait_memory(free)
+        snapshot = self._snapshot(step, state, staging, metadata)
         delta = self._options.delta
         # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
         # is always saved whole: a delta's base must be the same rank's piece, which a restore
@@ -168,12 +178,33 @@ class SavePipeline:
             self._persist, snapshot, tmp_name, blocking_s, may_be_delta, replicated
         )
         self._inflight.append((future, free))
+        if staging is not None and staging.arena is not None:
+            self._commit_to_memory(snapshot, free, staging)
         self._stats.saves_started += 1
         self._shared.last_save_step, self._shared.last_save_s = step, time.monotonic()
         if not self._options.async_save:
             self.wait_commit()
         self._stats.last_blocking_s = time.perf_counter() - started
         return True
+
+    def _snapshot(
+        self,
+        step: int,
+        state: TrainState,
+        staging: StagingArea | None,
+        metadata: dict[str, Any] | None,
+    ) -> Snapshot:
+        """The state captured and copied into ``staging`` (the only pause training sees)."""
+        tree = state.capture()
+        return take_snapshot(
+            step,
+            tree,
+            staging=staging,
+            metadata=metadata,
+            must_be_finite=(
+                state.must_be_finite(tree, step=step) if self._options.check_finite else frozenset()
+            ),
+        )
 
     def save_before_stopping(
         self,
@@ -229,10 +260,103 @@ class SavePipeline:
                 step,
                 time.perf_counter() - started,
             )
-        return min(set(range(capacity)) - {slot for _, slot in self._inflight})
+        return self._oldest(set(range(capacity)) - {slot for _, slot in self._inflight})
+
+    def _oldest(self, free: set[int]) -> int:
+        """Of the free staging slots, the one whose memory snapshot is oldest (or none): the
+        newest snapshot in memory stays while the next one is copied."""
+        if self._memory is None:
+            return min(free)
+        slots = self._memory.slots
+        return min(free, key=lambda i: (-1 if slots[i].step is None else slots[i].step, i))
+
+    # -- memory snapshots (crashproof run's agent holds them) ---------------------------------
+
+    def snapshot_to_memory(
+        self, step: int, state: TrainState, metadata: dict[str, Any] | None
+    ) -> bool:
+        """Snapshot ``state`` into the agent's memory only; returns whether it did. Never waits:
+        with every staging slot still being written, the snapshot is skipped (and counted)."""
+        if self._memory is None:
+            return False
+        started = time.perf_counter()
+        self.raise_pending()
+        busy = {slot for future, slot in self._inflight if not future.done()}
+        busy |= {slot for future, slot, _ in self._memory_inflight if not future.done()}
+        free = set(range(len(self._memory_stagings))) - busy
+        held = {
+            i for i in range(len(self._memory_stagings)) if self._memory.slots[i].step is not None
+        }
+        if len(self._memory_stagings) > 1 and len(held) == 1:
+            free -= held  # the one snapshot held stays until another is committed beside it
+        if not free:
+            self._stats.memory_skipped_busy += 1
+            log.info("memory snapshot of step %d skipped: the staging buffers are busy", step)
+            return False
+        slot = self._oldest(free)
+        self._wait_memory(slot)  # (done already: collected)
+        staging = self._memory_stagings[slot]
+        snapshot = self._snapshot(step, state, staging, metadata)
+        self._commit_to_memory(snapshot, slot, staging)
+        self._stats.memory_last_blocking_s = time.perf_counter() - started
+        return True
+
+    def _commit_to_memory(self, snapshot: Snapshot, slot: int, staging: StagingArea) -> None:
+        assert self._memory is not None
+        if snapshot.sharded:  # a rank's piece alone does not restore (every rank's index does)
+            if not self._warned_sharded:
+                self._warned_sharded = True
+                log.warning(
+                    "memory snapshots do not cover sharded state (DTensor, FSDP2) yet: %s "
+                    "restores from its checkpoints on disk",
+                    self._shared.root,
+                )
+            return
+        future = self._memory_executor.submit(
+            self._memory_commit, self._memory, slot, snapshot, staging.data_at
+        )
+        self._memory_inflight.append((future, slot, snapshot.step))
+        self.last_memory_step, self.last_memory_s = snapshot.step, time.monotonic()
+
+    def _memory_commit(
+        self, memory: MemorySnapshots, slot: int, snapshot: Snapshot, data_at: int
+    ) -> CommitResult:
+        started = time.perf_counter()
+        result = memory.commit(slot, snapshot, data_at)
+        self._stats.memory_last_commit_s = time.perf_counter() - started
+        return result
+
+    def _wait_memory(self, slot: int | None = None) -> None:
+        """Collect the memory commits (of ``slot`` and those before them, or all)."""
+        while self._memory_inflight and (
+            slot is None or any(s == slot for _, s, _ in self._memory_inflight)
+        ):
+            self._collect_memory(*self._memory_inflight.popleft())
+
+    def _collect_memory(self, future: Future[CommitResult], slot: int, step: int) -> None:
+        """The outcome of a memory commit: non-finite state is raised as a disk save's would be;
+        any other failure is logged and counted (the disk checkpoints do not depend on it)."""
+        try:
+            future.result()
+        except NonFiniteStateError:
+            self._stats.memory_failures += 1
+            raise
+        except Exception as exc:
+            self._stats.memory_failures += 1
+            log.error(
+                "the memory snapshot of step %d was not committed (%s: %s); restores use the "
+                "disk checkpoints until the next one",
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._stats.memory_snapshots += 1
 
     def wait(self) -> CommitResult | None:
-        """Collect every save in flight, then let retention after it finish."""
+        """Collect every save in flight (and memory snapshot), then let retention after it
+        finish."""
+        self._wait_memory()
         result = self.wait_commit()
         if not self._shared.closed:
             self._executor.submit(lambda: None).result()  # the queue is drained: retention done
@@ -280,6 +404,8 @@ class SavePipeline:
         """Surface a background failure on the next call into the manager."""
         while self._inflight and self._inflight[0][0].done():
             self._collect(self._inflight.popleft()[0])
+        while self._memory_inflight and self._memory_inflight[0][0].done():
+            self._collect_memory(*self._memory_inflight.popleft())
         message, self._shared.second_writer = self._shared.second_writer, None
         if message is not None:
             raise CheckpointWriteError(errno.EBUSY, message)
@@ -293,8 +419,11 @@ class SavePipeline:
             self._executor.submit(self._retention.apply, keep_always=newest)
 
     def stop(self) -> None:
-        """Let the writer thread finish what it was given, and end it."""
+        """Let the writer threads finish what they were given, and end them."""
         self._executor.shutdown(wait=True)
+        self._memory_executor.shutdown(wait=True)
+        if self._memory is not None:
+            self._memory.close()
 
     # -- the writer thread -------------------------------------------------------------------
 

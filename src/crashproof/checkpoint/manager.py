@@ -12,6 +12,8 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._agreement import RankAgreement
-from crashproof.checkpoint._group import default_group
+from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._manager_state import ManagerState, open_for_writing
 from crashproof.checkpoint._options import DEFAULT_EVERY, DEFAULT_KEEP, ManagerOptions
 from crashproof.checkpoint._restorer import Restorer
@@ -27,15 +29,19 @@ from crashproof.checkpoint._retention_runner import RetentionRunner
 from crashproof.checkpoint._save_pipeline import SavePipeline, check_step, warn_if_never_closed
 from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import checked_metadata
+from crashproof.checkpoint.memory import MemorySnapshots
 from crashproof.checkpoint.root import CheckpointInfo, committed_steps, describe_checkpoint
 from crashproof.checkpoint.save import CommitResult, Delta, SaveStats
 from crashproof.checkpoint.tiers import Tier, TierStatus
+from crashproof.errors import ConfigError
 from crashproof.link import Notice, PreemptedExit, PreemptionListener, trainer_reporter
 from crashproof.policy import RetentionPolicy, SavePolicy
 from crashproof.state import TrainState
 from crashproof.storage import Storage, storage_for
 
 __all__ = ["CheckpointManager"]
+
+log = logging.getLogger("crashproof.checkpoint")
 
 
 class CheckpointManager:
@@ -77,6 +83,8 @@ class CheckpointManager:
         replicate: bool = True,
         read_only: bool = False,
         restore_memory_bytes: int | None = None,
+        memory_every: SavePolicy | None = None,
+        memory: bool = True,
     ) -> None:
         options = ManagerOptions(
             every=every, keep=keep, async_save=async_save, on_busy=on_busy,
@@ -85,7 +93,7 @@ class CheckpointManager:
             check_finite=check_finite,
             delta=delta, dedup_replicated=dedup_replicated, remote=remote,
             remote_timeout_s=remote_timeout_s, replicate=replicate, read_only=read_only,
-            restore_memory_bytes=restore_memory_bytes,
+            restore_memory_bytes=restore_memory_bytes, memory_every=memory_every, memory=memory,
         )  # fmt: skip
         root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
@@ -105,14 +113,16 @@ class CheckpointManager:
         self._agreement = RankAgreement(self._group, handle_signals=handle_signals)
         self._tiers = TierCoordinator(self._shared, self.keep, remote_timeout_s)
         self._retention = RetentionRunner(self._shared, self.keep, self._tiers)
+        self.memory_every = memory_every
+        snapshots = _memory_snapshots(options, self.storage.describe(self.root), self._group)
         self._pipeline = SavePipeline(
             self._shared, options, group=self._group, persist_group=default_group(timeout_s),
             stats=self.stats, reporter=self._reporter, retention=self._retention,
-            tiers=self._tiers,
+            tiers=self._tiers, memory=snapshots,
         )  # fmt: skip
         self._restorer = Restorer(
             self._shared, self._group, self._agreement, self._tiers,
-            read_only=read_only, memory_bytes=restore_memory_bytes,
+            read_only=read_only, memory_bytes=restore_memory_bytes, memory=snapshots,
         )  # fmt: skip
         if not read_only:
             open_for_writing(
@@ -181,7 +191,25 @@ class CheckpointManager:
             self._stop_for(notice, step, state, metadata)
         if decision:
             self.save(step, state, metadata=metadata)
+        elif self._memory_due(step):
+            with self._reporter.phase("save"):
+                self._pipeline.snapshot_to_memory(step, state, metadata)
         return decision
+
+    def _memory_due(self, step: int) -> bool:
+        """Whether ``memory_every`` asks for a memory snapshot after ``step`` (the same on every
+        rank: only step-counting policies are accepted with several ranks)."""
+        pipeline = self._pipeline
+        if self.memory_every is None or step == pipeline.last_memory_step:
+            return False
+        context = pipeline.save_context(step)
+        if pipeline.last_memory_step is not None and pipeline.last_memory_s is not None:
+            context = dataclasses.replace(
+                context,
+                last_save_step=pipeline.last_memory_step,
+                last_save_s=pipeline.last_memory_s,
+            )
+        return self.memory_every.should_save(context)
 
     def _stop_for(
         self, notice: Notice, step: int, state: TrainState, metadata: dict[str, Any] | None
@@ -240,7 +268,7 @@ class CheckpointManager:
             self.wait()
             restored = self._restorer.restore(state, step)
         if restored is not None:
-            self._reporter.restored(restored[0], restored[1], time.perf_counter() - started)
+            self._report_restore(restored, started)
             return restored[0]
         return 0
 
@@ -261,9 +289,15 @@ class CheckpointManager:
             restored = self._restorer.rollback(state, before)
         if restored is None:
             return None
-        self._reporter.restored(restored[0], restored[1], time.perf_counter() - started)
+        self._report_restore(restored, started)
         self._discard_save_of = anomaly_step
         return restored[0]
+
+    def _report_restore(self, restored: tuple[int, str], started: float) -> None:
+        self._reporter.restored(
+            restored[0], restored[1], time.perf_counter() - started,
+            kind=self._restorer.last_kind, nbytes=self._restorer.last_bytes,
+        )  # fmt: skip
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint directory under the root, newest first, with a quick validity check."""
@@ -303,3 +337,28 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _memory_snapshots(options: ManagerOptions, root: str, group: Group) -> MemorySnapshots | None:
+    """This rank's snapshots in the agent's memory, when under ``crashproof run`` and wanted."""
+    every = options.memory_every
+    if (
+        every is not None
+        and group.world_size > 1
+        and not getattr(every, "same_on_every_rank", False)
+    ):
+        raise ConfigError(
+            f"CheckpointManager(memory_every={every!r}) with {group.world_size} ranks: a restore "
+            "takes a step from memory only when every rank holds it, so every rank must snapshot "
+            "the same steps; use a policy that counts steps (EverySteps)"
+        )
+    if options.read_only or not options.memory:
+        return None
+    snapshots = MemorySnapshots.open(root, group.rank, group.world_size, options.staging_buffers)
+    if snapshots is None and every is not None and group.rank == 0:
+        log.info(
+            "CheckpointManager(memory_every=%r): memory snapshots are kept by crashproof run's "
+            "agent; not under it, only the disk checkpoints are taken",
+            every,
+        )
+    return snapshots

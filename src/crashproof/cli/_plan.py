@@ -62,6 +62,26 @@ def add_plan_parser(
         metavar="PRICE",
         help="price of one device for an hour, any currency (for the costs)",
     )
+    p.add_argument(
+        "--memory-ckpt-minutes",
+        type=finite_number(),
+        metavar="MIN",
+        help="time training pauses for one snapshot into crashproof run's agent memory; with "
+        "the two below, the plan adds frequent memory snapshots beside the disk checkpoints",
+    )
+    p.add_argument(
+        "--memory-restart-minutes",
+        type=finite_number(),
+        metavar="MIN",
+        help="from a failure to training again when the state comes from memory",
+    )
+    p.add_argument(
+        "--memory-recoverable",
+        type=finite_number(),
+        metavar="P",
+        help="share of failures the agent's memory survives (a crashed or hung trainer on a live "
+        "node), between 0 and 1",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=run_plan)
     return p
@@ -79,6 +99,9 @@ def run_plan(args: argparse.Namespace) -> int:
             mtbf_hours=args.mtbf_hours,
             daily_failure_prob=args.daily_failure_prob,
             cluster_mtbf_hours=args.cluster_mtbf_hours,
+            memory_ckpt_minutes=args.memory_ckpt_minutes,
+            memory_restart_minutes=args.memory_restart_minutes,
+            memory_recoverable=args.memory_recoverable,
         )
     except (ValueError, OverflowError) as exc:
         say("crashproof", f"plan: {_as_flags(str(exc))}")
@@ -114,6 +137,9 @@ _INPUTS = (
     "mtbf_hours",
     "daily_failure_prob",
     "cluster_mtbf_hours",
+    "memory_ckpt_minutes",
+    "memory_restart_minutes",
+    "memory_recoverable",
 )
 
 
@@ -161,6 +187,7 @@ def _table(r: Plan) -> str:
                 f"  expected goodput            {r.expected_goodput:.1%}",
                 f"  lost per failure            {_hours(lost)}",
             ]
+    rows += _two_tier_rows(r)
     if r.compute_cost is None:
         rows += ["cost", _needs(["cost_per_device_hour"], "the costs")]
     else:
@@ -175,6 +202,28 @@ def _table(r: Plan) -> str:
         else:
             rows.append(f"  expected failure cost       {r.expected_failure_cost:,.0f}")
     return "\n".join(rows)
+
+
+def _two_tier_rows(r: Plan) -> list[str]:
+    """The two-tier scheme, when asked for (a memory input given)."""
+    i = r.inputs
+    memory = ("memory_ckpt_minutes", "memory_restart_minutes", "memory_recoverable")
+    if all(getattr(i, n) is None for n in memory):
+        return []
+    if r.memory_interval_hours is None or r.two_tier_disk_interval_hours is None:
+        needed = [n for n in (*memory, "ckpt_minutes", "restart_minutes") if getattr(i, n) is None]
+        return ["memory snapshots beside disk checkpoints", _needs(needed, "the two-tier plan")]
+    assert r.two_tier_goodput is not None and r.one_tier_goodput_first_order is not None
+    gain = r.two_tier_goodput - r.one_tier_goodput_first_order
+    return [
+        f"memory snapshots beside disk checkpoints ({i.memory_recoverable:.0%} of failures "
+        f"recover from memory, {i.memory_ckpt_minutes:g} min a snapshot, "
+        f"{i.memory_restart_minutes:g} min to restart)",
+        f"  memory interval             {_hours(r.memory_interval_hours)}",
+        f"  disk interval               {_hours(r.two_tier_disk_interval_hours)}",
+        f"  expected goodput            {r.two_tier_goodput:.1%} (disk alone, same model: "
+        f"{r.one_tier_goodput_first_order:.1%}; {gain:+.1%})",
+    ]
 
 
 def _hours(h: float) -> str:

@@ -23,6 +23,7 @@ from crashproof.cli._conventions import (
     duration,
     number_above,
     or_auto,
+    size,
     whole_number,
 )
 from crashproof.cli._run_checks import RunOptionError, check_run_args
@@ -129,6 +130,23 @@ def build_run_parser() -> argparse.ArgumentParser:
         help="when the run ends, how long to wait for checkpoints still being copied to durable "
         "tiers (CheckpointManager(remote=...)); on a preemption at most --preemption-grace; "
         f"{_DURATION}",
+    )
+    group.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="keep no snapshots in this agent's memory: trainers restore from storage only (by "
+        "default an asynchronous save's staging buffers live in the agent, so a trainer that "
+        "crashes resumes from RAM; see docs/recovery.md)",
+    )
+    group.add_argument(
+        "--memory-limit",
+        type=size(),
+        default=None,
+        metavar="SIZE",
+        help="the most shared memory this agent holds for its trainers' snapshots, e.g. 8GiB "
+        "(default: what the host has available, less 256 MiB); a snapshot beyond it fails "
+        "with InsufficientMemoryError",
     )
     group.add_argument(
         "--straggler-factor",

@@ -4,7 +4,8 @@ agent and hears from it and from the machine.
 ``_heartbeat`` writes the record the agent's hang detection reads; ``_reporter`` reports steps,
 saves and restores as heartbeats and events; ``_worker`` attaches a trainer to its agent (stack
 dumps on request, dying with the agent); ``_preemption`` turns preemption signals and cloud notices
-into a notice the checkpoint manager acts on at a step boundary. This part knows nothing of
+into a notice the checkpoint manager acts on at a step boundary; ``_memory_wire`` is the socket
+over which a trainer keeps its snapshots in the agent's memory. This part knows nothing of
 checkpoints: the checkpoint manager and the supervisor both build on it.
 """
 
@@ -18,6 +19,13 @@ from crashproof.link._heartbeat import (
     heartbeat,
     read_heartbeat,
     worker_heartbeat,
+)
+from crashproof.link._memory_wire import (
+    ENV_MEMORY_SOCKET,
+    MemoryClient,
+    memory_listener,
+    recv_message,
+    send_message,
 )
 from crashproof.link._preemption import (
     ENV_NOTICE_FILE,
@@ -37,6 +45,7 @@ from crashproof.link._worker import (
 
 __all__ = [
     "ENV_HEARTBEAT_DIR",
+    "ENV_MEMORY_SOCKET",
     "ENV_NOTICE_FILE",
     "ENV_PARENT_PID",
     "EXIT_PREEMPTED",
@@ -44,6 +53,7 @@ __all__ = [
     "STACK_DUMP_SIGNAL",
     "Heartbeat",
     "HeartbeatWriter",
+    "MemoryClient",
     "Notice",
     "Phase",
     "PreemptedExit",
@@ -53,7 +63,10 @@ __all__ = [
     "attach_to_supervisor",
     "die_with_parent",
     "heartbeat",
+    "memory_listener",
     "read_heartbeat",
+    "recv_message",
+    "send_message",
     "trainer_reporter",
     "worker_heartbeat",
 ]

@@ -42,7 +42,9 @@ class Unsupervised:
     def compute_section(self) -> Iterator[None]:
         yield
 
-    def restored(self, step: int, source: str, seconds: float) -> None:
+    def restored(
+        self, step: int, source: str, seconds: float, *, kind: str = "local", nbytes: int = 0
+    ) -> None:
         pass
 
     def committed(
@@ -105,11 +107,18 @@ class SupervisedReporter:
         finally:
             self._heartbeat.set_phase(previous)
 
-    def restored(self, step: int, source: str, seconds: float) -> None:
+    def restored(
+        self, step: int, source: str, seconds: float, *, kind: str = "local", nbytes: int = 0
+    ) -> None:
+        """``kind``: ``memory`` (the agent's), ``local`` (the root) or ``tier``; ``nbytes``:
+        what rank 0 read and verified."""
         self._heartbeat.restored(step)
         self._progress_at = None
         if self._events is not None:
-            self._events.emit("restore", step=step, source=source, seconds=round(seconds, 4))
+            self._events.emit(
+                "restore", step=step, source=source, seconds=round(seconds, 4), kind=kind,
+                bytes=nbytes,
+            )  # fmt: skip
 
     def committed(
         self, step: int, path: str, blocking_s: float, persist_s: float, nbytes: int

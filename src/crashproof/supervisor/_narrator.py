@@ -9,7 +9,7 @@ with a word to grep for::
     failure:   rank 1 (pid 4242) exit code 3 after step 12: ValueError: ...; seen 0.001 s after it exited
     peers stopped: rank 0 (SIGKILL: they cannot go on without rank 1)
     restarting: attempt 1; restart 1 of 30 per 1 h; failure seen and group stopped in 0.01 s
-    restored:  step 10 from /ckpt/step_0000000010 in 0.05 s; 2 steps of work lost (reached 12)
+    restored:  step 10 from the agent's memory in 0.05 s; 2 steps of work lost (reached 12)
 
 The log is the one source: what the console says is what the report will book. The narrator
 starts at the log's end when the launch begins, so an earlier launch into the same run
@@ -117,6 +117,8 @@ def _restore(e: Event, story: _Story) -> Line:
     step = int_field(e, "step")
     source = str(e.get("source"))
     tier = "durable tier " if "://" in source else ""
+    if e.get("kind") == "memory":  # (the source names the rank's slot: noise here)
+        source, tier = "the agent's memory", ""
     said = f"step {step} from {tier}{source} in {_secs(number_field(e, 'seconds'))}"
     reached, story.reached = story.reached, None
     if reached is None:

@@ -36,6 +36,7 @@ def summary(run_dir: str, *, outcome: str, code: int, log_dir: str | None, quiet
             ("attempts", f"{ledger.restarts + 1} ({ledger.restarts} {restarts})"),
             ("failures", f"{len(failures)}: {by_kind}" if failures else "none"),
             ("steps lost", str(sum(f.lost_steps for f in ledger.failures))),
+            *_restored_from(ledger),
             ("ETTR", f"{ledger.ettr:.1%} of the wall time was productive training"),
             ("final step", str(ledger.final_step)),
         ]
@@ -55,6 +56,16 @@ def summary(run_dir: str, *, outcome: str, code: int, log_dir: str | None, quiet
     width = max(len(name) for name, _ in rows)
     lines = ["crashproof run: summary", *(f"  {name:<{width}}  {value}" for name, value in rows)]
     return "\n".join(lines)
+
+
+def _restored_from(ledger: Ledger) -> list[tuple[str, str]]:
+    """Where the restores after failures read the state: ``3 from memory, 1 local``."""
+    kinds = Counter(f.restored_from for f in ledger.failures if f.restored_from is not None)
+    if not kinds:
+        return []
+    said = {"memory": "from memory", "local": "local", "tier": "from a tier"}
+    parts = [f"{n} {said.get(kind, kind)}" for kind, n in kinds.most_common()]
+    return [("restores", ", ".join(parts))]
 
 
 def _ledger(events_path: str) -> Ledger | None:

@@ -62,6 +62,7 @@ from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, d
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
+from crashproof.supervisor._memory_host import MemoryHost
 from crashproof.supervisor._narrator import Narrator
 from crashproof.supervisor._straggler import StragglerConfig
 from crashproof.supervisor._summary import summary
@@ -391,6 +392,10 @@ def _supervise(
     replication_dir = RunDir(supervisor.run_dir).replication
     replication = ReplicationHost(replication_dir, events)
     os.environ[ENV_AGENT_REPLICATION] = replication_dir
+    # Trainers keep their newest snapshots in this agent's memory, which outlives their crashes.
+    memory = MemoryHost(events, limit_bytes=args.memory_limit) if args.memory else None
+    if memory is not None:
+        memory.publish()
     metrics = _serve_metrics(args, supervisor.run_dir)
     narrator = Narrator(events.path, node=os.uname().nodename, budget=supervisor.budget.describe())
     started = time.monotonic()
@@ -453,6 +458,8 @@ def _supervise(
     finally:
         if notices is not None:
             notices.close()
+        if memory is not None:
+            memory.close()
         preempted = code == EXIT_PREEMPTED
         replication.close(
             min(args.replication_timeout, supervisor.preemption_grace_s)

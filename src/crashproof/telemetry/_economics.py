@@ -37,6 +37,7 @@ __all__ = [
     "expected_overhead",
     "mtbf_hours_from_daily_prob",
     "p_no_failure",
+    "two_tier",
     "young_interval",
 ]
 
@@ -191,3 +192,40 @@ def expected_loss_per_failure(
     goodput = expected_goodput(interval, checkpoint_cost, restart_cost, mtbf)
     kept = goodput * (interval + checkpoint_cost) / interval  # useful plus completed writes
     return mtbf * max(0.0, 1.0 - kept)
+
+
+def two_tier(
+    *,
+    memory_cost: float,
+    memory_restart: float,
+    disk_cost: float,
+    disk_restart: float,
+    mtbf: float,
+    recoverable: float,
+) -> tuple[float, float, float]:
+    """Frequent snapshots in memory beside rare checkpoints on disk: Young's interval for each,
+    and the goodput. Returns ``(memory interval, disk interval, goodput)``.
+
+    A share ``recoverable`` of the failures (``p``: a crashed or hung process, its node alive)
+    resumes from the newest memory snapshot, the others (a lost node) from the newest checkpoint
+    on disk. Each kind of failure arrives at its own rate, ``p / M`` and ``(1 - p) / M``, and
+    each tier is a Young problem of its own: ``m = sqrt(2 C_m M / p)``,
+    ``d = sqrt(2 C_d M / (1 - p))``. To first order the wall time lost is the writes of both
+    and, per failure, half the interval of its tier plus its restart::
+
+        overhead = C_m / m + C_d / d + (p (m / 2 + R_m) + (1 - p) (d / 2 + R_d)) / M
+
+    and the goodput is ``1 - overhead`` (clipped to [0, 1]). First order: accurate while both
+    intervals and restarts are small against the MTBF, as :func:`expected_goodput`'s
+    ``sqrt(2 C / M) + R / M`` is for one tier. ``0 < recoverable < 1``; costs in one unit.
+    """
+    p = _probability("recoverable", recoverable, zero_ok=False)  # (below 1: a lost node)
+    c_m, c_d = _positive("memory_cost", memory_cost), _positive("disk_cost", disk_cost)
+    r_m = _non_negative("memory_restart", memory_restart)
+    r_d = _non_negative("disk_restart", disk_restart)
+    m_total = _positive("mtbf", mtbf)
+    memory = young_interval(c_m, m_total / p)
+    disk = young_interval(c_d, m_total / (1.0 - p))
+    lost = p * (memory / 2.0 + r_m) + (1.0 - p) * (disk / 2.0 + r_d)
+    overhead = c_m / memory + c_d / disk + lost / m_total
+    return memory, disk, min(1.0, max(0.0, 1.0 - overhead))

@@ -200,6 +200,16 @@ def _emergency_s(seg: Segment) -> float:
     )
 
 
+def _restored_from(seg: Segment | None) -> str | None:
+    """Where the restore that began ``seg`` read its state, as its event says."""
+    if seg is None or seg.restore is None:
+        return None
+    kind = seg.restore.get("kind")
+    if isinstance(kind, str):
+        return kind
+    return "tier" if "://" in str(seg.restore.get("source", "")) else "local"
+
+
 def _rollback_reason(seg: Segment) -> tuple[str, str]:
     """The kind and reason of a restore inside an attempt."""
     event = seg.rollback
@@ -243,6 +253,7 @@ def _ledger(
                 lost_from_ts=cost.lost_from_ts,
                 last_step_ts=cost.last_step_ts,
                 resumed_ts=after.train_from if after is not None else None,
+                restored_from=_restored_from(after),
             )
         )
     attempts = [a for group in per_session for a in group]

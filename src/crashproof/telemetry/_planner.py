@@ -35,6 +35,7 @@ from crashproof.telemetry._economics import (
     expected_loss_per_failure,
     mtbf_hours_from_daily_prob,
     p_no_failure,
+    two_tier,
     young_interval,
 )
 
@@ -42,6 +43,13 @@ __all__ = ["Plan", "PlanInputs", "plan"]
 
 
 _RATES = ("mtbf_hours", "daily_failure_prob", "cluster_mtbf_hours")
+_MEMORY_INPUTS = ("memory_ckpt_minutes", "memory_restart_minutes", "memory_recoverable")
+_TWO_TIER_OUTPUTS = (
+    "memory_interval_hours",
+    "two_tier_disk_interval_hours",
+    "two_tier_goodput",
+    "one_tier_goodput_first_order",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +74,14 @@ class PlanInputs:
     """The chance that one device fails on a given day."""
     cluster_mtbf_hours: float | None = None
     """Mean time between failures of the whole job, in hours."""
+    memory_ckpt_minutes: float | None = None
+    """What one snapshot into ``crashproof run``'s agent memory costs training (the copy); with
+    the two below, the plan adds the two-tier scheme (docs/recovery.md)."""
+    memory_restart_minutes: float | None = None
+    """From a failure to training again when the state comes from memory."""
+    memory_recoverable: float | None = None
+    """The share of failures the agent's memory survives (a crashed or hung trainer on a live
+    node), in (0, 1); the others (a lost node) need the disk."""
 
     def __post_init__(self) -> None:
         given = [name for name in _RATES if getattr(self, name) is not None]
@@ -89,6 +105,12 @@ class PlanInputs:
                 _probability("daily_failure_prob", self.daily_failure_prob, zero_ok=False)
             if self.cluster_mtbf_hours is not None:
                 _positive("cluster_mtbf_hours", self.cluster_mtbf_hours)
+            if self.memory_ckpt_minutes is not None:
+                _positive("memory_ckpt_minutes", self.memory_ckpt_minutes)
+            if self.memory_restart_minutes is not None:
+                _non_negative("memory_restart_minutes", self.memory_restart_minutes)
+            if self.memory_recoverable is not None:
+                _probability("memory_recoverable", self.memory_recoverable, zero_ok=False)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -139,6 +161,18 @@ class Plan:
     """What failures waste: ``expected_failures * loss per failure * devices * price``, the loss
     being about ``(daly + C) / 2 + R`` (:func:`plan` says why); None without the price, the
     checkpoint cost or the restart time."""
+    memory_interval_hours: float | None = None
+    """Two tiers: Young's interval of the memory snapshots, ``sqrt(2 C_m M / p)``; None without
+    the memory inputs (and the checkpoint's cost and restart time)."""
+    two_tier_disk_interval_hours: float | None = None
+    """Two tiers: Young's interval of the disk checkpoints, ``sqrt(2 C M / (1 - p))``: longer
+    than one tier's, the disk now covering only the failures memory does not survive."""
+    two_tier_goodput: float | None = None
+    """Two tiers: the share of wall time left for training, to first order
+    (:func:`~crashproof.telemetry._economics.two_tier`)."""
+    one_tier_goodput_first_order: float | None = None
+    """Disk checkpoints alone at Young's interval, to the same first order
+    (``1 - sqrt(2 C / M) - R / M``): what ``two_tier_goodput`` compares with."""
 
     @property
     def missing(self) -> list[str]:
@@ -146,6 +180,7 @@ class Plan:
         each of which some output needs."""
         i = self.inputs
         optional = ("ckpt_minutes", "restart_minutes", "cost_per_device_hour")
+        # (The memory inputs are an option of their own, not something an output misses.)
         return [name for name in optional if getattr(i, name) is None]
 
     def loss_per_failure_hours(self) -> float | None:
@@ -167,6 +202,13 @@ class Plan:
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"
         }
         out["inputs"] = dataclasses.asdict(self.inputs)
+        # The two-tier scheme's keys, inputs and outputs, only in a plan that asked for it.
+        asked = any(out["inputs"][name] is not None for name in _MEMORY_INPUTS)
+        if not asked:
+            for name in _MEMORY_INPUTS:
+                del out["inputs"][name]
+            for name in _TWO_TIER_OUTPUTS:
+                del out[name]
         return out
 
 
@@ -180,6 +222,9 @@ def plan(
     mtbf_hours: float | None = None,
     daily_failure_prob: float | None = None,
     cluster_mtbf_hours: float | None = None,
+    memory_ckpt_minutes: float | None = None,
+    memory_restart_minutes: float | None = None,
+    memory_recoverable: float | None = None,
 ) -> Plan:
     """The :class:`Plan` of a run (arguments: :class:`PlanInputs`'s fields).
 
@@ -205,6 +250,9 @@ def plan(
         mtbf_hours=mtbf_hours,
         daily_failure_prob=daily_failure_prob,
         cluster_mtbf_hours=cluster_mtbf_hours,
+        memory_ckpt_minutes=memory_ckpt_minutes,
+        memory_restart_minutes=memory_restart_minutes,
+        memory_recoverable=memory_recoverable,
     )
     per_device_mtbf, daily_prob, cluster = inputs.rates()
     failures = expected_failures(devices, days, per_device_mtbf)
@@ -238,4 +286,31 @@ def plan(
         expected_failure_cost=None
         if hourly is None or lost_h is None
         else failures * lost_h * hourly,
+        **_two_tier(inputs, cluster),
     )
+
+
+def _two_tier(inputs: PlanInputs, cluster: float) -> dict[str, float | None]:
+    """The two-tier fields of a plan, when its memory inputs (and the disk's) are given."""
+    i = inputs
+    given = (i.memory_ckpt_minutes, i.memory_restart_minutes, i.memory_recoverable)
+    if None in given or i.ckpt_minutes is None or i.restart_minutes is None:
+        return {}
+    assert i.memory_ckpt_minutes is not None and i.memory_restart_minutes is not None
+    assert i.memory_recoverable is not None
+    write_h, restart_h = i.ckpt_minutes / 60.0, i.restart_minutes / 60.0
+    memory, disk, goodput = two_tier(
+        memory_cost=i.memory_ckpt_minutes / 60.0,
+        memory_restart=i.memory_restart_minutes / 60.0,
+        disk_cost=write_h,
+        disk_restart=restart_h,
+        mtbf=cluster,
+        recoverable=i.memory_recoverable,
+    )
+    one_tier = 1.0 - math.sqrt(2.0 * write_h / cluster) - restart_h / cluster
+    return {
+        "memory_interval_hours": memory,
+        "two_tier_disk_interval_hours": disk,
+        "two_tier_goodput": goodput,
+        "one_tier_goodput_first_order": min(1.0, max(0.0, one_tier)),
+    }

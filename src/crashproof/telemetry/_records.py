@@ -66,6 +66,9 @@ class FailureRecord:
     """When ``step_reached`` was finished (estimated from the step times around it)."""
     resumed_ts: float | None
     """When training went on after it: the end of its restore (None: it did not go on)."""
+    restored_from: str | None = None
+    """Where the restore after it read the state: ``memory`` (the agent's), ``local`` (the
+    checkpoint root) or ``tier`` (None: no restore, or a log from before this was recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import statistics
 
 from crashproof._console import wrapped_cell
 from crashproof._files import write_atomically
@@ -83,4 +84,29 @@ def format_summary(ledger: Ledger) -> str:
         )
         first, *more = wrapped_cell(f.reason, 70)
         lines += [lead + first, *(" " * len(lead) + line for line in more)]
+    lines += _recoveries(ledger)
     return "\n".join(lines)
+
+
+_SOURCES = {
+    "memory": "the agent's memory",
+    "local": "the checkpoint root",
+    "tier": "a durable tier",
+}
+
+
+def _recoveries(ledger: Ledger) -> list[str]:
+    """Where the restores read the state, with their median time: what memory recovery saved."""
+    by_source: dict[str, list[float]] = {}
+    for f in ledger.failures:
+        if f.restored_from is not None:
+            by_source.setdefault(f.restored_from, []).append(f.restore_s)
+    if not by_source:
+        return []
+    lines = ["", "  restored from"]
+    for source, times in sorted(by_source.items(), key=lambda item: -len(item[1])):
+        name = _SOURCES.get(source, source)
+        lines.append(
+            f"  {name:<22}{len(times):>6} x, restore {duration(statistics.median(times))} median"
+        )
+    return lines

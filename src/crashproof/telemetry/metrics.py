@@ -114,6 +114,14 @@ class RunMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.restores = Counter(
+            "crashproof_restores",
+            "Restores, by where the state was read (memory: the agent's; local; tier)",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("memory", "local", "tier"):
+            self.restores.labels(kind=kind)
         self.last_checkpoint_ts = Gauge(
             "crashproof_last_checkpoint_timestamp_seconds",
             "Unix time of the newest committed checkpoint",
@@ -221,6 +229,7 @@ class RunMetrics:
             self._last_step = int(event["step"])  # training goes on from there, not further
             self.step.set(self._last_step)
             self.restore.observe(event["seconds"])
+            self.restores.labels(kind=str(event.get("kind", "local"))).inc()
             self.progress_ts.set(ts)
         elif name == "restart":
             self.restarts.inc()

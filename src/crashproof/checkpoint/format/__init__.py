@@ -38,6 +38,7 @@ from crashproof.checkpoint.format._shard_file import (
     ReadBuffer,
     ShardRead,
     copy_tensor_bytes,
+    shard_layout,
     tensor_bytes,
     write_shard,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "parse_step_dir",
     "safetensors_code",
     "seal_manifest",
+    "shard_layout",
     "shard_name",
     "sharded_pieces",
     "tensor_bytes",

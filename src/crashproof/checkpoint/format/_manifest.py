@@ -145,8 +145,11 @@ class Manifest:
         }
 
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Validate and parse ``manifest.json``; raises :class:`CorruptCheckpointError`."""
+def parse_manifest(data: bytes, where: str, *, partial: bool = False) -> Manifest:
+    """Validate and parse ``manifest.json``; raises :class:`CorruptCheckpointError`.
+
+    ``partial``: a manifest cut down to one rank's index and shard (a rank's snapshot held in
+    memory, :mod:`crashproof.checkpoint.memory`); parsed as ``complete=False``."""
     obj = load_json(data, where)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a crashproof manifest")
@@ -184,7 +187,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             scheme=scheme,
         )
     world_size = count_field(obj, "world_size", where, upper=MAX_WORLD_SIZE)
-    _check_file_set(files, world_size, where)
+    if partial:
+        _check_one_rank(files, world_size, where)
+    else:
+        _check_file_set(files, world_size, where)
     metadata = obj.get("metadata", {})
     environment = obj.get("environment", {})
     if not isinstance(metadata, dict) or not isinstance(environment, dict):
@@ -209,6 +215,19 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         files=files,
         metadata=metadata,
         environment=environment,
+        complete=not partial,
+    )
+
+
+def _check_one_rank(files: Mapping[str, FileEntry], world_size: int, where: str) -> None:
+    """A partial manifest lists one rank's index and shard, nothing else."""
+    indexes = [n for n in files if n.startswith("rank_") and n.endswith(".json")]
+    if len(files) == 2 and len(indexes) == 1 and all(_is_rank_file(n, world_size) for n in files):
+        rank = indexes[0].removeprefix("rank_").removesuffix(".json")
+        if shard_name(int(rank)) in files:
+            return
+    raise CorruptCheckpointError(
+        f"{where}: a rank's part lists its index and its shard, not {sorted(files)[:4]}"
     )
 
 

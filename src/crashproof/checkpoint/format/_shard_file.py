@@ -33,6 +33,7 @@ __all__ = [
     "hash_range",
     "read_shard",
     "shard_checksum",
+    "shard_layout",
     "tensor_bytes",
     "write_shard",
 ]
@@ -83,6 +84,18 @@ def _header(
     return len(raw).to_bytes(8, "little") + raw, ranges
 
 
+_DEFAULT_METADATA = {"format": "crashproof"}
+
+
+def shard_layout(
+    names_and_tensors: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The header :func:`write_shard` writes for these tensors (no metadata given), and each
+    tensor's (offset after the header, nbytes): where a staging area places the tensors so that
+    the shard's bytes are its buffers (see :mod:`crashproof.checkpoint.memory`)."""
+    return _header(names_and_tensors, _DEFAULT_METADATA)
+
+
 def _chunks(view: memoryview) -> Iterator[memoryview]:
     for start in range(0, len(view), _CHUNK):
         yield view[start : start + _CHUNK]
@@ -111,9 +124,7 @@ def write_shard(
     release the GIL, so on two cores the checksums cost almost no wall time. ``inspect(i, chunk)``
     is called on that thread too, with every chunk of tensor ``i``, after it is hashed.
     """
-    header, ranges = _header(
-        tensors, metadata if metadata is not None else {"format": "crashproof"}
-    )
+    header, ranges = _header(tensors, metadata if metadata is not None else _DEFAULT_METADATA)
     hashers = [new_hasher() for _ in tensors]
     stream = storage.create(path)
     try:
@@ -222,6 +233,9 @@ class ShardRead:
         }
         self._tensors: list[torch.Tensor] = [_EMPTY] * len(entries)
         self._verified = False
+        # A stream over memory no one else writes (a snapshot in the agent's memory): tensors
+        # bound for live ones are hashed where they lie and copied once, by fill().
+        self._view: Callable[[int, int], memoryview] | None = getattr(stream, "view", None)
         if buffer is not None:  # read into new memory whatever the buffer: counted first
             buffer.charge(sum(e.nbytes for i, e in enumerate(entries) if self.has_value(i)))
 
@@ -294,6 +308,8 @@ class ShardRead:
         entry = self._entries[i]
         if self.has_value(i):
             self._tensors[i] = self.read(i)
+        elif i in self._targets and self._view is not None:
+            self._check(entry, digest(self._view(entry.offset, entry.nbytes)))
         elif i in self._targets and self._buffer is not None and self._buffer.take(entry.nbytes):
             self._buffered[i] = self.read(i)
         else:
@@ -339,6 +355,12 @@ class ShardRead:
 
         def fill_one(i: int) -> None:
             entry, target = self._entries[i], self._targets[i]
+            if self._view is not None:  # verified where it lies, which nothing else writes
+                if entry.nbytes:
+                    source = np.frombuffer(self._view(entry.offset, entry.nbytes), np.uint8)
+                    np.copyto(_byte_array(target), source)
+                self._tensors[i] = target
+                return
             buffered = self._buffered.pop(i, None)
             if buffered is not None:  # verified in memory no one else can change: copied
                 copy_tensor_bytes(target, buffered)

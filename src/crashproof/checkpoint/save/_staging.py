@@ -17,24 +17,46 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
-from crashproof.checkpoint.format import copy_tensor_bytes
+from crashproof.checkpoint.format import copy_tensor_bytes, shard_layout
 from crashproof.errors import InsufficientMemoryError
 
-__all__ = ["StagingArea"]
+__all__ = ["Arena", "StagingArea"]
+
+_PAGE = 4096
+
+
+class Arena(Protocol):
+    """One block of memory a staging area lays its buffers out in, as the shard file would hold
+    them (a memory snapshot's segment, :mod:`crashproof.checkpoint.memory`), instead of each
+    buffer in private memory of its own."""
+
+    def reserve(self, nbytes: int, *, pin: bool) -> memoryview:
+        """A writable block of at least ``nbytes`` (checked against the node's memory)."""
+        ...
+
+    def overwriting(self) -> None:
+        """Called before the buffers are copied into: what the block held is gone."""
+        ...
 
 
 class StagingArea:
-    """Reusable host copies of a state's tensors, keyed by their names in the checkpoint."""
+    """Reusable host copies of a state's tensors, keyed by their names in the checkpoint.
 
-    def __init__(self) -> None:
+    With an ``arena``, the buffers are views into it, at the places the shard file gives the
+    tensors: ``data_at`` is where the first one begins (the header ends there)."""
+
+    def __init__(self, arena: Arena | None = None) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._stream: Any = None  # torch.cuda.Stream, created on the first CUDA tensor
+        self.arena = arena
+        self._layout: list[tuple[str, torch.dtype, torch.Size]] = []
+        self.data_at = 0
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +69,11 @@ class StagingArea:
 
         The caller must make the writer wait for the event before it reads the staged bytes.
         """
-        self._reserve(tensors)
+        if self.arena is not None:
+            self._reserve_in_arena(tensors, self.arena)
+            self.arena.overwriting()
+        else:
+            self._reserve(tensors)
         staged: list[tuple[str, torch.Tensor]] = []
         cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         cpu_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -83,6 +109,25 @@ class StagingArea:
             self._buffers[name] = torch.empty(
                 tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin
             )
+
+    def _reserve_in_arena(self, tensors: Sequence[tuple[str, torch.Tensor]], arena: Arena) -> None:
+        """Lay the buffers out in ``arena`` as the shard file would hold the tensors, in their
+        order, unless they are laid out so already."""
+        layout = [(name, t.dtype, t.shape) for name, t in tensors]
+        if layout == self._layout:
+            return
+        self._buffers, self._layout = {}, []  # (the old block's views go before it does)
+        header, ranges = shard_layout(tensors)
+        data_at = -(-len(header) // _PAGE) * _PAGE
+        total = data_at + sum(nbytes for _, nbytes in ranges)
+        block = arena.reserve(total, pin=any(t.is_cuda for _, t in tensors))
+        for (name, tensor), (pos, nbytes) in zip(tensors, ranges, strict=True):
+            if nbytes == 0:
+                self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+                continue
+            flat = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=data_at + pos)
+            self._buffers[name] = flat.view(tensor.dtype).view(tensor.shape)
+        self._layout, self.data_at = layout, data_at
 
     def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if self._stream is None:

@@ -35,6 +35,18 @@ class SaveStats:
     """How long the last save paused the training loop (snapshot, and any wait)."""
     last_persist_s: float = 0.0
     """How long the last committed save took to write and commit, in the background or not."""
+    memory_snapshots: int = 0
+    """Snapshots committed to the memory of ``crashproof run``'s agent (an asynchronous save's
+    own snapshot, and those of ``memory_every``)."""
+    memory_skipped_busy: int = 0
+    """Memory snapshots skipped because every staging buffer was still being written to disk
+    (a memory snapshot never waits)."""
+    memory_failures: int = 0
+    """Memory snapshots that failed to commit (logged; the disk checkpoints are unaffected)."""
+    memory_last_blocking_s: float = 0.0
+    """How long the last memory-only snapshot paused the training loop."""
+    memory_last_commit_s: float = 0.0
+    """How long the last memory snapshot took to checksum and commit, in the background."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

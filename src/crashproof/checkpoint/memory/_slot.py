@@ -1,0 +1,155 @@
+"""One shared-memory segment of the agent's, mapped into this trainer: a staging area's buffers,
+and the snapshot they hold once committed.
+
+The segment is laid out as the rank's shard file would be on disk, the safetensors header ending
+where the tensor bytes begin (on a page boundary). A staging area places its buffers there
+(:meth:`Slot.reserve`), so the snapshot's one copy out of the live tensors lands in its final
+place: committing it writes the header, the rank's index and its manifest, never the tensors again.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import mmap
+import os
+from typing import Any
+
+import torch
+
+from crashproof.errors import CrashproofError, InsufficientMemoryError
+from crashproof.link import MemoryClient
+
+__all__ = ["PAGE", "Slot", "SlotContents"]
+
+log = logging.getLogger("crashproof.checkpoint")
+
+PAGE = 4096
+
+SlotContents = dict[str, Any]
+"""What the agent keeps beside a committed segment: ``files`` (the index and the cut manifest,
+base64), ``shard`` ([offset, size] of the shard file in the segment) and ``path`` (the
+checkpoint directory's name)."""
+
+
+class Slot:
+    """Segment ``index`` of rank ``rank``'s snapshots for the root named by ``key``."""
+
+    def __init__(
+        self, client: MemoryClient, key: str, rank: int, world_size: int, index: int
+    ) -> None:
+        self._client = client
+        self.key, self.rank, self.world_size, self.index = key, rank, world_size, index
+        self._mm: mmap.mmap | None = None
+        self._registered: int | None = None  # the address given to cudaHostRegister
+        self.step: int | None = None
+        """The step of the committed snapshot it holds; None: none (or being overwritten)."""
+        self.contents: SlotContents = {}
+
+    def _ids(self) -> dict[str, Any]:
+        return {"key": self.key, "rank": self.rank, "slot": self.index,
+                "world_size": self.world_size}  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._mm is None else len(self._mm)
+
+    def adopt(self, fd: int, nbytes: int, step: int | None, contents: SlotContents) -> None:
+        """Map a segment the agent already held (this trainer restarted)."""
+        try:
+            self._map(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.step, self.contents = step, contents
+
+    def view(self) -> memoryview:
+        assert self._mm is not None
+        return memoryview(self._mm)
+
+    def reserve(self, nbytes: int, *, pin: bool) -> memoryview:
+        """The segment, of at least ``nbytes``: the one held when it is large enough (and not
+        more than twice too large), else a new one from the agent (the old one is dropped).
+        ``pin``: page-locked for CUDA copies."""
+        if self._mm is None or not nbytes <= len(self._mm) <= 2 * nbytes + PAGE:
+            self.overwriting()
+            self._unmap()
+            size = -(-nbytes // PAGE) * PAGE
+            reply, fds = self._client.request({"op": "allocate", **self._ids(), "nbytes": size})
+            if not fds:
+                raise _refusal(reply, self.rank, size)
+            self._map(fds[0], size)
+            os.close(fds[0])
+        if pin and self._registered is None:
+            self._pin()
+        return self.view()
+
+    def overwriting(self) -> None:
+        """Before a byte of the segment changes: from now on it holds no snapshot (answered by
+        the agent before this returns, so a crash mid-copy leaves nothing half-written offered)."""
+        if self.step is None and not self.contents:
+            return
+        self.step, self.contents = None, {}
+        reply, _ = self._client.request({"op": "invalidate", **self._ids()})
+        if "error" in reply:
+            raise CrashproofError(f"crashproof run's memory host: {reply['error']}")
+
+    def commit(self, step: int, files: dict[str, bytes], shard: tuple[int, int], path: str) -> None:
+        """The snapshot of ``step`` is complete in the segment: the agent now offers it."""
+        contents: SlotContents = {
+            "files": {n: base64.b64encode(b).decode("ascii") for n, b in files.items()},
+            "shard": list(shard),
+            "path": path,
+        }
+        reply, _ = self._client.request(
+            {"op": "commit", **self._ids(), "step": step, "files": contents}
+        )
+        if "error" in reply:
+            raise CrashproofError(f"crashproof run's memory host: {reply['error']}")
+        self.step, self.contents = step, contents
+
+    def files(self) -> dict[str, bytes]:
+        return {n: base64.b64decode(b) for n, b in self.contents.get("files", {}).items()}
+
+    def close(self) -> None:
+        self._unmap()
+
+    def _map(self, fd: int, nbytes: int) -> None:
+        self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _pin(self) -> None:
+        """Page-lock the mapping so device-to-host copies into it are asynchronous DMA."""
+        if not torch.cuda.is_available():
+            return
+        address = torch.frombuffer(self.view(), dtype=torch.uint8).data_ptr()
+        code = torch.cuda.cudart().cudaHostRegister(address, self.nbytes, 0)  # type: ignore[no-untyped-call]
+        if int(code) != 0:  # pageable: still correct, the copies are only synchronous
+            log.warning("could not page-lock the memory snapshot segment (CUDA error %s)", code)
+            return
+        self._registered = address
+
+    def _unmap(self) -> None:
+        if self._registered is not None:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
+            self._registered = None
+        if self._mm is not None:
+            # (A tensor over it still referenced: the mapping goes with the last one.)
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+        self._mm = None
+
+
+def _refusal(reply: dict[str, Any], rank: int, nbytes: int) -> CrashproofError:
+    if reply.get("error") != "insufficient":
+        return CrashproofError(f"crashproof run's memory host: {reply.get('error')}")
+    mib = 2**20
+    available = reply.get("available")
+    return InsufficientMemoryError(
+        f"memory snapshots of rank {rank} need {nbytes / mib:.0f} MiB of shared memory held by "
+        "crashproof run's agent (plus 256 MiB headroom), but only "
+        + ("an unknown amount" if available is None else f"{available / mib:.0f} MiB")
+        + f" is available (this node's trainers hold {reply.get('held', 0) / mib:.0f} MiB)"
+        + (f": {reply['why']}" if reply.get("why") else "")
+        + ". Free memory, use staging_buffers=1, or run with crashproof run --no-memory"
+    )

@@ -1,0 +1,224 @@
+"""The agent's memory host: it holds its trainers' newest snapshots in shared memory, so that a
+trainer that crashes leaves its state behind in RAM for the trainer restarted in its place.
+
+Each trainer's staging buffers are a segment this host creates (``memfd_create``: anonymous
+memory with no name in ``/dev/shm``) and hands over as a file descriptor; the trainer maps it and
+copies its snapshots into it. The host keeps the descriptor, so the memory outlives the trainer,
+and the list of what each segment holds: a snapshot counts once the trainer *commits* it (the
+index and manifest of that rank's part, kept here) and stops counting as soon as the trainer
+starts to overwrite it (*invalidate*, answered before a byte is copied). A trainer killed
+mid-copy therefore leaves a segment that is never offered.
+
+Nothing leaks: the memory is freed by the kernel when the last descriptor and mapping go. The
+host closes its descriptors when the run ends; a SIGKILL of the agent closes them too, and its
+trainers die with it (they watch their parent), taking their mappings along.
+
+Memory is checked before a segment is made, for the node as a whole (one request at a time), and
+the segment's pages are committed at once (``posix_fallocate``), so a node out of memory refuses
+the request with a message instead of killing a trainer with SIGBUS at its first snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from crashproof import _host_memory
+from crashproof._host_memory import HEADROOM_BYTES
+from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
+from crashproof.telemetry import EventLog
+
+__all__ = ["MemoryHost"]
+
+log = logging.getLogger("crashproof.supervisor")
+
+
+@dataclass(slots=True)
+class _Segment:
+    fd: int
+    nbytes: int
+    world_size: int
+    step: int | None = None
+    """The committed snapshot's step; None while none is (never yet, or being overwritten)."""
+    files: dict[str, Any] = field(default_factory=dict)
+    """What the trainer committed beside the bytes (its part's index and manifest, the shard's
+    place in the segment), kept as sent."""
+
+
+class MemoryHost:
+    """Serves ``hello``, ``allocate``, ``invalidate`` and ``commit`` requests from this node's
+    trainers (see :mod:`crashproof.checkpoint.memory`) on a thread of the agent."""
+
+    def __init__(self, events: EventLog, *, limit_bytes: int | None = None) -> None:
+        self._events = events
+        self._limit = limit_bytes
+        self._segments: dict[tuple[str, int, int], _Segment] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.token = secrets.token_hex(8)
+        """In the name of every segment of this host (``memfd:crashproof:<token>:...`` in
+        ``/proc/<pid>/maps``): which run's memory it is."""
+        self.address = f"@crashproof-memory-{os.getpid()}-{self.token}"
+        self._server = memory_listener(self.address)
+        self._connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, name="crashproof-memory", daemon=True)
+        self._thread.start()
+
+    def publish(self) -> None:
+        """Tell the trainers started from now on where to find this host."""
+        os.environ[ENV_MEMORY_SOCKET] = self.address
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._segments.values())
+
+    def close(self) -> None:
+        """Free every segment (the trainers have exited) and stop serving."""
+        with self._lock:
+            self._closed = True
+            segments, self._segments = list(self._segments.values()), {}
+            connections, self._connections = self._connections, []
+        for segment in segments:
+            os.close(segment.fd)
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+        os.environ.pop(ENV_MEMORY_SOCKET, None)
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            if not _same_user(connection):
+                connection.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    connection.close()
+                    return
+                self._connections.append(connection)
+            threading.Thread(
+                target=self._converse,
+                args=(connection,),
+                name="crashproof-memory-conn",
+                daemon=True,
+            ).start()
+
+    def _converse(self, connection: socket.socket) -> None:
+        try:
+            while True:
+                message, fds = recv_message(connection)
+                for fd in fds:  # a trainer sends none: a confused client's are not kept
+                    os.close(fd)
+                reply, out = self._answer(message)
+                send_message(connection, reply, out)
+        except (OSError, ValueError):  # (ConnectionError is an OSError: the trainer went)
+            pass
+        finally:
+            with self._lock:
+                if connection in self._connections:
+                    self._connections.remove(connection)
+            connection.close()
+
+    def _answer(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        try:
+            kind = message["op"]
+            key, rank = str(message["key"]), int(message["rank"])
+            if kind == "hello":
+                return self._hello(key, rank, int(message["world_size"]))
+            slot = int(message["slot"])
+            if kind == "allocate":
+                return self._allocate(key, rank, slot, int(message["nbytes"]), message)
+            with self._lock:
+                segment = self._segments.get((key, rank, slot))
+                if segment is None:
+                    return {"error": f"no segment for rank {rank} slot {slot}"}, []
+                if kind == "invalidate":
+                    segment.step, segment.files = None, {}
+                elif kind == "commit":
+                    segment.files = dict(message["files"])
+                    segment.step = int(message["step"])
+                else:
+                    return {"error": f"unknown request {kind!r}"}, []
+            return {"ok": True}, []
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"error": f"malformed request: {type(exc).__name__}: {exc}"}, []
+
+    def _hello(self, key: str, rank: int, world_size: int) -> tuple[dict[str, Any], list[int]]:
+        """The segments a (re)started trainer already has, with what each holds."""
+        slots, fds = [], []
+        with self._lock:
+            for (k, r, slot), segment in sorted(self._segments.items()):
+                if k != key or r != rank:
+                    continue
+                if segment.world_size != world_size:
+                    segment.step, segment.files = None, {}  # another world: never offered
+                slots.append(
+                    {"slot": slot, "nbytes": segment.nbytes, "step": segment.step,
+                     "files": segment.files}
+                )  # fmt: skip
+                fds.append(segment.fd)
+        return {"ok": True, "slots": slots}, fds
+
+    def _allocate(
+        self, key: str, rank: int, slot: int, nbytes: int, message: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """A new segment of ``nbytes`` for (rank, slot), replacing the one it had."""
+        if nbytes <= 0:
+            return {"error": f"cannot hold a segment of {nbytes} bytes"}, []
+        with self._lock:
+            old = self._segments.pop((key, rank, slot), None)
+            if old is not None:
+                os.close(old.fd)
+            held = sum(s.nbytes for s in self._segments.values())
+            available = _host_memory.available_memory_bytes()
+            room = None if available is None else max(0, available - HEADROOM_BYTES)
+            if self._limit is not None:
+                room = max(0, self._limit - held) if room is None else min(room, self._limit - held)
+            if room is not None and nbytes > room:
+                return self._refuse(rank, nbytes, room, held), []
+            name = f"crashproof:{self.token}:r{rank}:s{slot}"
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)  # committed now: no SIGBUS at the first copy
+            except OSError as exc:
+                os.close(fd)
+                return self._refuse(rank, nbytes, room, held, why=str(exc)), []
+            self._segments[(key, rank, slot)] = _Segment(fd, nbytes, int(message["world_size"]))
+            held += nbytes
+        self._events.emit(
+            "memory_held", rank=rank, slot=slot, bytes=nbytes, node_bytes=held, segment=name
+        )
+        return {"ok": True, "nbytes": nbytes}, [fd]
+
+    def _refuse(
+        self, rank: int, nbytes: int, room: int | None, held: int, why: str = ""
+    ) -> dict[str, Any]:
+        self._events.emit("memory_refused", rank=rank, need=nbytes, available=room, held=held)
+        return {"error": "insufficient", "need": nbytes, "available": room, "held": held,
+                "why": why}  # fmt: skip
+
+
+def _same_user(connection: socket.socket) -> bool:
+    """Whether the process at the other end runs as this user (the abstract namespace has no
+    file permissions: anyone on the host could connect)."""
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    return bool(uid == os.getuid())

@@ -1,0 +1,226 @@
+"""Snapshots in the agent's memory, in one process: the agent's memory host runs in the test (as
+``crashproof run`` starts it), and a second manager on the same root plays the restarted trainer.
+
+What a snapshot must be: this rank's part of a checkpoint, byte for byte what the disk holds,
+verified like it on restore; offered only once complete; never offered again once found corrupt
+or abandoned by a rollback; and never more memory than the host allows."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import crashproof as cp
+from crashproof.checkpoint.format import index_name
+from crashproof.link import ENV_MEMORY_SOCKET
+from crashproof.supervisor._memory_host import MemoryHost
+from crashproof.telemetry import EventLog
+from tests.checkpoint.test_manager import _equal, _state, _tensors
+
+
+def _train(state: cp.TrainState) -> None:
+    assert state.model is not None and state.optimizer is not None
+    state.optimizer.zero_grad()
+    state.model(torch.randn(4, 6)).sum().backward()
+    state.optimizer.step()
+
+
+def test_a_restarted_trainer_resumes_from_the_newest_memory_snapshot(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, every=cp.EverySteps(10), memory_every=cp.EverySteps(3)) as ckpt:
+        values = {}
+        for step in range(1, 15):
+            _train(state)
+            ckpt.maybe_save(step, state)
+            values[step] = _tensors(state)
+            ckpt.wait()  # (a memory snapshot never waits: one due while a save runs is skipped)
+        ckpt.wait()
+        assert ckpt.stats.memory_snapshots == 5  # 3, 6, 9, 10 (the disk save's), 12
+        assert ckpt.stats.saves_committed == 1  # step 10 only, on disk
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        "step_0000000010"
+    ]
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(
+        root, every=cp.EverySteps(10), memory_every=cp.EverySteps(3)
+    ) as again:
+        assert again.restore(fresh) == 12
+        assert again._restorer.last_kind == "memory"
+        assert again._restorer.last_bytes > 0
+    assert _equal(_tensors(fresh), values[12])
+
+
+def test_the_memory_part_is_the_disk_part_byte_for_byte(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, every=cp.EverySteps(1)) as ckpt:
+        ckpt.save(5, state)
+        ckpt.wait()
+        memory = ckpt._pipeline._memory
+        assert memory is not None
+        storage, path = memory.storage(5)
+        files = memory.slots[memory.steps()[5]].files()
+        shard = storage.open(f"{path}/rank_00000.safetensors")
+        data = bytearray(shard.size())
+        shard.readinto(0, memoryview(data))
+    disk = root / "step_0000000005"
+    assert files[index_name(0)] == (disk / index_name(0)).read_bytes()
+    assert bytes(data) == (disk / "rank_00000.safetensors").read_bytes()
+
+
+def test_memory_ranks_first_at_its_step_and_disk_wins_when_newer(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, every=cp.EverySteps(1)) as ckpt:
+        ckpt.save(4, state)
+        ckpt.wait()
+    with cp.CheckpointManager(root, every=cp.EverySteps(1), memory=False) as disk_only:
+        disk_only.save(6, state)  # newer, on disk only
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 6
+        assert again._restorer.last_kind == "local"
+
+
+def test_a_corrupt_memory_snapshot_falls_back_to_the_same_step_on_disk(
+    memory_host: MemoryHost, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    expected = _tensors(state)
+    with cp.CheckpointManager(root, every=cp.EverySteps(1)) as ckpt:
+        ckpt.save(7, state)
+        ckpt.wait()
+        memory = ckpt._pipeline._memory
+        assert memory is not None
+        slot = memory.slots[memory.steps()[7]]
+        start, size = slot.contents["shard"]
+        slot.view()[start + size - 5] ^= 0xFF  # a flipped bit in RAM
+    fresh = _state(seed=1)
+    with caplog.at_level(logging.WARNING), cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 7
+        assert again._restorer.last_kind == "local"
+        assert again._pipeline._memory is not None and again._pipeline._memory.steps() == {}
+    assert "memory of crashproof run's agent" in caplog.text
+    assert _equal(_tensors(fresh), expected)
+
+
+def test_a_snapshot_being_overwritten_is_never_offered(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, every=cp.EverySteps(1)) as ckpt:
+        ckpt.save(3, state)
+        ckpt.wait()
+        memory = ckpt._pipeline._memory
+        assert memory is not None
+        memory.slots[0].overwriting()  # a trainer killed mid-copy got this far
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 3
+        assert again._restorer.last_kind == "local"
+
+
+def test_a_rollback_retracts_the_newer_memory_snapshots(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(
+        root, every=cp.EverySteps(5), memory_every=cp.EverySteps(1), staging_buffers=2
+    ) as ckpt:
+        for step in range(1, 8):
+            _train(state)
+            ckpt.maybe_save(step, state)
+        ckpt.wait()
+        assert ckpt.rollback(state, before=6, anomaly_step=7) == 5
+        memory = ckpt._pipeline._memory
+        assert memory is not None and max(memory.steps(), default=0) <= 5
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 5
+
+
+def test_insufficient_shared_memory_names_the_amount_and_holds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = MemoryHost(EventLog(tmp_path / "events.jsonl"), limit_bytes=64 * 1024)
+    monkeypatch.setenv(ENV_MEMORY_SOCKET, host.address)
+    before = _segments_open()
+    try:
+        big = cp.TrainState(model=nn.Linear(512, 512, bias=False))  # 1 MiB, over the limit
+        refused = pytest.raises(cp.InsufficientMemoryError, match=r"need 1 MiB.*--no-memory")
+        with cp.CheckpointManager(tmp_path / "ck", every=cp.EverySteps(1)) as ckpt, refused:
+            ckpt.save(1, big)
+        assert host.held_bytes == 0
+        assert _segments_open() <= before
+    finally:
+        host.close()
+
+
+def _segments_open() -> set[str]:
+    """The memory segments this process has open (the host runs in it here)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "memfd:crashproof:" in link:
+            found.add(fd)
+    return found
+
+
+def test_without_crashproof_run_memory_every_only_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(ENV_MEMORY_SOCKET, raising=False)
+    state = _state()
+    with (
+        caplog.at_level(logging.INFO),
+        cp.CheckpointManager(
+            tmp_path / "ck", every=cp.EverySteps(10), memory_every=cp.EverySteps(2)
+        ) as ckpt,
+    ):
+        for step in range(1, 5):
+            ckpt.maybe_save(step, state)
+        assert ckpt.stats.memory_snapshots == 0
+    assert "crashproof run's agent" in caplog.text
+
+
+def test_synchronous_saves_take_memory_snapshots_in_an_area_of_their_own(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(
+        root, every=cp.EverySteps(4), memory_every=cp.EverySteps(1), async_save=False
+    ) as ckpt:
+        for step in range(1, 7):
+            _train(state)
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+        expected = _tensors(state)
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 6
+        assert again._restorer.last_kind == "memory"
+    assert _equal(_tensors(fresh), expected)
+
+
+def test_memory_every_refuses_clock_policies_with_several_ranks_and_read_only() -> None:
+    with pytest.raises(cp.ConfigError, match="read_only"):
+        cp.CheckpointManager("/nowhere", memory_every=cp.EverySteps(2), read_only=True)
