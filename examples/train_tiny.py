@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--staging-buffers", type=int, default=1, help="1, or 2 to double-buffer the saves"
+    )
+    p.add_argument(
+        "--step-s", type=float, default=0.0, help="sleep this long in each step (a slower job)"
     )
     p.add_argument(
         "--full-every", type=int, default=0, help="deltas between full checkpoints (0: all full)"
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
         ckpt.maybe_save(step + 1, state)
+        if args.step_s:
+            time.sleep(args.step_s)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if args.crash_at is not None and step + 1 == args.crash_at and first_attempt:
             print(f"simulated crash after step {step + 1}", flush=True)

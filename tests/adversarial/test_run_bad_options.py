@@ -70,6 +70,7 @@ BAD: dict[str, list[str]] = {
     "--preemption-grace": ["0", "-1"],
     "--replication-timeout": ["nan", "0"],
     "--memory-limit": ["0", "-1G", "lots", "nan", "", "1e999"],
+    "--peer-replicas": ["-1", "9", "one", "1.5", ""],
     "--straggler-factor": ["1", "nan", "inf", "0.5"],
     "--straggler-steps": ["0", "-1"],
     "--metrics-port": ["99999", "-7", "0x50"],

@@ -91,7 +91,8 @@ class Restorer:
         self._shared = shared
         self._memory = memory
         self.last_kind = "local"
-        """Where the last restore read from: ``memory``, ``local`` or ``tier``."""
+        """Where the last restore read from: ``memory`` (this node's agent), ``peer`` (some
+        rank's part copied from another node's agent), ``local`` or ``tier``."""
         self.last_bytes = 0
         """How many bytes this rank read and verified in the last restore."""
         self._memory_bytes = memory_bytes  # ManagerOptions.restore_memory_bytes
@@ -225,7 +226,9 @@ class Restorer:
         self.last_kind = "local" if source is None else "tier"
         if source == MEMORY and self._memory is not None:
             memory = self._memory
-            self.last_kind = "memory"
+            # (On every rank the same: whether any rank's part came from a peer's agent.)
+            peer = any(self._group.all_gather(memory.origin(candidate) != "local"))
+            self.last_kind = "peer" if peer else "memory"
             slot_storage, where = memory.storage(candidate)
             plan = functools.partial(self._memory_plan, memory, candidate)
             restored = self._try_restore(

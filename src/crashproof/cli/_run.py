@@ -140,6 +140,14 @@ def build_run_parser() -> argparse.ArgumentParser:
         "crashes resumes from RAM; see docs/recovery.md)",
     )
     group.add_argument(
+        "--peer-replicas",
+        type=whole_number(0, 8),
+        default=1,
+        metavar="K",
+        help="on several nodes, copy each node's snapshots to the next K nodes' agents, so that "
+        "losing K nodes loses no snapshot (0: none; the default 1 survives any one node)",
+    )
+    group.add_argument(
         "--memory-limit",
         type=size(),
         default=None,

@@ -24,6 +24,7 @@ from crashproof.link._memory_wire import (
     ENV_MEMORY_SOCKET,
     MemoryClient,
     memory_listener,
+    recv_exactly,
     recv_message,
     send_message,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "heartbeat",
     "memory_listener",
     "read_heartbeat",
+    "recv_exactly",
     "recv_message",
     "send_message",
     "trainer_reporter",

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_FDS",
     "MemoryClient",
     "memory_listener",
+    "recv_exactly",
     "recv_message",
     "send_message",
 ]
@@ -61,26 +62,34 @@ def _connect(name: str, timeout_s: float) -> socket.socket:
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send ``message`` (and ``fds``, over a Unix socket only)."""
     payload = json.dumps(message, separators=(",", ":")).encode()
-    socket.send_fds(sock, [_HEADER.pack(len(payload), len(fds))], list(fds))
-    sock.sendall(payload)
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+        sock.sendall(payload)
+    else:  # (also over TCP, between agents: no ancillary data there)
+        sock.sendall(header + payload)
 
 
 def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """The next message and the descriptors it carried (the caller owns and closes them).
     Raises ``ConnectionError`` when the other side has gone."""
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
-    fds = list(fds)
+    if sock.family == socket.AF_UNIX:
+        header, received, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+        fds = list(received)
+    else:
+        header, fds = sock.recv(_HEADER.size), []
     try:
         if not header:
             raise ConnectionError("the memory host's connection closed")
-        header += _recv_exactly(sock, _HEADER.size - len(header))
+        header += recv_exactly(sock, _HEADER.size - len(header))
         size, count = _HEADER.unpack(header)
         if count != len(fds) or size > _MAX_PAYLOAD:
             raise ConnectionError(
                 f"malformed message: {count} descriptors announced, {len(fds)} came"
             )
-        message = json.loads(_recv_exactly(sock, size))
+        message = json.loads(recv_exactly(sock, size))
         if not isinstance(message, dict):
             raise ConnectionError("malformed message: not a JSON object")
         return message, fds
@@ -90,7 +99,7 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         raise
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
     chunks, left = [], size
     while left:
         chunk = sock.recv(min(left, 1 << 20))

@@ -62,6 +62,7 @@ from crashproof.supervisor._exits import ExitWatcher, failure_order
 from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
+from crashproof.supervisor._memory_peers import Peers
 from crashproof.supervisor._straggler import StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
@@ -102,6 +103,7 @@ class CrashproofAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         exit_barrier_timeout: float = 300,
         keeper: Keeper | None = None,
+        memory_peers: Peers | None = None,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -116,6 +118,7 @@ class CrashproofAgent(LocalElasticAgent):
         self.config = config
         self.events = events
         self._keeper = keeper
+        self._memory_peers = memory_peers
         self._sessions: dict[int, int | None] = {}  # the trainers' sessions, by leader
         self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
@@ -165,6 +168,16 @@ class CrashproofAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     # -- starting and stopping ---------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        group_rank, nodes = worker_group.group_rank, worker_group.group_world_size
+        if self._memory_peers is not None and group_rank is not None and nodes is not None:
+            # The agents learn each other's address, to copy snapshots between them.
+            try:
+                self._memory_peers.join_round(worker_group.store, group_rank, nodes)
+            except Exception as exc:  # copies are a bonus: the run goes on without them
+                log.warning("memory snapshots will not be copied to other nodes: %s", exc)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.heartbeats.new_attempt()

@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
+from crashproof.supervisor._memory_peers import Key, Peers
 from crashproof.telemetry import EventLog
 
 __all__ = ["MemoryHost"]
@@ -50,6 +53,10 @@ class _Segment:
     files: dict[str, Any] = field(default_factory=dict)
     """What the trainer committed beside the bytes (its part's index and manifest, the shard's
     place in the segment), kept as sent."""
+    gen: int = 0
+    """Changes at every invalidate and commit: a copy read meanwhile is not whole."""
+    origin: str = "local"
+    """``local`` (this node's trainer wrote it) or ``peer:<node>`` (copied from that node)."""
 
 
 class MemoryHost:
@@ -59,7 +66,9 @@ class MemoryHost:
     def __init__(self, events: EventLog, *, limit_bytes: int | None = None) -> None:
         self._events = events
         self._limit = limit_bytes
-        self._segments: dict[tuple[str, int, int], _Segment] = {}
+        self._segments: dict[Key, _Segment] = {}
+        self._replicas: dict[Key, _Segment] = {}  # other nodes' ranks' snapshots, copied here
+        self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
         self.token = secrets.token_hex(8)
@@ -75,16 +84,28 @@ class MemoryHost:
         """Tell the trainers started from now on where to find this host."""
         os.environ[ENV_MEMORY_SOCKET] = self.address
 
+    def replicate_to_peers(self, replicas: int, advertise: str) -> Peers:
+        """Replicate committed snapshots to ``replicas`` other nodes' agents (a multi-node run):
+        the agent calls :meth:`Peers.join_round` after each rendezvous."""
+        self.peers = Peers(self, replicas=replicas, advertise=advertise)
+        return self.peers
+
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(s.nbytes for s in self._segments.values())
+            return self._held()
+
+    def _held(self) -> int:
+        return sum(s.nbytes for s in [*self._segments.values(), *self._replicas.values()])
 
     def close(self) -> None:
         """Free every segment (the trainers have exited) and stop serving."""
+        if self.peers is not None:
+            self.peers.close()
         with self._lock:
             self._closed = True
-            segments, self._segments = list(self._segments.values()), {}
+            segments = [*self._segments.values(), *self._replicas.values()]
+            self._segments, self._replicas = {}, {}
             connections, self._connections = self._connections, []
         for segment in segments:
             os.close(segment.fd)
@@ -151,17 +172,31 @@ class MemoryHost:
                     return {"error": f"no segment for rank {rank} slot {slot}"}, []
                 if kind == "invalidate":
                     segment.step, segment.files = None, {}
+                    segment.gen += 1
                 elif kind == "commit":
                     segment.files = dict(message["files"])
                     segment.step = int(message["step"])
+                    segment.gen += 1
+                    segment.origin = "local"
                 else:
                     return {"error": f"unknown request {kind!r}"}, []
+                world_size = segment.world_size
+            if kind == "commit" and self.peers is not None:
+                self.peers.replicate((key, rank, slot), world_size)
             return {"ok": True}, []
         except (KeyError, TypeError, ValueError) as exc:
             return {"error": f"malformed request: {type(exc).__name__}: {exc}"}, []
 
     def _hello(self, key: str, rank: int, world_size: int) -> tuple[dict[str, Any], list[int]]:
-        """The segments a (re)started trainer already has, with what each holds."""
+        """The segments a (re)started trainer already has, with what each holds: this node's,
+        else the copies it holds of another node's (the rank moved here), else copies fetched
+        from a peer (this node replaces a lost one)."""
+        peers = self.peers
+        if peers is not None and not self._mine(key, rank) and not self._adopt_replicas(key, rank):
+            try:
+                peers.fetch(key, rank, world_size)
+            except Exception as exc:  # the trainer restores from storage instead
+                log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
         slots, fds = [], []
         with self._lock:
             for (k, r, slot), segment in sorted(self._segments.items()):
@@ -169,12 +204,92 @@ class MemoryHost:
                     continue
                 if segment.world_size != world_size:
                     segment.step, segment.files = None, {}  # another world: never offered
+                    segment.gen += 1
                 slots.append(
                     {"slot": slot, "nbytes": segment.nbytes, "step": segment.step,
-                     "files": segment.files}
+                     "files": segment.files, "origin": segment.origin}
                 )  # fmt: skip
                 fds.append(segment.fd)
         return {"ok": True, "slots": slots}, fds
+
+    def _mine(self, key: str, rank: int) -> bool:
+        with self._lock:
+            return any(k == key and r == rank for k, r, _ in self._segments)
+
+    def _adopt_replicas(self, key: str, rank: int) -> bool:
+        """Make this node's the copies it holds of (key, rank); returns whether there were any."""
+        with self._lock:
+            found = [k for k in self._replicas if k[0] == key and k[1] == rank]
+            for k in found:
+                self._segments[k] = self._replicas.pop(k)
+            return bool(found)
+
+    # -- what the replication between nodes uses (supervisor._memory_peers) -----------------
+
+    def committed(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
+        """Every committed snapshot of (key, rank) this host holds, its own or a copy: ``slot``,
+        ``step``, ``nbytes``, ``contents``, ``gen`` and ``fd`` (a duplicate: the caller closes it)."""
+        found: dict[int, dict[str, Any]] = {}
+        with self._lock:
+            for table in (self._replicas, self._segments):  # (its own win at the same slot)
+                for (k, r, slot), segment in table.items():
+                    if k != key or r != rank or segment.step is None:
+                        continue
+                    if segment.world_size != world_size:
+                        continue
+                    if slot in found:
+                        os.close(found[slot]["fd"])
+                    found[slot] = {
+                        "slot": slot, "step": segment.step, "nbytes": segment.nbytes,
+                        "contents": segment.files, "gen": segment.gen, "fd": os.dup(segment.fd),
+                    }  # fmt: skip
+        return [found[slot] for slot in sorted(found)]
+
+    def generation(self, key: Key) -> int | None:
+        with self._lock:
+            segment = self._segments.get(key) or self._replicas.get(key)
+            return None if segment is None else segment.gen
+
+    def store_copy(
+        self,
+        key: Key,
+        meta: dict[str, Any],
+        fill: Callable[[memoryview], None],
+        origin: str,
+        *,
+        as_replica: bool,
+    ) -> str | None:
+        nbytes = int(meta["nbytes"])
+        with self._lock:
+            table = self._replicas if as_replica else self._segments
+            old = table.get(key)
+            room = self._room(old.nbytes if old is not None else 0)
+            if room is not None and nbytes > room:
+                self._events.emit("memory_refused", rank=key[1], need=nbytes, available=room,
+                                  held=self._held())  # fmt: skip
+                return f"no memory for a {nbytes}-byte copy ({room} bytes available)"
+        fd = os.memfd_create(f"crashproof:{self.token}:r{key[1]}:s{key[2]}:copy", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+                view = memoryview(mm)
+                try:
+                    fill(view)
+                finally:
+                    view.release()
+        except BaseException:
+            os.close(fd)
+            raise
+        copy = _Segment(fd, nbytes, int(meta["world_size"]), int(meta["step"]),
+                        dict(meta["contents"]), origin=origin)  # fmt: skip
+        with self._lock:
+            table = self._replicas if as_replica else self._segments
+            old = table.pop(key, None)
+            if old is not None:
+                os.close(old.fd)
+            table[key] = copy
+        return None
 
     def _allocate(
         self, key: str, rank: int, slot: int, nbytes: int, message: dict[str, Any]
@@ -186,11 +301,8 @@ class MemoryHost:
             old = self._segments.pop((key, rank, slot), None)
             if old is not None:
                 os.close(old.fd)
-            held = sum(s.nbytes for s in self._segments.values())
-            available = _host_memory.available_memory_bytes()
-            room = None if available is None else max(0, available - HEADROOM_BYTES)
-            if self._limit is not None:
-                room = max(0, self._limit - held) if room is None else min(room, self._limit - held)
+            held = self._held()
+            room = self._room(0)
             if room is not None and nbytes > room:
                 return self._refuse(rank, nbytes, room, held), []
             name = f"crashproof:{self.token}:r{rank}:s{slot}"
@@ -207,6 +319,16 @@ class MemoryHost:
             "memory_held", rank=rank, slot=slot, bytes=nbytes, node_bytes=held, segment=name
         )
         return {"ok": True, "nbytes": nbytes}, [fd]
+
+    def _room(self, freed: int) -> int | None:
+        """The bytes a new segment may take (None: unknown), once ``freed`` bytes are let go;
+        the lock is held."""
+        available = _host_memory.available_memory_bytes()
+        room = None if available is None else max(0, available + freed - HEADROOM_BYTES)
+        if self._limit is not None:
+            left = max(0, self._limit - self._held() + freed)
+            room = left if room is None else min(room, left)
+        return room
 
     def _refuse(
         self, rank: int, nbytes: int, room: int | None, held: int, why: str = ""

@@ -119,6 +119,8 @@ def _restore(e: Event, story: _Story) -> Line:
     tier = "durable tier " if "://" in source else ""
     if e.get("kind") == "memory":  # (the source names the rank's slot: noise here)
         source, tier = "the agent's memory", ""
+    elif e.get("kind") == "peer":
+        source, tier = "the agents' memory (a lost node's part copied from a peer)", ""
     said = f"step {step} from {tier}{source} in {_secs(number_field(e, 'seconds'))}"
     reached, story.reached = story.reached, None
     if reached is None:

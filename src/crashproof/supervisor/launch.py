@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -348,6 +349,17 @@ def _launch(
         keeper.release()
 
 
+def _advertised_address(config: LaunchConfig) -> str:
+    """Where the other nodes' agents reach this one's memory host: ``--local-addr`` if given,
+    else this host's name as it resolves here."""
+    if config.local_addr:
+        return str(config.local_addr)
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.getfqdn()
+
+
 def _supervise(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -378,6 +390,14 @@ def _supervise(
         local_addr=config.local_addr,
     )
     assert config.logs_specs is not None
+    # Trainers keep their newest snapshots in this agent's memory, which outlives their crashes,
+    # and on several nodes the agents copy them to each other.
+    memory = MemoryHost(events, limit_bytes=args.memory_limit) if args.memory else None
+    peers = None
+    if memory is not None:
+        memory.publish()
+        if config.max_nodes > 1 and args.peer_replicas > 0:
+            peers = memory.replicate_to_peers(args.peer_replicas, _advertised_address(config))
     agent = CrashproofAgent(
         spec,
         config.logs_specs,
@@ -386,16 +406,13 @@ def _supervise(
         start_method=start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         keeper=keeper,
+        memory_peers=peers,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
     replication_dir = RunDir(supervisor.run_dir).replication
     replication = ReplicationHost(replication_dir, events)
     os.environ[ENV_AGENT_REPLICATION] = replication_dir
-    # Trainers keep their newest snapshots in this agent's memory, which outlives their crashes.
-    memory = MemoryHost(events, limit_bytes=args.memory_limit) if args.memory else None
-    if memory is not None:
-        memory.publish()
     metrics = _serve_metrics(args, supervisor.run_dir)
     narrator = Narrator(events.path, node=os.uname().nodename, budget=supervisor.budget.describe())
     started = time.monotonic()

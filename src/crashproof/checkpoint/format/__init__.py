@@ -12,7 +12,7 @@ from crashproof.checkpoint.format._fields import (
     MAX_STEP,
     dumps,
 )
-from crashproof.checkpoint.format._hashing import HASH_ALGORITHM, digest
+from crashproof.checkpoint.format._hashing import HASH_ALGORITHM, digest, new_hasher
 from crashproof.checkpoint.format._manifest import (
     FileEntry,
     Manifest,
@@ -76,6 +76,7 @@ __all__ = [
     "dumps",
     "encode_tree",
     "index_name",
+    "new_hasher",
     "parse_manifest",
     "parse_rank_index",
     "parse_step_dir",

@@ -46,6 +46,8 @@ class Slot:
         self.step: int | None = None
         """The step of the committed snapshot it holds; None: none (or being overwritten)."""
         self.contents: SlotContents = {}
+        self.origin = "local"
+        """``local``, or ``peer:<node>``: the agent copied it from that node's agent."""
 
     def _ids(self) -> dict[str, Any]:
         return {"key": self.key, "rank": self.rank, "slot": self.index,
@@ -55,13 +57,15 @@ class Slot:
     def nbytes(self) -> int:
         return 0 if self._mm is None else len(self._mm)
 
-    def adopt(self, fd: int, nbytes: int, step: int | None, contents: SlotContents) -> None:
+    def adopt(
+        self, fd: int, nbytes: int, step: int | None, contents: SlotContents, origin: str
+    ) -> None:
         """Map a segment the agent already held (this trainer restarted)."""
         try:
             self._map(fd, nbytes)
         finally:
             os.close(fd)
-        self.step, self.contents = step, contents
+        self.step, self.contents, self.origin = step, contents, origin
 
     def view(self) -> memoryview:
         assert self._mm is not None

@@ -120,9 +120,11 @@ class SlotStorage:
         return posixpath.join(base, *names)
 
     def describe(self, path: str) -> str:
+        origin = self._slot.origin
+        copied = "" if origin == "local" else f", copied from {origin.removeprefix('peer:')}"
         return (
             f"the memory of crashproof run's agent (rank {self._slot.rank}'s snapshot "
-            f"{self._slot.index}): {path}"
+            f"{self._slot.index}{copied}): {path}"
         )
 
     def list(self, path: str) -> list[str]:

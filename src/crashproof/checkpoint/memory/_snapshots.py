@@ -45,7 +45,8 @@ class MemorySnapshots:
             index = int(info["slot"])
             while len(self.slots) <= index:
                 self.slots.append(Slot(client, key, rank, world_size, len(self.slots)))
-            self.slots[index].adopt(fd, int(info["nbytes"]), info["step"], info["files"])
+            origin = str(info.get("origin", "local"))
+            self.slots[index].adopt(fd, int(info["nbytes"]), info["step"], info["files"], origin)
 
     @classmethod
     def open(cls, root: str, rank: int, world_size: int, slots: int) -> MemorySnapshots | None:
@@ -88,6 +89,10 @@ class MemorySnapshots:
         """The storage and directory of the snapshot of ``step``."""
         slot = self.slots[self.steps()[step]]
         return SlotStorage(slot), posixpath.join(MEMORY_ROOT, slot.contents["path"])
+
+    def origin(self, step: int) -> str:
+        """``local``, or ``peer:<node>``: where the agent got the snapshot of ``step``."""
+        return self.slots[self.steps()[step]].origin
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of this rank's part of ``step`` (partial: its own files only)."""

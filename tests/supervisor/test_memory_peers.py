@@ -1,0 +1,98 @@
+"""A lost node's snapshots come back from its peers' memory: two ``crashproof run`` agents on
+this machine as two nodes (c10d on loopback), each copying its trainers' snapshots to the other.
+
+Node B (its agent and its trainer) is SIGKILLed mid-run and a new agent takes its place. No
+checkpoint was ever written to disk: the run can only go on from the copies of B's snapshots that
+A's agent holds. It must, and end bit for bit where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crashproof.telemetry import read_events
+from tests.conftest import EXAMPLES, free_port
+from tests.integrations.launch import finish, start
+
+TRAIN = ["--steps", "60", "--workers", "0", "--batch-size", "8", "--every", "100000",
+         "--memory-every", "5", "--staging-buffers", "2"]  # fmt: skip
+
+
+def _node(run_dir: Path, port: int, ckpt: Path, dump: Path) -> subprocess.Popen[str]:
+    command = [
+        sys.executable, "-m", "crashproof.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "peers-test", "--run-dir", str(run_dir), "--metrics-port", "-1",
+        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", "0.1",
+        "--dump", str(dump),
+    ]  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 - the process keeps it
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    return list(read_events(path)) if path.exists() else []
+
+
+def _step_reached(*run_dirs: Path) -> int:
+    steps = [e.get("step", 0) for d in run_dirs for e in _events(d) if e["event"] == "progress"]
+    return max(steps, default=0)
+
+
+def test_a_lost_node_resumes_from_the_copies_its_peer_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One thread per trainer in both runs (torchrun gives one only to several trainers per
+    # node): the same kernels' reduction order, so the runs may be compared bit for bit.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port = free_port()
+    ckpt, dump = tmp_path / "ckpt", tmp_path / "b.st"
+    a, b, b2 = tmp_path / "a", tmp_path / "b", tmp_path / "b2"
+    clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
+                  *TRAIN, "--dump", str(tmp_path / "a.st"))  # fmt: skip
+    nodes = [_node(a, port, ckpt, dump)]
+    try:
+        # A first: its agent hosts the rendezvous store (c10d), which must outlive B.
+        deadline = time.monotonic() + 60
+        while not _events(a):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "A did not start"
+            time.sleep(0.1)
+        nodes.append(_node(b, port, ckpt, dump))
+        deadline = time.monotonic() + 120
+        while _step_reached(a, b) < 25:
+            assert time.monotonic() < deadline, "the two nodes did not train"
+            assert all(n.poll() is None for n in nodes), "a node ended early"
+            time.sleep(0.1)
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # node B: its agent and its trainer at once
+        nodes[1].wait(30)
+        nodes.append(_node(b2, port, ckpt, dump))  # a new node in its place
+        assert nodes[0].wait(150) == 0, (a.with_suffix(".log")).read_text()[-3000:]
+        assert nodes[2].wait(60) == 0, (b2.with_suffix(".log")).read_text()[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait(30)
+    code, _, output = finish(clean)
+    assert code == 0, output[-3000:]
+    assert not any(p.name.startswith("step_") for p in (ckpt / "checkpoints").iterdir())
+    restores = [e for d in (a, b2) for e in _events(d) if e["event"] == "restore"]
+    assert [e["kind"] for e in restores] == ["peer"], restores
+    assert restores[0]["step"] >= 20 and restores[0]["bytes"] > 0
+    expected, got = load_file(tmp_path / "a.st"), load_file(dump)
+    different = [k for k in expected if not torch.equal(expected[k], got[k])]
+    assert not different, f"differs from the uninterrupted run: {different}"
