@@ -224,3 +224,27 @@ def test_synchronous_saves_take_memory_snapshots_in_an_area_of_their_own(
 def test_memory_every_refuses_clock_policies_with_several_ranks_and_read_only() -> None:
     with pytest.raises(cp.ConfigError, match="read_only"):
         cp.CheckpointManager("/nowhere", memory_every=cp.EverySteps(2), read_only=True)
+
+
+def test_non_finite_state_is_refused_once_and_never_offered_from_memory(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(
+        root, every=cp.EverySteps(3), memory_every=cp.EverySteps(1), staging_buffers=2
+    ) as ckpt:
+        ckpt.maybe_save(1, state)
+        ckpt.wait()
+        assert state.model is not None
+        with torch.no_grad():
+            next(state.model.parameters())[0, 0] = float("nan")
+        ckpt.maybe_save(2, state)  # memory only: refused on the snapshot thread, ...
+        with pytest.raises(cp.NonFiniteStateError, match="step 2"):
+            ckpt.wait()  # ... and raised at the next call
+        ckpt.maybe_save(3, state)  # a disk save, its snapshot a memory one too
+        with pytest.raises(cp.NonFiniteStateError, match="step 3"):
+            ckpt.wait()
+        ckpt.wait()  # once: not a second time for its memory copy
+        memory = ckpt._pipeline._memory
+        assert memory is not None and set(memory.steps()) == {1}

@@ -107,8 +107,9 @@ class SavePipeline:
         self._memory_executor = ThreadPoolExecutor(1, thread_name_prefix="crashproof-memory")
         # Saves not yet collected, oldest first, with the staging area each one reads from.
         self._inflight: deque[tuple[Future[CommitResult], int]] = deque()
-        # Memory commits not yet collected: the future, its slot and its step.
-        self._memory_inflight: deque[tuple[Future[CommitResult], int, int]] = deque()
+        # Memory commits not yet collected: the future, its slot, its step, and whether the
+        # snapshot is memory's alone (else a disk save of it reports its failures).
+        self._memory_inflight: deque[tuple[Future[CommitResult], int, int, bool]] = deque()
         self._warned_sharded = False
         self.last_memory_step: int | None = None
         self.last_memory_s: float | None = None
@@ -179,7 +180,7 @@ class SavePipeline:
         )
         self._inflight.append((future, free))
         if staging is not None and staging.arena is not None:
-            self._commit_to_memory(snapshot, free, staging)
+            self._commit_to_memory(snapshot, free, staging, alone=False)
         self._stats.saves_started += 1
         self._shared.last_save_step, self._shared.last_save_s = step, time.monotonic()
         if not self._options.async_save:
@@ -282,7 +283,7 @@ class SavePipeline:
         started = time.perf_counter()
         self.raise_pending()
         busy = {slot for future, slot in self._inflight if not future.done()}
-        busy |= {slot for future, slot, _ in self._memory_inflight if not future.done()}
+        busy |= {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
         free = set(range(len(self._memory_stagings))) - busy
         held = {
             i for i in range(len(self._memory_stagings)) if self._memory.slots[i].step is not None
@@ -297,11 +298,13 @@ class SavePipeline:
         self._wait_memory(slot)  # (done already: collected)
         staging = self._memory_stagings[slot]
         snapshot = self._snapshot(step, state, staging, metadata)
-        self._commit_to_memory(snapshot, slot, staging)
+        self._commit_to_memory(snapshot, slot, staging, alone=True)
         self._stats.memory_last_blocking_s = time.perf_counter() - started
         return True
 
-    def _commit_to_memory(self, snapshot: Snapshot, slot: int, staging: StagingArea) -> None:
+    def _commit_to_memory(
+        self, snapshot: Snapshot, slot: int, staging: StagingArea, *, alone: bool
+    ) -> None:
         assert self._memory is not None
         if snapshot.sharded:  # a rank's piece alone does not restore (every rank's index does)
             if not self._warned_sharded:
@@ -315,7 +318,7 @@ class SavePipeline:
         future = self._memory_executor.submit(
             self._memory_commit, self._memory, slot, snapshot, staging.data_at
         )
-        self._memory_inflight.append((future, slot, snapshot.step))
+        self._memory_inflight.append((future, slot, snapshot.step, alone))
         self.last_memory_step, self.last_memory_s = snapshot.step, time.monotonic()
 
     def _memory_commit(
@@ -329,18 +332,23 @@ class SavePipeline:
     def _wait_memory(self, slot: int | None = None) -> None:
         """Collect the memory commits (of ``slot`` and those before them, or all)."""
         while self._memory_inflight and (
-            slot is None or any(s == slot for _, s, _ in self._memory_inflight)
+            slot is None or any(s == slot for _, s, _, _ in self._memory_inflight)
         ):
             self._collect_memory(*self._memory_inflight.popleft())
 
-    def _collect_memory(self, future: Future[CommitResult], slot: int, step: int) -> None:
-        """The outcome of a memory commit: non-finite state is raised as a disk save's would be;
-        any other failure is logged and counted (the disk checkpoints do not depend on it)."""
+    def _collect_memory(
+        self, future: Future[CommitResult], slot: int, step: int, alone: bool
+    ) -> None:
+        """The outcome of a memory commit: non-finite state in a memory-only snapshot is raised
+        as a disk save's would be (a disk save's own snapshot: the save reports it); any other
+        failure is logged and counted (the disk checkpoints do not depend on it)."""
         try:
             future.result()
         except NonFiniteStateError:
             self._stats.memory_failures += 1
-            raise
+            if alone:
+                raise
+            return
         except Exception as exc:
             self._stats.memory_failures += 1
             log.error(

@@ -87,7 +87,7 @@ class MemoryHost:
     def replicate_to_peers(self, replicas: int, advertise: str) -> Peers:
         """Replicate committed snapshots to ``replicas`` other nodes' agents (a multi-node run):
         the agent calls :meth:`Peers.join_round` after each rendezvous."""
-        self.peers = Peers(self, replicas=replicas, advertise=advertise)
+        self.peers = Peers(self, self._events, replicas=replicas, advertise=advertise)
         return self.peers
 
     @property

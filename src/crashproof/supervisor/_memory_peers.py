@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from crashproof.checkpoint.format import new_hasher
 from crashproof.link import recv_exactly, recv_message, send_message
+from crashproof.telemetry import EventLog
 
 __all__ = ["PeerCopy", "Peers"]
 
@@ -76,8 +77,9 @@ class PeerCopy(Protocol):
 class Peers:
     """The replication between this node's memory host and the other nodes'."""
 
-    def __init__(self, host: PeerCopy, *, replicas: int, advertise: str) -> None:
+    def __init__(self, host: PeerCopy, events: EventLog, *, replicas: int, advertise: str) -> None:
         self._host = host
+        self._events = events
         self._replicas = replicas
         self._advertise = advertise
         self._node = os.uname().nodename
@@ -231,13 +233,11 @@ class Peers:
                 why = self._receive(connection, (key, rank, int(meta["slot"])), meta, origin)
                 if why is None:
                     stored.append(origin)
-        log.info(
-            "fetched %d snapshot(s) of rank %d from %s in %.2f s",
-            len(stored),
-            rank,
-            peer["node"],
-            time.monotonic() - started,
-        )
+        seconds = time.monotonic() - started
+        self._events.emit("memory_fetched", rank=rank, peer=peer["node"], snapshots=len(stored),
+                          seconds=round(seconds, 4))  # fmt: skip
+        log.info("fetched %d snapshot(s) of rank %d from %s in %.2f s", len(stored), rank,
+                 peer["node"], seconds)  # fmt: skip
         return stored
 
     def _receive(

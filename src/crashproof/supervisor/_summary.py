@@ -63,7 +63,7 @@ def _restored_from(ledger: Ledger) -> list[tuple[str, str]]:
     kinds = Counter(f.restored_from for f in ledger.failures if f.restored_from is not None)
     if not kinds:
         return []
-    said = {"memory": "from memory", "local": "local", "tier": "from a tier"}
+    said = {"memory": "from memory", "peer": "from a peer", "local": "local", "tier": "from a tier"}
     parts = [f"{n} {said.get(kind, kind)}" for kind, n in kinds.most_common()]
     return [("restores", ", ".join(parts))]
 

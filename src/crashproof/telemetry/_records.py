@@ -67,8 +67,9 @@ class FailureRecord:
     resumed_ts: float | None
     """When training went on after it: the end of its restore (None: it did not go on)."""
     restored_from: str | None = None
-    """Where the restore after it read the state: ``memory`` (the agent's), ``local`` (the
-    checkpoint root) or ``tier`` (None: no restore, or a log from before this was recorded)."""
+    """Where the restore after it read the state: ``memory`` (the agent's), ``peer`` (copied
+    from another node's agent), ``local`` (the checkpoint root) or ``tier`` (None: no restore,
+    or a log from before this was recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -116,11 +116,11 @@ class RunMetrics:
         )
         self.restores = Counter(
             "crashproof_restores",
-            "Restores, by where the state was read (memory: the agent's; local; tier)",
+            "Restores, by where the state was read (memory: the agent's; peer; local; tier)",
             ["kind"],
             registry=r,
         )
-        for kind in ("memory", "local", "tier"):
+        for kind in ("memory", "peer", "local", "tier"):
             self.restores.labels(kind=kind)
         self.last_checkpoint_ts = Gauge(
             "crashproof_last_checkpoint_timestamp_seconds",

@@ -122,10 +122,11 @@ class SlotStorage:
     def describe(self, path: str) -> str:
         origin = self._slot.origin
         copied = "" if origin == "local" else f", copied from {origin.removeprefix('peer:')}"
-        return (
+        where = (
             f"the memory of crashproof run's agent (rank {self._slot.rank}'s snapshot "
-            f"{self._slot.index}{copied}): {path}"
+            f"{self._slot.index}{copied})"
         )
+        return where if path.rstrip("/") == MEMORY_ROOT else f"{where}: {path}"
 
     def list(self, path: str) -> list[str]:
         committed = self._slot.contents.get("path")

@@ -1,0 +1,177 @@
+"""How long does a run take to recover from a lost node, with its peers' copies of the node's
+snapshots, against the same recovery from checkpoints on disk?
+
+Two ``crashproof run`` agents on this machine play two nodes (c10d rendezvous on loopback, one
+trainer each: ``examples/train_tiny.py`` with ``--hidden`` sized for ``--mb`` MB of state, gloo
+DDP, steps paced to ``--step-s``). Once both train, node B (its agent and trainer) is SIGKILLed
+and a new agent is started in its place, as a scheduler would. Two variants, in turns, ``--runs``
+times each:
+
+* **peers**: memory snapshots every 5 steps and ``--peer-replicas 1``; no checkpoint on disk;
+* **disk**: the same with ``--no-memory`` and a checkpoint every 5 steps on the local disk (the
+  recovery every other launcher offers).
+
+From the event logs: kill -> the new agent's start (the scheduler's part: here at once) -> the
+first step after the restore; the restore's own time, the bytes it read, and what was fetched
+from the peer. Medians.
+
+    .venv/bin/python benchmarks/node_loss.py --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+from crashproof.telemetry import read_events  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node(run_dir: Path, port: int, ckpt: Path, variant: str, hidden: int, step_s: float) -> Any:
+    memory = ["--memory-every", "5", "--every", "100000", "--staging-buffers", "2"]
+    disk = ["--every", "5", "--keep", "2"]
+    command = [
+        sys.executable, "-m", "crashproof.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "node-loss", "--run-dir", str(run_dir), "--metrics-port", "-1",
+        *(["--no-memory"] if variant == "disk" else []),
+        str(REPO / "examples" / "train_tiny.py"), "--run-dir", str(ckpt), "--steps", "100000",
+        "--workers", "0", "--batch-size", "8", "--hidden", str(hidden), "--step-s", str(step_s),
+        *(memory if variant == "peers" else disk),
+    ]  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 - the process keeps it
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # (progress events every 50 ms: the first step after the recovery, to the 50 ms)
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CRASHPROOF_PROGRESS_INTERVAL_S": "0.05"},
+    )  # fmt: skip
+
+
+def _events(*run_dirs: Path) -> list[dict[str, Any]]:
+    found = []
+    for d in run_dirs:
+        if (d / "events.jsonl").exists():
+            found += list(read_events(d / "events.jsonl"))
+    return sorted(found, key=lambda e: e["ts"])
+
+
+def _wait(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, Any]:
+    port = _free_port()
+    ckpt, a, b, b2 = work / "ckpt", work / "a", work / "b", work / "b2"
+    nodes = [_node(a, port, ckpt, variant, hidden, step_s)]
+    try:
+        _wait(lambda: bool(_events(a)), 60, "node A")
+        nodes.append(_node(b, port, ckpt, variant, hidden, step_s))
+        steps = lambda: [e["step"] for e in _events(a, b) if e["event"] == "progress"]  # noqa: E731
+        _wait(lambda: max(steps(), default=0) >= 22, 120, "training")
+        killed = time.time()
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        nodes[1].wait(30)
+        nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
+
+        def resumed() -> bool:
+            return any(e["event"] == "progress" and e["ts"] > killed for e in _events(a, b2))
+
+        _wait(resumed, 180, "the first step after the recovery")
+        events = [e for e in _events(a, b2) if e["ts"] > killed]
+        [restore] = [e for e in events if e["event"] == "restore"][:1] or [None]
+        assert restore is not None, "no restore after the loss"
+        first_step = min(e["ts"] for e in events if e["event"] == "progress")
+        fetched = [e for e in events if e["event"] == "memory_fetched"]
+        started = min(e["ts"] for e in events if e["event"] == "run_start")
+        return {
+            "variant": variant,
+            "kill_to_first_step_s": first_step - killed,
+            "replacement_start_to_first_step_s": first_step - started,
+            "restore_s": restore["seconds"],
+            "restore_kind": restore.get("kind"),
+            "restore_bytes": restore.get("bytes"),
+            "fetch_s": fetched[0]["seconds"] if fetched else None,
+        }
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait(30)
+
+
+def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
+    # train_tiny's model has one hidden x hidden layer; the state is about 4 copies of it
+    # (weights, two Adam moments, the EMA) in float32.
+    hidden = max(64, int((mb * 1e6 / 16) ** 0.5))
+    results: list[dict[str, Any]] = []
+    for i in range(runs):
+        for variant in ("peers", "disk") if i % 2 == 0 else ("disk", "peers"):
+            with tempfile.TemporaryDirectory(prefix="node-loss-", dir=REPO) as work:
+                result = one_loss(Path(work), variant, hidden, step_s)
+            print(json.dumps(result), file=sys.stderr)
+            results.append(result)
+    summary: dict[str, Any] = {"runs": runs, "hidden": hidden, "step_s": step_s, "results": results}
+    for variant in ("peers", "disk"):
+        mine = [r for r in results if r["variant"] == variant]
+        summary[variant] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in ("kill_to_first_step_s", "replacement_start_to_first_step_s", "restore_s")
+        }
+    return summary
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = ["| recovery of a lost node | kill -> first step | new agent's start -> first step | restore |",
+            "|---|---|---|---|"]  # fmt: skip
+    for variant, name in (("peers", "**from the peers' copies**"), ("disk", "from the local disk")):
+        r = result[variant]
+        rows.append(
+            f"| {name} | {r['kill_to_first_step_s']:.2f} s | "
+            f"{r['replacement_start_to_first_step_s']:.2f} s | {r['restore_s']:.3f} s |"
+        )
+    kinds = sorted({str(r["restore_kind"]) for r in result["results"]})
+    rows += ["", f"Medians of {result['runs']} losses each (restores seen: {', '.join(kinds)})."]
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--mb", type=float, default=20.0, help="approximate state size, MB")
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    result = measure(args.runs, args.mb, args.step_s)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    if args.markdown or not args.json:
+        print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
