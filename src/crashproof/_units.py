@@ -25,6 +25,7 @@ __all__ = [
     "MAX_DURATION_S",
     "SIZE_FORMS",
     "format_duration",
+    "format_size",
     "parse_duration",
     "parse_size",
 ]
@@ -51,6 +52,17 @@ _BYTES_PER = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "
 _NUMBER_AND_UNIT = re.compile(
     r"\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", re.ASCII
 )
+
+
+def format_size(nbytes: float) -> str:
+    """``nbytes`` in the largest power-of-1024 unit that keeps it at 1 or more: ``640 B``,
+    ``400 KiB``, ``1.5 GiB`` (three significant digits)."""
+    value, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
 
 
 def format_duration(seconds: float) -> str:

@@ -32,6 +32,7 @@ from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import MAX_STEP, checked_metadata, digest
 from crashproof.checkpoint.memory import MemorySnapshots
 from crashproof.checkpoint.save import (
+    ArenaUnavailable,
     CommitResult,
     SaveStats,
     Snapshot,
@@ -152,7 +153,12 @@ class SavePipeline:
             return False
         staging = self._stagings[free] if self._stagings else None
         self._wait_memory(free)
-        snapshot = self._snapshot(step, state, staging, metadata)
+        try:
+            snapshot = self._snapshot(step, state, staging, metadata)
+        except ArenaUnavailable as exc:  # the disk checkpoint goes on, from buffers of its own
+            self._memory_off(exc)
+            staging = self._stagings[free]
+            snapshot = self._snapshot(step, state, staging, metadata)
         delta = self._options.delta
         # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
         # is always saved whole: a delta's base must be the same rank's piece, which a restore
@@ -278,7 +284,7 @@ class SavePipeline:
     ) -> bool:
         """Snapshot ``state`` into the agent's memory only; returns whether it did. Never waits:
         with every staging slot still being written, the snapshot is skipped (and counted)."""
-        if self._memory is None:
+        if self._memory is None or not self._memory_stagings:
             return False
         started = time.perf_counter()
         self.raise_pending()
@@ -297,10 +303,28 @@ class SavePipeline:
         slot = self._oldest(free)
         self._wait_memory(slot)  # (done already: collected)
         staging = self._memory_stagings[slot]
-        snapshot = self._snapshot(step, state, staging, metadata)
+        try:
+            snapshot = self._snapshot(step, state, staging, metadata)
+        except ArenaUnavailable as exc:
+            self._memory_off(exc)
+            return False
         self._commit_to_memory(snapshot, slot, staging, alone=True)
         self._stats.memory_last_blocking_s = time.perf_counter() - started
         return True
+
+    def _memory_off(self, refusal: ArenaUnavailable) -> None:
+        """The agent refused the memory (or is gone): no more memory snapshots for this
+        manager; its saves stage into buffers of their own, as without ``crashproof run``."""
+        log.error(
+            "%s; memory snapshots are off for %s from now on (checkpoints go on to disk)",
+            refusal,
+            self._shared.root,
+        )
+        self._stats.memory_failures += 1
+        for staging in {*self._stagings, *self._memory_stagings}:
+            staging.release()
+        self._stagings = [StagingArea() for _ in self._stagings]
+        self._memory_stagings = []
 
     def _commit_to_memory(
         self, snapshot: Snapshot, slot: int, staging: StagingArea, *, alone: bool
@@ -430,6 +454,8 @@ class SavePipeline:
         """Let the writer threads finish what they were given, and end them."""
         self._executor.shutdown(wait=True)
         self._memory_executor.shutdown(wait=True)
+        for staging in {*self._stagings, *self._memory_stagings}:
+            staging.release()  # (the segments' views: the mappings can go now)
         if self._memory is not None:
             self._memory.close()
 

@@ -35,7 +35,8 @@ MAX_FDS = 64
 """The most descriptors one message carries (a reply to a restarted trainer: one per slot)."""
 
 _HEADER = struct.Struct("<II")
-_MAX_PAYLOAD = 256 * 1024 * 1024
+_MAX_PAYLOAD = 64 * 1024 * 1024
+"""The largest message (a trainer's commit holds its part's index: a few MB at most)."""
 
 
 def _address(name: str) -> str:
@@ -85,11 +86,18 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
             raise ConnectionError("the memory host's connection closed")
         header += recv_exactly(sock, _HEADER.size - len(header))
         size, count = _HEADER.unpack(header)
-        if count != len(fds) or size > _MAX_PAYLOAD:
+        if count != len(fds):
             raise ConnectionError(
                 f"malformed message: {count} descriptors announced, {len(fds)} came"
             )
-        message = json.loads(recv_exactly(sock, size))
+        if size > _MAX_PAYLOAD:
+            raise ConnectionError(
+                f"malformed message: {size} bytes announced, at most {_MAX_PAYLOAD}"
+            )
+        try:
+            message = json.loads(recv_exactly(sock, size))
+        except RecursionError:  # (nested deeper than any message is)
+            raise ConnectionError("malformed message: nested too deep") from None
         if not isinstance(message, dict):
             raise ConnectionError("malformed message: not a JSON object")
         return message, fds

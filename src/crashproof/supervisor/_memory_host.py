@@ -151,6 +151,8 @@ class MemoryHost:
                 send_message(connection, reply, out)
         except (OSError, ValueError):  # (ConnectionError is an OSError: the trainer went)
             pass
+        except Exception:  # a bug must not pass silently; the other connections go on
+            log.exception("the memory host failed to answer a trainer")
         finally:
             with self._lock:
                 if connection in self._connections:
@@ -160,12 +162,13 @@ class MemoryHost:
     def _answer(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         try:
             kind = message["op"]
-            key, rank = str(message["key"]), int(message["rank"])
+            key, rank = str(message["key"]), _whole(message, "rank", _MAX_RANK)
+            world_size = _whole(message, "world_size", _MAX_RANK, low=1)
             if kind == "hello":
-                return self._hello(key, rank, int(message["world_size"]))
-            slot = int(message["slot"])
+                return self._hello(key, rank, world_size)
+            slot = _whole(message, "slot", _MAX_SLOT)
             if kind == "allocate":
-                return self._allocate(key, rank, slot, int(message["nbytes"]), message)
+                return self._allocate(key, rank, slot, _whole(message, "nbytes", 1 << 50), message)
             with self._lock:
                 segment = self._segments.get((key, rank, slot))
                 if segment is None:
@@ -174,6 +177,7 @@ class MemoryHost:
                     segment.step, segment.files = None, {}
                     segment.gen += 1
                 elif kind == "commit":
+                    segment.world_size = world_size
                     segment.files = dict(message["files"])
                     segment.step = int(message["step"])
                     segment.gen += 1
@@ -184,7 +188,7 @@ class MemoryHost:
             if kind == "commit" and self.peers is not None:
                 self.peers.replicate((key, rank, slot), world_size)
             return {"ok": True}, []
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             return {"error": f"malformed request: {type(exc).__name__}: {exc}"}, []
 
     def _hello(self, key: str, rank: int, world_size: int) -> tuple[dict[str, Any], list[int]]:
@@ -205,6 +209,7 @@ class MemoryHost:
                 if segment.world_size != world_size:
                     segment.step, segment.files = None, {}  # another world: never offered
                     segment.gen += 1
+                    segment.world_size = world_size  # (what it holds next is this world's)
                 slots.append(
                     {"slot": slot, "nbytes": segment.nbytes, "step": segment.step,
                      "files": segment.files, "origin": segment.origin}
@@ -335,7 +340,20 @@ class MemoryHost:
     ) -> dict[str, Any]:
         self._events.emit("memory_refused", rank=rank, need=nbytes, available=room, held=held)
         return {"error": "insufficient", "need": nbytes, "available": room, "held": held,
-                "why": why}  # fmt: skip
+                "limit": self._limit, "why": why}  # fmt: skip
+
+
+_MAX_RANK = 1 << 24
+_MAX_SLOT = 64
+
+
+def _whole(message: dict[str, Any], name: str, upper: int, *, low: int = 0) -> int:
+    """``message[name]``, a whole number in [low, upper) (JSON's floats, booleans and strings
+    are not); raises ``ValueError``."""
+    value = message[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < upper:
+        raise ValueError(f"{name} must be a whole number from {low} to {upper - 1}, not {value!r}")
+    return value
 
 
 def _same_user(connection: socket.socket) -> bool:

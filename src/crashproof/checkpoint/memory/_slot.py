@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from crashproof._units import format_size
 from crashproof.errors import CrashproofError, InsufficientMemoryError
 from crashproof.link import MemoryClient
 
@@ -65,7 +66,17 @@ class Slot:
             self._map(fd, nbytes)
         finally:
             os.close(fd)
-        self.step, self.contents, self.origin = step, contents, origin
+        self.origin = origin
+        why = _malformed(contents, nbytes) if step is not None else None
+        if why is not None:  # what the agent holds beside it is damaged: not offered
+            log.warning(
+                "rank %d's snapshot %d in the memory of crashproof run's agent is not offered: %s",
+                self.rank,
+                self.index,
+                why,
+            )
+            step, contents = None, {}
+        self.step, self.contents = step, contents
 
     def view(self) -> memoryview:
         assert self._mm is not None
@@ -113,7 +124,8 @@ class Slot:
         self.step, self.contents = step, contents
 
     def files(self) -> dict[str, bytes]:
-        return {n: base64.b64decode(b) for n, b in self.contents.get("files", {}).items()}
+        """The index and manifest committed beside the bytes (checked when adopted)."""
+        return {n: base64.b64decode(b, validate=True) for n, b in self.contents["files"].items()}
 
     def close(self) -> None:
         self._unmap()
@@ -144,16 +156,48 @@ class Slot:
         self._mm = None
 
 
+def _malformed(contents: Any, nbytes: int) -> str | None:
+    """Why what the agent holds beside a segment cannot be a committed snapshot's record, or
+    None: files (name -> base64), the shard's [offset, size] inside the segment, a path."""
+    try:
+        files, shard, path = contents["files"], contents["shard"], contents["path"]
+        if not isinstance(files, dict) or not isinstance(path, str) or len(shard) != 2:
+            return "a record of the wrong shape"
+        for name, data in files.items():
+            if not isinstance(name, str):
+                return "a file name that is not text"
+            base64.b64decode(data, validate=True)
+        start, size = shard
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, size)):
+            return "a shard span that is not two whole numbers"
+        if not 0 <= start <= start + size <= nbytes:
+            return f"a shard span [{start}, +{size}) outside the {nbytes}-byte segment"
+    except (KeyError, TypeError, ValueError) as exc:  # (binascii.Error is a ValueError)
+        return f"a damaged record ({type(exc).__name__}: {exc})"
+    return None
+
+
 def _refusal(reply: dict[str, Any], rank: int, nbytes: int) -> CrashproofError:
     if reply.get("error") != "insufficient":
         return CrashproofError(f"crashproof run's memory host: {reply.get('error')}")
-    mib = 2**20
-    available = reply.get("available")
+    available, limit = reply.get("available"), reply.get("limit")
+    held = format_size(int(reply.get("held") or 0))
+    if limit is not None:
+        room = f"crashproof run --memory-limit {format_size(limit)} leaves " + (
+            "an unknown amount" if available is None else format_size(available)
+        )
+        fix = "raise --memory-limit"
+    else:
+        room = (
+            "the host has "
+            + ("an unknown amount" if available is None else format_size(available))
+            + " available beyond 256 MiB kept free"
+        )
+        fix = "free memory"
     return InsufficientMemoryError(
-        f"memory snapshots of rank {rank} need {nbytes / mib:.0f} MiB of shared memory held by "
-        "crashproof run's agent (plus 256 MiB headroom), but only "
-        + ("an unknown amount" if available is None else f"{available / mib:.0f} MiB")
-        + f" is available (this node's trainers hold {reply.get('held', 0) / mib:.0f} MiB)"
+        f"memory snapshots of rank {rank} need {format_size(nbytes)} of shared memory held by "
+        f"crashproof run's agent, but {room} (this node's snapshots hold {held})"
         + (f": {reply['why']}" if reply.get("why") else "")
-        + ". Free memory, use staging_buffers=1, or run with crashproof run --no-memory"
+        + f". To keep them, {fix}, or use staging_buffers=1; or run with crashproof run "
+        "--no-memory"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from crashproof.checkpoint.save._delta import Delta, DeltaBase, apply_delta, keep_as_base
 from crashproof.checkpoint.save._rank_files import commit_rank_files, write_rank_files
-from crashproof.checkpoint.save._staging import Arena, StagingArea
+from crashproof.checkpoint.save._staging import Arena, ArenaUnavailable, StagingArea
 from crashproof.checkpoint.save._stats import SaveStats
 from crashproof.checkpoint.save._writer import (
     TMP_PREFIX,
@@ -23,6 +23,7 @@ from crashproof.checkpoint.save._writer import (
 __all__ = [
     "TMP_PREFIX",
     "Arena",
+    "ArenaUnavailable",
     "CommitResult",
     "Delta",
     "DeltaBase",

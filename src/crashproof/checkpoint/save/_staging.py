@@ -24,9 +24,9 @@ import torch
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.checkpoint.format import copy_tensor_bytes, shard_layout
-from crashproof.errors import InsufficientMemoryError
+from crashproof.errors import CrashproofError, InsufficientMemoryError
 
-__all__ = ["Arena", "StagingArea"]
+__all__ = ["Arena", "ArenaUnavailable", "StagingArea"]
 
 _PAGE = 4096
 
@@ -43,6 +43,15 @@ class Arena(Protocol):
     def overwriting(self) -> None:
         """Called before the buffers are copied into: what the block held is gone."""
         ...
+
+
+class ArenaUnavailable(Exception):
+    """The arena refused the buffers (no memory for them, or its owner is gone): ``cause``
+    says why. The caller may stage into buffers of its own instead."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class StagingArea:
@@ -71,7 +80,10 @@ class StagingArea:
         """
         if self.arena is not None:
             self._reserve_in_arena(tensors, self.arena)
-            self.arena.overwriting()
+            try:
+                self.arena.overwriting()
+            except (CrashproofError, OSError) as exc:
+                raise ArenaUnavailable(exc) from exc
         else:
             self._reserve(tensors)
         staged: list[tuple[str, torch.Tensor]] = []
@@ -120,7 +132,10 @@ class StagingArea:
         header, ranges = shard_layout(tensors)
         data_at = -(-len(header) // _PAGE) * _PAGE
         total = data_at + sum(nbytes for _, nbytes in ranges)
-        block = arena.reserve(total, pin=any(t.is_cuda for _, t in tensors))
+        try:
+            block = arena.reserve(total, pin=any(t.is_cuda for _, t in tensors))
+        except (CrashproofError, OSError) as exc:
+            raise ArenaUnavailable(exc) from exc
         for (name, tensor), (pos, nbytes) in zip(tensors, ranges, strict=True):
             if nbytes == 0:
                 self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -128,6 +143,10 @@ class StagingArea:
             flat = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=data_at + pos)
             self._buffers[name] = flat.view(tensor.dtype).view(tensor.shape)
         self._layout, self.data_at = layout, data_at
+
+    def release(self) -> None:
+        """Drop the buffers (an arena's views with them)."""
+        self._buffers, self._layout = {}, []
 
     def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if self._stream is None:
