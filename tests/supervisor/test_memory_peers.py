@@ -96,3 +96,124 @@ def test_a_lost_node_resumes_from_the_copies_its_peer_holds(
     expected, got = load_file(tmp_path / "a.st"), load_file(dump)
     different = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not different, f"differs from the uninterrupted run: {different}"
+
+
+# -- the copies between agents, in one process: hosts as the agents run them, a real TCP store --
+
+
+def _hosts(tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Any]]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=20))  # fmt: skip
+    hosts = [MemoryHost(EventLog(tmp_path / f"events{i}.jsonl")) for i in range(n)]
+    for host in hosts:
+        host.replicate_to_peers(1, "127.0.0.1")
+    _round(store, hosts, 0)
+    return store, hosts
+
+
+def _round(store: Any, hosts: list[Any], number: int) -> None:
+    """A rendezvous round: every host joins at once, each through a store client of its own
+    (as each agent has)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    def join(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                               timeout=timedelta(seconds=20))  # fmt: skip
+        hosts[rank].peers.join_round(dist.PrefixStore(f"round{number}", client), rank, len(hosts))
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def _snapshot_on(host: Any, monkeypatch: pytest.MonkeyPatch, root: Path, steps: int) -> Any:
+    """Snapshots of a one-rank state taken through ``host`` (its trainer); returns the state."""
+    import crashproof as cp
+    from crashproof.link import ENV_MEMORY_SOCKET
+
+    monkeypatch.setenv(ENV_MEMORY_SOCKET, host.address)
+    state = cp.TrainState(model=torch.nn.Linear(64, 64))
+    with cp.CheckpointManager(root, every=cp.EverySteps(10**6), memory_every=cp.EverySteps(1),
+                              staging_buffers=2, handle_signals=False) as ckpt:  # fmt: skip
+        for step in range(1, steps + 1):
+            with torch.no_grad():
+                state.model.weight.add_(1.0)  # type: ignore[union-attr]
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+    return state
+
+
+def _restore_through(
+    host: Any, monkeypatch: pytest.MonkeyPatch, root: Path
+) -> tuple[int, str, Any]:
+    import crashproof as cp
+    from crashproof.link import ENV_MEMORY_SOCKET
+
+    monkeypatch.setenv(ENV_MEMORY_SOCKET, host.address)
+    fresh = cp.TrainState(model=torch.nn.Linear(64, 64))
+    with cp.CheckpointManager(root, every=cp.EverySteps(10**6), handle_signals=False) as ckpt:
+        step = ckpt.restore(fresh)
+        return step, ckpt._restorer.last_kind, fresh
+
+
+def _wait_replicated(host: Any, step: int) -> None:
+    deadline = time.monotonic() + 20
+    while not any(s.step == step for s in host._replicas.values()):
+        assert time.monotonic() < deadline, "the snapshot was not copied to the peer"
+        time.sleep(0.02)
+
+
+def test_of_three_nodes_the_lost_ones_snapshots_come_from_the_next_in_the_ring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, hosts = _hosts(tmp_path, 3, monkeypatch)
+    try:
+        state = _snapshot_on(hosts[1], monkeypatch, tmp_path / "ck", 4)  # node 1's trainer
+        _wait_replicated(hosts[2], 4)  # its copy: on node 2, the next in the ring
+        assert not hosts[0]._replicas
+        hosts[1].close()  # node 1 is lost; a new node takes its place
+        hosts[1] = type(hosts[0])(hosts[0]._events)
+        hosts[1].replicate_to_peers(1, "127.0.0.1")
+        _round(store, hosts, 1)
+        step, kind, fresh = _restore_through(hosts[1], monkeypatch, tmp_path / "ck")
+        assert (step, kind) == (4, "peer")
+        assert torch.equal(fresh.model.weight, state.model.weight)
+    finally:
+        for host in hosts:
+            host.close()
+
+
+def test_a_copy_damaged_in_the_peers_memory_is_caught_and_not_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    store, hosts = _hosts(tmp_path, 2, monkeypatch)
+    try:
+        _snapshot_on(hosts[1], monkeypatch, tmp_path / "ck", 3)
+        _wait_replicated(hosts[0], 3)
+        for copy in hosts[0]._replicas.values():  # a bad DIMM on node 0, in every copy
+            with mmap.mmap(copy.fd, copy.nbytes) as mm:
+                start, size = copy.files["shard"]
+                mm[start + size - 3] ^= 0xFF
+        hosts[1].close()
+        hosts[1] = type(hosts[0])(hosts[0]._events)
+        hosts[1].replicate_to_peers(1, "127.0.0.1")
+        _round(store, hosts, 1)
+        step, _, _ = _restore_through(hosts[1], monkeypatch, tmp_path / "ck")
+        assert step == 0  # nothing on disk either: starts over rather than load damaged state
+    finally:
+        for host in hosts:
+            host.close()

@@ -283,23 +283,36 @@ class SavePipeline:
         self, step: int, state: TrainState, metadata: dict[str, Any] | None
     ) -> bool:
         """Snapshot ``state`` into the agent's memory only; returns whether it did. Never waits:
-        with every staging slot still being written, the snapshot is skipped (and counted)."""
-        if self._memory is None or not self._memory_stagings:
-            return False
+        with every staging slot still being written, the snapshot is skipped (and counted).
+
+        Every rank calls this at the same steps (``memory_every`` counts steps) and the ranks
+        agree, in one small all-gather, to take it or skip it together: a restore takes a step
+        from memory only when every rank holds it, so ranks that skipped different steps could
+        hold none in common."""
         started = time.perf_counter()
+        self.last_memory_step, self.last_memory_s = step, time.monotonic()  # (taken or not)
         self.raise_pending()
-        busy = {slot for future, slot in self._inflight if not future.done()}
-        busy |= {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
-        free = set(range(len(self._memory_stagings))) - busy
-        held = {
-            i for i in range(len(self._memory_stagings)) if self._memory.slots[i].step is not None
-        }
-        if len(self._memory_stagings) > 1 and len(held) == 1:
-            free -= held  # the one snapshot held stays until another is committed beside it
-        if not free:
-            self._stats.memory_skipped_busy += 1
-            log.info("memory snapshot of step %d skipped: the staging buffers are busy", step)
+        free: set[int] = set()
+        if self._memory is not None and self._memory_stagings:
+            busy = {slot for future, slot in self._inflight if not future.done()}
+            busy |= {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
+            free = set(range(len(self._memory_stagings))) - busy
+            held = {
+                i
+                for i in range(len(self._memory_stagings))
+                if self._memory.slots[i].step is not None
+            }
+            if len(self._memory_stagings) > 1 and len(held) == 1:
+                free -= held  # the one snapshot held stays until another is committed beside it
+        can = bool(free)
+        if self._group.world_size > 1:
+            can = all(self._group.all_gather(can))
+        if not can:
+            if self._memory is not None and self._memory_stagings:
+                self._stats.memory_skipped_busy += 1
+                log.info("memory snapshot of step %d skipped: the staging buffers are busy", step)
             return False
+        assert self._memory is not None
         slot = self._oldest(free)
         self._wait_memory(slot)  # (done already: collected)
         staging = self._memory_stagings[slot]
@@ -455,7 +468,8 @@ class SavePipeline:
         self._executor.shutdown(wait=True)
         self._memory_executor.shutdown(wait=True)
         for staging in {*self._stagings, *self._memory_stagings}:
-            staging.release()  # (the segments' views: the mappings can go now)
+            if staging.arena is not None:
+                staging.release()  # (the segments' views: the mappings can go now)
         if self._memory is not None:
             self._memory.close()
 

@@ -355,6 +355,22 @@ def _memory_snapshots(options: ManagerOptions, root: str, group: Group) -> Memor
     if options.read_only or not options.memory:
         return None
     snapshots = MemorySnapshots.open(root, group.rank, group.world_size, options.staging_buffers)
+    # Memory snapshots are agreed on at every one of them: all ranks take part, or none.
+    if (
+        every is not None
+        and group.world_size > 1
+        and not all(group.all_gather(snapshots is not None))
+    ):
+        if snapshots is not None:
+            snapshots.close()
+        snapshots = None
+        if group.rank == 0:
+            log.warning(
+                "CheckpointManager(memory_every=%r): some ranks cannot reach crashproof "
+                "run's agent; memory snapshots are off for every rank",
+                every,
+            )
+        return None
     if snapshots is None and every is not None and group.rank == 0:
         log.info(
             "CheckpointManager(memory_every=%r): memory snapshots are kept by crashproof run's "
