@@ -34,8 +34,10 @@ def test_a_crashed_trainer_resumes_from_the_agents_memory_bit_for_bit(tmp_path: 
     assert code_a == 0, output_a[-3000:]
     assert code_b == 0, output[-3000:]
     [restore] = [e for e in events if e["event"] == "restore"]
-    # Step 35's snapshot, or 30's when 35's was still being committed at the crash.
-    assert restore["kind"] == "memory" and restore["step"] in (30, 35), restore
+    # Step 35's snapshot, or an earlier one when the machine was too busy for the snapshots to
+    # keep up (a snapshot never waits: one due while the buffers are busy is skipped).
+    assert restore["kind"] == "memory" and restore["step"] % 5 == 0, restore
+    assert 5 <= restore["step"] <= 35, restore
     assert restore["bytes"] > 0
     assert "memory of crashproof run's agent" in restore["source"]
     expected, got = load_file(tmp_path / "a.st"), load_file(tmp_path / "b.st")
