@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -133,8 +134,6 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
     finally:
         host.close()
         os.environ.pop(ENV_MEMORY_SOCKET, None)
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -217,3 +217,26 @@ def test_a_copy_damaged_in_the_peers_memory_is_caught_and_not_restored(
     finally:
         for host in hosts:
             host.close()
+
+
+def test_copies_being_received_count_against_the_limit(tmp_path: Path) -> None:
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    host = MemoryHost(EventLog(tmp_path / "events.jsonl"), limit_bytes=1 << 20)
+    meta = {"nbytes": 600 << 10, "world_size": 1, "step": 1, "contents": {}}
+    refusals: list[str | None] = []
+
+    def fill_while_another_arrives(view: memoryview) -> None:  # two peers send at once
+        refusals.append(
+            host.store_copy(("k", 1, 0), meta, lambda v: None, "peer:b", as_replica=True)
+        )
+
+    try:
+        kept = host.store_copy(
+            ("k", 0, 0), meta, fill_while_another_arrives, "peer:a", as_replica=True
+        )
+        assert kept is None and refusals[0] is not None and "no memory" in refusals[0]
+        assert host.held_bytes == 600 << 10  # the one kept; nothing counted twice or left over
+    finally:
+        host.close()

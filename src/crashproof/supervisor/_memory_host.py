@@ -68,6 +68,7 @@ class MemoryHost:
         self._limit = limit_bytes
         self._segments: dict[Key, _Segment] = {}
         self._replicas: dict[Key, _Segment] = {}  # other nodes' ranks' snapshots, copied here
+        self._filling = 0  # bytes of copies being received, not kept yet
         self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -96,7 +97,8 @@ class MemoryHost:
             return self._held()
 
     def _held(self) -> int:
-        return sum(s.nbytes for s in [*self._segments.values(), *self._replicas.values()])
+        segments = [*self._segments.values(), *self._replicas.values()]
+        return sum(s.nbytes for s in segments) + self._filling
 
     def close(self) -> None:
         """Free every segment (the trainers have exited) and stop serving."""
@@ -265,18 +267,19 @@ class MemoryHost:
         as_replica: bool,
     ) -> str | None:
         nbytes = int(meta["nbytes"])
-        with self._lock:
+        with self._lock:  # (made under the lock, as a trainer's: the check holds for both)
             table = self._replicas if as_replica else self._segments
             old = table.get(key)
             room = self._room(old.nbytes if old is not None else 0)
-            if room is not None and nbytes > room:
-                self._events.emit("memory_refused", rank=key[1], need=nbytes, available=room,
-                                  held=self._held())  # fmt: skip
-                return f"no memory for a {nbytes}-byte copy ({room} bytes available)"
-        fd = os.memfd_create(f"crashproof:{self.token}:r{key[1]}:s{key[2]}:copy", os.MFD_CLOEXEC)
+            name = f"crashproof:{self.token}:r{key[1]}:s{key[2]}:copy"
+            fd = self._make_segment(name, nbytes, room)
+            if isinstance(fd, str):
+                self._refuse(key[1], nbytes, room, self._held(), why=fd)
+                return f"no memory for a {nbytes}-byte copy ({room} bytes available)" + (
+                    f": {fd}" if fd else ""
+                )
+            self._filling += nbytes  # (counted while it fills: two copies cannot both pass)
         try:
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)
             with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 view = memoryview(mm)
                 try:
@@ -285,10 +288,13 @@ class MemoryHost:
                     view.release()
         except BaseException:
             os.close(fd)
+            with self._lock:
+                self._filling -= nbytes
             raise
         copy = _Segment(fd, nbytes, int(meta["world_size"]), int(meta["step"]),
                         dict(meta["contents"]), origin=origin)  # fmt: skip
         with self._lock:
+            self._filling -= nbytes
             table = self._replicas if as_replica else self._segments
             old = table.pop(key, None)
             if old is not None:
@@ -308,22 +314,31 @@ class MemoryHost:
                 os.close(old.fd)
             held = self._held()
             room = self._room(0)
-            if room is not None and nbytes > room:
-                return self._refuse(rank, nbytes, room, held), []
             name = f"crashproof:{self.token}:r{rank}:s{slot}"
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, nbytes)
-                os.posix_fallocate(fd, 0, nbytes)  # committed now: no SIGBUS at the first copy
-            except OSError as exc:
-                os.close(fd)
-                return self._refuse(rank, nbytes, room, held, why=str(exc)), []
+            fd = self._make_segment(name, nbytes, room)
+            if isinstance(fd, str):
+                return self._refuse(rank, nbytes, room, held, why=fd), []
             self._segments[(key, rank, slot)] = _Segment(fd, nbytes, int(message["world_size"]))
             held += nbytes
         self._events.emit(
             "memory_held", rank=rank, slot=slot, bytes=nbytes, node_bytes=held, segment=name
         )
         return {"ok": True, "nbytes": nbytes}, [fd]
+
+    @staticmethod
+    def _make_segment(name: str, nbytes: int, room: int | None) -> int | str:
+        """A new segment of ``nbytes`` with its pages committed now (no SIGBUS at the first
+        copy), or why not: more than ``room``, or the kernel's refusal."""
+        if room is not None and nbytes > room:
+            return ""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            return str(exc)
+        return fd
 
     def _room(self, freed: int) -> int | None:
         """The bytes a new segment may take (None: unknown), once ``freed`` bytes are let go;

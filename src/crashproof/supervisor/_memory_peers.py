@@ -165,21 +165,17 @@ class Peers:
         if not held:
             return
         copy = held[0]
-        fd = copy.pop("fd")
         try:
             connection = self._connection(target)
-            send_message(connection, {"op": "push", "key": key[0], "rank": key[1],
-                                      "world_size": world_size, "node": self._node,
-                                      **copy})  # fmt: skip
-            checksum = _send_segment(connection, fd, copy["nbytes"])
-            # The trainer may have started to overwrite it meanwhile: then it is dropped.
-            whole = self._host.generation(key) == copy["gen"]
-            send_message(connection, {"whole": whole, "checksum": checksum})
+            header = {"op": "push", "key": key[0], "rank": key[1], "world_size": world_size,
+                      "node": self._node}  # fmt: skip
+            self._send_copy(connection, key, copy, header)
             reply, _ = recv_message(connection)
             if "error" in reply:
                 log.warning("a peer refused rank %d's snapshot: %s", key[1], reply["error"])
         finally:
-            os.close(fd)
+            if "fd" in copy:
+                os.close(copy.pop("fd"))
 
     def _connection(self, target: int) -> socket.socket:
         with self._lock:
@@ -324,17 +320,22 @@ class Peers:
             elif op == "fetch":
                 send_message(connection, {"count": len(held)})
                 for copy in held:
-                    copy["world_size"] = world_size
-                    self._send_copy(connection, (key, rank, copy["slot"]), copy)
+                    header = {"world_size": world_size}
+                    self._send_copy(connection, (key, rank, copy["slot"]), copy, header)
         finally:
             for copy in held:
                 if "fd" in copy:
                     os.close(copy.pop("fd"))
 
-    def _send_copy(self, connection: socket.socket, key: Key, copy: dict[str, Any]) -> None:
+    def _send_copy(
+        self, connection: socket.socket, key: Key, copy: dict[str, Any], header: dict[str, Any]
+    ) -> None:
+        """Send one of :meth:`PeerCopy.committed`'s copies (its descriptor is closed): its
+        record after ``header``, its bytes, then whether it stayed whole and their checksum (the
+        trainer may have started to overwrite it meanwhile: then the receiver drops it)."""
         fd = copy.pop("fd")
         try:
-            send_message(connection, {k: v for k, v in copy.items() if k != "gen"})
+            send_message(connection, {**header, **{k: v for k, v in copy.items() if k != "gen"}})
             checksum = _send_segment(connection, fd, copy["nbytes"])
             whole = self._host.generation(key) == copy["gen"]
             send_message(connection, {"whole": whole, "checksum": checksum})

@@ -98,10 +98,10 @@ class MemorySnapshots:
         """The manifest of this rank's part of ``step`` (partial: its own files only)."""
         storage, path = self.storage(step)
         where = storage.describe(posixpath.join(path, MANIFEST_NAME))
-        data = storage.open(posixpath.join(path, MANIFEST_NAME))
-        buf = bytearray(data.size())
-        data.readinto(0, memoryview(buf))
-        manifest = parse_manifest(bytes(buf), where, partial=True)
+        data = self.slots[self.steps()[step]].files().get(MANIFEST_NAME)  # (held as bytes)
+        if data is None:
+            raise CorruptCheckpointError(f"{where}: missing; the snapshot was never committed")
+        manifest = parse_manifest(data, where, partial=True)
         if manifest.step != step or manifest.world_size != self.world_size:
             raise CorruptCheckpointError(f"{where}: not rank {self.rank}'s part of step {step}")
         return manifest
