@@ -71,6 +71,7 @@ BAD: dict[str, list[str]] = {
     "--replication-timeout": ["nan", "0"],
     "--memory-limit": ["0", "-1G", "lots", "nan", "", "1e999"],
     "--peer-replicas": ["-1", "9", "one", "1.5", ""],
+    "--peer-parity": ["0", "-1", "17", "two", "2.0", ""],
     "--straggler-factor": ["1", "nan", "inf", "0.5"],
     "--straggler-steps": ["0", "-1"],
     "--metrics-port": ["99999", "-7", "0x50"],
@@ -181,6 +182,7 @@ def test_each_hostile_value_is_refused(
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
         (["-m", "--no-python"], "-m"),
         (["--run-dir", "/proc/self/nosuch/x"], "--run-dir"),
+        (["--peer-replicas", "1", "--peer-parity", "2"], "--peer-parity"),
     ],
 )
 def test_contradictory_options_are_refused(

@@ -118,9 +118,9 @@ def _hosts(tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any
     return store, hosts
 
 
-def _round(store: Any, hosts: list[Any], number: int) -> None:
+def _round(store: Any, hosts: list[Any], number: int, ranks: int | None = None) -> None:
     """A rendezvous round: every host joins at once, each through a store client of its own
-    (as each agent has)."""
+    (as each agent has); with ``ranks`` per node, node i's global ranks follow from it."""
     import threading
     from datetime import timedelta
 
@@ -129,7 +129,10 @@ def _round(store: Any, hosts: list[Any], number: int) -> None:
     def join(rank: int) -> None:
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                timeout=timedelta(seconds=20))  # fmt: skip
-        hosts[rank].peers.join_round(dist.PrefixStore(f"round{number}", client), rank, len(hosts))
+        mine = None if ranks is None else list(range(rank * ranks, (rank + 1) * ranks))
+        hosts[rank].peers.join_round(
+            dist.PrefixStore(f"round{number}", client), rank, len(hosts), mine
+        )
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(len(hosts))]
     for t in threads:

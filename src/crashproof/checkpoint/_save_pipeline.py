@@ -274,8 +274,11 @@ class SavePipeline:
         newest snapshot in memory stays while the next one is copied."""
         if self._memory is None:
             return min(free)
-        slots = self._memory.slots
-        return min(free, key=lambda i: (-1 if slots[i].step is None else slots[i].step, i))
+        slots, pinned = self._memory.slots, self._memory.pinned() if len(free) > 1 else set()
+        return min(
+            free,
+            key=lambda i: (i in pinned, -1 if slots[i].step is None else slots[i].step, i),
+        )
 
     # -- memory snapshots (crashproof run's agent holds them) ---------------------------------
 
@@ -304,13 +307,19 @@ class SavePipeline:
             }
             if len(self._memory_stagings) > 1 and len(held) == 1:
                 free -= held  # the one snapshot held stays until another is committed beside it
+            if len(self._memory_stagings) > 1 and free:
+                free -= self._memory.pinned()  # (the step the other nodes cover stays too)
         can = bool(free)
         if self._group.world_size > 1:
             can = all(self._group.all_gather(can))
         if not can:
             if self._memory is not None and self._memory_stagings:
                 self._stats.memory_skipped_busy += 1
-                log.info("memory snapshot of step %d skipped: the staging buffers are busy", step)
+                log.info(
+                    "memory snapshot of step %d skipped: the staging buffers are busy (or hold "
+                    "the snapshot the other nodes cover, until they cover a newer one)",
+                    step,
+                )
             return False
         assert self._memory is not None
         slot = self._oldest(free)

@@ -139,13 +139,24 @@ def build_run_parser() -> argparse.ArgumentParser:
         "default an asynchronous save's staging buffers live in the agent, so a trainer that "
         "crashes resumes from RAM; see docs/recovery.md)",
     )
-    group.add_argument(
+    copies = group.add_mutually_exclusive_group()
+    copies.add_argument(
         "--peer-replicas",
         type=whole_number(0, 8),
-        default=1,
+        default=None,
         metavar="K",
-        help="on several nodes, copy each node's snapshots to the next K nodes' agents, so that "
-        "losing K nodes loses no snapshot (0: none; the default 1 survives any one node)",
+        help="on several nodes, copy each node's snapshots whole to the next K nodes' agents, so "
+        "that losing K nodes loses no snapshot (0: none; by default one copy on two nodes, "
+        "parity from three on)",
+    )
+    copies.add_argument(
+        "--peer-parity",
+        type=whole_number(1, 16),
+        default=None,
+        metavar="K",
+        help="on several nodes, keep XOR parity of the snapshots in groups of K+1 nodes or more "
+        "instead of whole copies: 1/K of a node's snapshots in memory per node, and any one "
+        "node of a group may be lost (the default from three nodes on, with K up to 4)",
     )
     group.add_argument(
         "--memory-limit",

@@ -175,7 +175,8 @@ class CrashproofAgent(LocalElasticAgent):
         if self._memory_peers is not None and group_rank is not None and nodes is not None:
             # The agents learn each other's address, to copy snapshots between them.
             try:
-                self._memory_peers.join_round(worker_group.store, group_rank, nodes)
+                ranks = [w.global_rank for w in worker_group.workers]
+                self._memory_peers.join_round(worker_group.store, group_rank, nodes, ranks)
             except Exception as exc:  # copies are a bonus: the run goes on without them
                 log.warning("memory snapshots will not be copied to other nodes: %s", exc)
 

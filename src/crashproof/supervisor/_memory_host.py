@@ -69,6 +69,7 @@ class MemoryHost:
         self._segments: dict[Key, _Segment] = {}
         self._replicas: dict[Key, _Segment] = {}  # other nodes' ranks' snapshots, copied here
         self._filling = 0  # bytes of copies being received, not kept yet
+        self._pinned: dict[str, int] = {}  # per root key: the newest step the peers cover
         self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -85,10 +86,15 @@ class MemoryHost:
         """Tell the trainers started from now on where to find this host."""
         os.environ[ENV_MEMORY_SOCKET] = self.address
 
-    def replicate_to_peers(self, replicas: int, advertise: str) -> Peers:
-        """Replicate committed snapshots to ``replicas`` other nodes' agents (a multi-node run):
-        the agent calls :meth:`Peers.join_round` after each rendezvous."""
-        self.peers = Peers(self, self._events, replicas=replicas, advertise=advertise)
+    def replicate_to_peers(
+        self, replicas: int | None, advertise: str, *, parity: int | None = None
+    ) -> Peers:
+        """Copy committed snapshots to ``replicas`` other nodes' agents, or keep ``parity`` of
+        them there (a multi-node run; neither: see :class:`Peers`): the agent calls
+        :meth:`Peers.join_round` after each rendezvous."""
+        self.peers = Peers(
+            self, self._events, replicas=replicas, parity=parity, advertise=advertise
+        )
         return self.peers
 
     @property
@@ -98,7 +104,8 @@ class MemoryHost:
 
     def _held(self) -> int:
         segments = [*self._segments.values(), *self._replicas.values()]
-        return sum(s.nbytes for s in segments) + self._filling
+        parity = 0 if self.peers is None else self.peers.holder.nbytes
+        return sum(s.nbytes for s in segments) + self._filling + parity
 
     def close(self) -> None:
         """Free every segment (the trainers have exited) and stop serving."""
@@ -168,6 +175,9 @@ class MemoryHost:
             world_size = _whole(message, "world_size", _MAX_RANK, low=1)
             if kind == "hello":
                 return self._hello(key, rank, world_size)
+            if kind == "pinned":
+                with self._lock:
+                    return {"ok": True, "step": self._pinned.get(key)}, []
             slot = _whole(message, "slot", _MAX_SLOT)
             if kind == "allocate":
                 return self._allocate(key, rank, slot, _whole(message, "nbytes", 1 << 50), message)
@@ -186,9 +196,9 @@ class MemoryHost:
                     segment.origin = "local"
                 else:
                     return {"error": f"unknown request {kind!r}"}, []
-                world_size = segment.world_size
-            if kind == "commit" and self.peers is not None:
-                self.peers.replicate((key, rank, slot), world_size)
+                world_size, step = segment.world_size, segment.step
+            if kind == "commit" and self.peers is not None and step is not None:
+                self.peers.replicate((key, rank, slot), world_size, step)
             return {"ok": True}, []
         except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             return {"error": f"malformed request: {type(exc).__name__}: {exc}"}, []
@@ -232,6 +242,20 @@ class MemoryHost:
             return bool(found)
 
     # -- what the replication between nodes uses (supervisor._memory_peers) -----------------
+
+    def has_room(self, nbytes: int) -> bool:
+        with self._lock:
+            room = self._room(0)
+        return room is None or nbytes <= room
+
+    def pin(self, key: str, step: int) -> None:
+        with self._lock:
+            self._pinned[key] = max(step, self._pinned.get(key, step))
+
+    def ranks(self, key: str) -> list[int]:
+        """The ranks of ``key`` with segments of this node's own."""
+        with self._lock:
+            return sorted({r for k, r, _ in self._segments if k == key})
 
     def committed(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every committed snapshot of (key, rank) this host holds, its own or a copy: ``slot``,

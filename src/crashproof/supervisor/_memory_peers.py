@@ -9,10 +9,18 @@ their own: the newest snapshot of each slot only (a push that falls behind skips
 never queues), and a push the trainer overwrote meanwhile is dropped by the receiver. Every copy
 is checksummed on the wire, and a restore verifies it again, tensor by tensor.
 
+Instead of full copies, the agents can keep XOR parity (:mod:`._memory_parity`): a ``1/k``
+piece of each node's snapshots per node instead of a whole copy. It is the default from three
+nodes on.
+
 When a trainer asks its agent for its snapshots and the agent holds none for that rank (a new
 node in a lost one's place, or a rank that moved to another node), the agent fetches the newest
-copy any peer holds, before the trainer's restore starts. The copy's origin (``peer:<node>``)
-reaches the restore event.
+copy any peer holds, or else rebuilds it from the parity and the survivors' own snapshots, before
+the trainer's restore starts. The copy's origin (``peer:<node>``) reaches the restore event.
+
+Whatever the scheme, a step every node has copied (or coded) is *covered*; each agent then pins
+it, so that its trainers' next memory snapshots leave it in place until a newer one is covered:
+the protection never lapses while a newer snapshot is on its way.
 """
 
 from __future__ import annotations
@@ -31,8 +39,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from crashproof.checkpoint.format import new_hasher
 from crashproof.link import recv_exactly, recv_message, send_message
+from crashproof.supervisor._memory_parity import ParityHolder, ParityPlan, piece_span
 from crashproof.telemetry import EventLog
 
 __all__ = ["PeerCopy", "Peers"]
@@ -42,6 +53,8 @@ log = logging.getLogger("crashproof.supervisor")
 _CHUNK = 8 * 1024 * 1024
 _TIMEOUT_S = 60.0
 _STORE_PREFIX = "crashproof/memory"
+DEFAULT_PARITY = 4
+"""Pieces per node with parity by default (at most: fewer nodes, fewer pieces)."""
 
 Key = tuple[str, int, int]
 """A segment: the root's key, the global rank, the slot."""
@@ -49,6 +62,21 @@ Key = tuple[str, int, int]
 
 class PeerCopy(Protocol):
     """What the host lends the replication: its committed segments, and a place for copies."""
+
+    token: str
+    """This agent's name among the others, for as long as it lives."""
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may be held (the node's memory, ``--memory-limit``)."""
+        ...
+
+    def pin(self, key: str, step: int) -> None:
+        """Snapshots of ``step`` (of root ``key``) are covered: keep them until a newer is."""
+        ...
+
+    def ranks(self, key: str) -> list[int]:
+        """The ranks of root ``key`` this node's trainers hold segments for."""
+        ...
 
     def committed(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
         """Every committed segment or copy of (key, rank): ``slot``, ``step``, ``nbytes``,
@@ -75,20 +103,41 @@ class PeerCopy(Protocol):
 
 
 class Peers:
-    """The replication between this node's memory host and the other nodes'."""
+    """The replication between this node's memory host and the other nodes'.
 
-    def __init__(self, host: PeerCopy, events: EventLog, *, replicas: int, advertise: str) -> None:
+    ``replicas`` full copies, or ``parity`` (pieces per node, XOR); neither given: parity from
+    three nodes on, one copy on two."""
+
+    def __init__(
+        self,
+        host: PeerCopy,
+        events: EventLog,
+        *,
+        replicas: int | None,
+        advertise: str,
+        parity: int | None = None,
+    ) -> None:
         self._host = host
         self._events = events
         self._replicas = replicas
+        self._parity = parity
         self._advertise = advertise
         self._node = os.uname().nodename
+        self._agent = host.token
         self._secret = b""
         self._lock = threading.Lock()
-        self._peers: dict[int, dict[str, Any]] = {}  # group rank -> {host, port, node}
+        self._peers: dict[int, dict[str, Any]] = {}  # group rank -> {host, port, node, agent}
         self._group_rank = 0
-        self._pending: dict[Key, int] = {}  # segments to push, and the world size
+        self._ranks: list[int] | None = None  # this node's global ranks (None: its segments')
+        self.scheme: tuple[str, int] | None = None
+        """("replicas", K) or ("parity", k) this round; None: no copies."""
+        self._plan: ParityPlan | None = None
+        self.holder = ParityHolder()
+        self._jobs: dict[tuple[Any, ...], tuple[int, int]] = {}  # -> (world size, step)
         self._wake = threading.Condition(self._lock)
+        self._sent: dict[str, int] = {}  # parity: the newest step sent, per root key
+        self._acked: dict[tuple[str, int], set[int]] = {}  # copies: ranks copied, per step
+        self._reports: dict[str, dict[int, set[str]]] = {}  # covered: who said so, per step
         self._closed = False
         self._server = socket.create_server(("", 0), backlog=64)
         self.port = self._server.getsockname()[1]
@@ -98,74 +147,125 @@ class Peers:
 
     # -- membership --------------------------------------------------------------------------
 
-    def join_round(self, store: Any, group_rank: int, group_world_size: int) -> None:
+    def join_round(
+        self, store: Any, group_rank: int, group_world_size: int, ranks: list[int] | None = None
+    ) -> None:
         """Publish this host in the rendezvous ``store`` of the round just completed and learn
-        the others' (a collective of the agents: each sets its key, then reads everyone's)."""
+        the others' (a collective of the agents: each sets its key, then reads everyone's);
+        ``ranks``: this node's global ranks in the round."""
         # Each agent brings a random token; the secret is all of them together, so no store
         # operation beyond set and get is needed (etcd's store has no compare-and-set).
         me = {"host": self._advertise, "port": self.port, "node": self._node,
-              "token": secrets.token_hex(16)}  # fmt: skip
+              "token": secrets.token_hex(16), "agent": self._agent}  # fmt: skip
         store.set(f"{_STORE_PREFIX}/peer/{group_rank}", json.dumps(me))
         peers = {
             r: json.loads(store.get(f"{_STORE_PREFIX}/peer/{r}")) for r in range(group_world_size)
         }
         secret = hashlib.sha256("".join(peers[r]["token"] for r in sorted(peers)).encode())
+        scheme = self._scheme(group_world_size)
         with self._lock:
             self._secret = secret.digest()
-            self._peers, self._group_rank = peers, group_rank
+            self._peers, self._group_rank, self._ranks = peers, group_rank, ranks
+            self.scheme = scheme
+            self._plan = (
+                ParityPlan.of(group_rank, group_world_size, scheme[1])
+                if scheme is not None and scheme[0] == "parity"
+                else None
+            )
+            self._sent, self._acked, self._jobs = {}, {}, {}
             for connection in self._out.values():
                 connection.close()
             self._out = {}
-        log.info("memory peers this round: %s", {r: p["node"] for r, p in peers.items()})
+        log.info(
+            "memory peers this round: %s; %s",
+            {r: p["node"] for r, p in peers.items()},
+            "no copies" if scheme is None else f"{scheme[0]} {scheme[1]}",
+        )
+
+    def _scheme(self, nodes: int) -> tuple[str, int] | None:
+        if nodes < 2:
+            return None
+        if self._parity is not None:
+            return ("parity", self._parity)
+        if self._replicas is not None:
+            return ("replicas", self._replicas) if self._replicas > 0 else None
+        return ("parity", min(DEFAULT_PARITY, nodes - 1)) if nodes >= 3 else ("replicas", 1)
 
     def _targets(self) -> list[int]:
         n = len(self._peers)
-        if n < 2 or self._replicas < 1:
+        if self.scheme is None or self.scheme[0] != "replicas":
             return []
-        return [(self._group_rank + i) % n for i in range(1, min(self._replicas, n - 1) + 1)]
+        return [(self._group_rank + i) % n for i in range(1, min(self.scheme[1], n - 1) + 1)]
 
     def _others(self) -> list[int]:
         return [r for r in sorted(self._peers) if r != self._group_rank]
 
-    # -- pushing copies ----------------------------------------------------------------------
+    def _my_ranks(self, key: str) -> list[int]:
+        if self._ranks is not None:
+            return sorted(self._ranks)
+        return self._host.ranks(key)
 
-    def replicate(self, key: Key, world_size: int) -> None:
-        """Push segment ``key`` (just committed) to the next agents of the ring, in the
-        background; a newer commit of it before the push starts replaces it."""
+    # -- pushing copies and pieces -----------------------------------------------------------
+
+    def replicate(self, key: Key, world_size: int, step: int) -> None:
+        """Segment ``key`` just committed ``step``: copy it (or its node's piece of parity, once
+        every rank of the node has) to the other agents, in the background; a newer commit
+        before the push starts replaces it."""
         with self._lock:
-            if not self._targets():
+            if self.scheme is None:
                 return
-            self._pending[key] = world_size
+            job = ("copy", key) if self.scheme[0] == "replicas" else ("parity", key[0])
+            self._jobs.pop(job, None)  # (to the back of the queue)
+            self._jobs[job] = (world_size, step)
             self._wake.notify()
 
     def _push_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._closed:
+                while not self._jobs and not self._closed:
                     self._wake.wait()
                 if self._closed:
                     return
-                key, world_size = next(iter(self._pending.items()))
-                del self._pending[key]
-                targets = self._targets()
-            for target in targets:
-                try:
-                    self._push(key, world_size, target)
-                except Exception as exc:  # (the thread must go on: the next commit retries)
-                    log.warning("replicating rank %d's snapshot to a peer failed: %s", key[1], exc)
-                    with self._lock:
-                        stale = self._out.pop(target, None)
-                    if stale is not None:
-                        stale.close()
+                job, (world_size, step) = next(iter(self._jobs.items()))
+                del self._jobs[job]
+            try:
+                if job[0] == "copy":
+                    self._push_copies(job[1], world_size, step)
+                elif job[0] == "parity":
+                    self._push_pieces(job[1], world_size, step)
+                else:
+                    self._tell_covered(job[1], step)
+            except Exception:  # (the thread must go on: the next commit retries)
+                log.exception("sending a snapshot to the other agents failed")
 
-    def _push(self, key: Key, world_size: int, target: int) -> None:
+    def _push_copies(self, key: Key, world_size: int, step: int) -> None:
+        with self._lock:
+            targets = self._targets()
+        copied = 0
+        for target in targets:
+            try:
+                copied += self._push(key, world_size, step, target)
+            except Exception as exc:
+                log.warning("replicating rank %d's snapshot to a peer failed: %s", key[1], exc)
+                self._drop_connection(target)
+        if targets and copied == len(targets):
+            with self._lock:
+                done = self._acked.setdefault((key[0], step), set())
+                done.add(key[1])
+                whole = done >= set(self._my_ranks(key[0]))
+            if whole:
+                self._report(key[0], step)
+
+    def _push(self, key: Key, world_size: int, step: int, target: int) -> bool:
         held = [c for c in self._host.committed(key[0], key[1], world_size) if c["slot"] == key[2]]
         for other in held[1:]:
             os.close(other.pop("fd"))
         if not held:
-            return
+            return False
         copy = held[0]
         try:
+            if copy["step"] != step:
+                return False  # (overwritten since: its own commit pushes it)
             connection = self._connection(target)
             header = {"op": "push", "key": key[0], "rank": key[1], "world_size": world_size,
                       "node": self._node}  # fmt: skip
@@ -173,9 +273,111 @@ class Peers:
             reply, _ = recv_message(connection)
             if "error" in reply:
                 log.warning("a peer refused rank %d's snapshot: %s", key[1], reply["error"])
+            return "error" not in reply
         finally:
             if "fd" in copy:
                 os.close(copy.pop("fd"))
+
+    def _push_pieces(self, key: str, world_size: int, step: int) -> None:
+        """Send this node's payload at ``step`` (once every rank of it has committed the step)
+        in pieces, one to each other member of its parity group."""
+        with self._lock:
+            plan, peers = self._plan, dict(self._peers)
+            if plan is None or self._sent.get(key, -1) >= step:
+                return
+        parts = self._payload(key, world_size, step)
+        if parts is None:
+            return  # (not every rank has committed it yet: the last one's commit sends it)
+        with self._lock:
+            self._sent[key] = step
+        try:
+            length = sum(int(c["nbytes"]) for c in parts)
+            segments = [
+                {"rank": c["rank"], "slot": c["slot"], "nbytes": c["nbytes"],
+                 "contents": c["contents"]}
+                for c in parts
+            ]  # fmt: skip
+            for piece in range(plan.pieces):
+                target = plan.holder(piece)
+                offset, size = piece_span(length, plan.pieces, piece)
+                record = {"segments": segments, "length": length, "pieces": plan.pieces,
+                          "piece": piece, "offset": offset, "size": size, "node": self._node}  # fmt: skip
+                expected = [peers[m]["agent"] for m in plan.members if m != target]
+                header = {"op": "piece", "key": key, "step": step, "world_size": world_size,
+                          "agent": self._agent, "expected": expected, "record": record}  # fmt: skip
+                try:
+                    connection = self._connection(target)
+                    send_message(connection, header)
+                    checksum = _send_range(connection, parts, offset, size)
+                    whole = all(self._host.generation(_key_of(key, c)) == c["gen"] for c in parts)
+                    send_message(connection, {"whole": whole, "checksum": checksum})
+                    reply, _ = recv_message(connection)
+                    if "error" in reply:
+                        log.warning("a peer refused this node's parity piece: %s", reply["error"])
+                except OSError as exc:
+                    log.warning("sending a parity piece to a peer failed: %s", exc)
+                    self._drop_connection(target)
+        finally:
+            for copy in parts:
+                os.close(copy.pop("fd"))
+
+    def _payload(self, key: str, world_size: int, step: int) -> list[dict[str, Any]] | None:
+        """This node's segments holding ``step``, one per rank in rank order (descriptors the
+        caller closes), or None when a rank has not committed it."""
+        parts: list[dict[str, Any]] = []
+        complete = True
+        for rank in self._my_ranks(key):
+            held = self._host.committed(key, rank, world_size)
+            found = [c for c in held if c["step"] == step]
+            for copy in held:
+                if copy is not (found[0] if found else None):
+                    os.close(copy.pop("fd"))
+            if not found:
+                complete = False
+                continue
+            parts.append({**found[0], "rank": rank})
+        if complete and parts:
+            return parts
+        for copy in parts:
+            os.close(copy.pop("fd"))
+        return None
+
+    # -- coverage ----------------------------------------------------------------------------
+
+    def _report(self, key: str, step: int) -> None:
+        """This agent's part of ``step`` is done (its copies kept, or its parity complete):
+        tell every agent, this one included."""
+        self._covered(key, step, self._agent)
+        with self._lock:
+            self._jobs[("covered", key)] = (0, step)
+            self._wake.notify()
+
+    def _tell_covered(self, key: str, step: int) -> None:
+        with self._lock:
+            others = self._others()
+        for target in others:
+            try:
+                connection = self._connection(target)
+                send_message(connection, {"op": "covered", "key": key, "step": step,
+                                          "agent": self._agent})  # fmt: skip
+                recv_message(connection)
+            except OSError as exc:
+                log.warning("telling a peer of a covered snapshot failed: %s", exc)
+                self._drop_connection(target)
+
+    def _covered(self, key: str, step: int, agent: str) -> None:
+        with self._lock:
+            everyone = {p["agent"] for p in self._peers.values()}
+            reports = self._reports.setdefault(key, {})
+            reports.setdefault(step, set()).add(agent)
+            if not reports[step] >= everyone:
+                return
+            for old in [s for s in reports if s <= step]:
+                del reports[old]
+        self._host.pin(key, step)
+        self.holder.covered(key, step)
+
+    # -- connections -------------------------------------------------------------------------
 
     def _connection(self, target: int) -> socket.socket:
         with self._lock:
@@ -188,38 +390,63 @@ class Peers:
             self._out[target] = connection
         return connection
 
+    def _drop_connection(self, target: int) -> None:
+        with self._lock:
+            stale = self._out.pop(target, None)
+        if stale is not None:
+            stale.close()
+
     def _dial(self, peer: dict[str, Any]) -> socket.socket:
         connection = socket.create_connection((peer["host"], peer["port"]), timeout=_TIMEOUT_S)
         challenge = recv_exactly(connection, 32)
         connection.sendall(hmac.new(self._secret, challenge, hashlib.sha256).digest())
         return connection
 
+    def _ask(self, peer: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
+        with contextlib.closing(self._dial(peer)) as connection:
+            send_message(connection, message)
+            return recv_message(connection)[0]
+
     # -- fetching copies ---------------------------------------------------------------------
 
     def fetch(self, key: str, rank: int, world_size: int) -> list[str]:
-        """Copy the newest snapshots of (key, rank) a peer holds into this host (a trainer of
-        that rank is starting here and this host has none); returns the origins stored."""
+        """Copy the newest snapshots of (key, rank) a peer holds into this host, or rebuild them
+        from parity (a trainer of that rank is starting here and this host has none); returns
+        the origins stored."""
         with self._lock:
-            others = [(r, self._peers[r]) for r in self._others()]
+            others = [self._peers[r] for r in self._others()]
         best: tuple[int, dict[str, Any]] | None = None
-        for _, peer in others:
+        for peer in others:
             try:
-                with contextlib.closing(self._dial(peer)) as connection:
-                    send_message(connection, {"op": "have", "key": key, "rank": rank,
-                                              "world_size": world_size})  # fmt: skip
-                    reply, _ = recv_message(connection)
+                reply = self._ask(peer, {"op": "have", "key": key, "rank": rank,
+                                         "world_size": world_size})  # fmt: skip
             except (OSError, ValueError) as exc:
                 log.warning("cannot ask %s for rank %d's snapshots: %s", peer["node"], rank, exc)
                 continue
             newest = max((int(s["step"]) for s in reply.get("slots", [])), default=-1)
             if newest >= 0 and (best is None or newest > best[0]):
                 best = (newest, peer)
-        if best is None:
-            return []
-        peer = best[1]
+        started = time.monotonic()
+        if best is not None:
+            peer = best[1]
+            stored = self._fetch_copies(peer, key, rank, world_size)
+            source = peer["node"]
+        else:
+            stored, source = self._rebuild(key, rank, world_size, others)
+            if not stored:
+                return []
+        seconds = time.monotonic() - started
+        self._events.emit("memory_fetched", rank=rank, peer=source, snapshots=len(stored),
+                          seconds=round(seconds, 4))  # fmt: skip
+        log.info("fetched %d snapshot(s) of rank %d from %s in %.2f s", len(stored), rank,
+                 source, seconds)  # fmt: skip
+        return stored
+
+    def _fetch_copies(
+        self, peer: dict[str, Any], key: str, rank: int, world_size: int
+    ) -> list[str]:
         origin = f"peer:{peer['node']}"
         stored = []
-        started = time.monotonic()
         with contextlib.closing(self._dial(peer)) as connection:
             send_message(connection, {"op": "fetch", "key": key, "rank": rank,
                                       "world_size": world_size})  # fmt: skip
@@ -229,12 +456,148 @@ class Peers:
                 why = self._receive(connection, (key, rank, int(meta["slot"])), meta, origin)
                 if why is None:
                     stored.append(origin)
-        seconds = time.monotonic() - started
-        self._events.emit("memory_fetched", rank=rank, peer=peer["node"], snapshots=len(stored),
-                          seconds=round(seconds, 4))  # fmt: skip
-        log.info("fetched %d snapshot(s) of rank %d from %s in %.2f s", len(stored), rank,
-                 peer["node"], seconds)  # fmt: skip
         return stored
+
+    # -- rebuilding from parity --------------------------------------------------------------
+
+    def _rebuild(
+        self, key: str, rank: int, world_size: int, others: list[dict[str, Any]]
+    ) -> tuple[list[str], str]:
+        """Rebuild (key, rank)'s newest snapshot that parity and the survivors still hold;
+        returns the origins stored and where from."""
+        offers: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+        for peer in others:
+            try:
+                reply = self._ask(peer, {"op": "parity_have", "key": key, "rank": rank,
+                                         "world_size": world_size})  # fmt: skip
+            except (OSError, ValueError) as exc:
+                log.warning("cannot ask %s for parity of rank %d: %s", peer["node"], rank, exc)
+                continue
+            for record in reply.get("parities", []):
+                offers.setdefault(int(record["step"]), []).append((peer, record))
+        with self._lock:
+            agents = {p["agent"]: p for p in self._peers.values()}
+        why = "no peer holds a copy or parity of it"
+        for step in sorted(offers, reverse=True):
+            started = time.monotonic()
+            try:
+                stored = self._rebuild_step(key, rank, world_size, step, offers[step], agents)
+            except (OSError, ValueError, KeyError, TypeError, _Dropped) as exc:
+                why = f"step {step}: {exc}"
+                log.warning("cannot rebuild rank %d's snapshot of %s", rank, why)
+                continue
+            holders = sorted({peer["node"] for peer, _ in offers[step]})
+            log.info("rebuilt rank %d's snapshot of step %d from parity in %.2f s", rank, step,
+                     time.monotonic() - started)  # fmt: skip
+            return stored, f"parity on {', '.join(holders)}"
+        self._events.emit("memory_missing", rank=rank, why=why)
+        log.warning("rank %d's snapshot is in no agent's memory (%s): it restores from storage",
+                    rank, why)  # fmt: skip
+        return [], ""
+
+    def _rebuild_step(
+        self,
+        key: str,
+        rank: int,
+        world_size: int,
+        step: int,
+        offered: list[tuple[dict[str, Any], dict[str, Any]]],
+        agents: dict[str, dict[str, Any]],
+    ) -> list[str]:
+        lost = next(
+            agent
+            for _, record in offered
+            for agent, piece in record["contributors"].items()
+            if any(int(s["rank"]) == rank for s in piece["segments"])
+        )
+        pieces = {
+            int(record["contributors"][lost]["piece"]): (peer, record)
+            for peer, record in offered
+            if lost in record["contributors"]
+        }
+        mine = next(iter(pieces.values()))[1]["contributors"][lost]
+        count, length = int(mine["pieces"]), int(mine["length"])
+        if set(pieces) != set(range(count)):
+            raise _Dropped(
+                f"only {len(pieces)} of its {count} parity pieces are on nodes still here "
+                "(more nodes were lost than the parity covers)"
+            )
+        payload = bytearray(length)
+        for peer, record in pieces.values():
+            parity = self._read_parity(peer, key, step, int(record["size"]))
+            for agent, piece in record["contributors"].items():
+                if agent == lost:
+                    continue
+                source = agents.get(agent)
+                if source is None:
+                    raise _Dropped(f"{piece['node']}, which has a part in it, is gone too")
+                self._xor_piece(source, key, world_size, step, piece, parity)
+            mine = record["contributors"][lost]
+            offset, size = int(mine["offset"]), int(mine["size"])
+            rebuilt = _bytes_of(parity)[:size]
+            hasher = new_hasher()
+            hasher.update(rebuilt)
+            if hasher.hexdigest() != mine["checksum"]:
+                raise _Dropped(f"piece {mine['piece']} rebuilt does not match its checksum")
+            payload[offset : offset + size] = rebuilt
+        origin = f"peer:{', '.join(sorted({p['node'] for p, _ in pieces.values()}))} (parity)"
+        stored, at = [], 0
+        for segment in mine["segments"]:
+            nbytes = int(segment["nbytes"])
+            chunk = memoryview(payload)[at : at + nbytes]
+            at += nbytes
+            meta = {"nbytes": nbytes, "world_size": world_size, "step": step,
+                    "contents": segment["contents"]}  # fmt: skip
+
+            def fill(into: memoryview, chunk: memoryview = chunk) -> None:
+                into[:] = chunk
+
+            slot = (key, int(segment["rank"]), int(segment["slot"]))
+            why = self._host.store_copy(slot, meta, fill, origin, as_replica=slot[1] != rank)
+            if why is not None:
+                raise _Dropped(why)
+            if slot[1] == rank:
+                stored.append(origin)
+        return stored
+
+    def _read_parity(self, peer: dict[str, Any], key: str, step: int, size: int) -> torch.Tensor:
+        with contextlib.closing(self._dial(peer)) as connection:
+            send_message(connection, {"op": "parity_fetch", "key": key, "step": step})
+            reply, _ = recv_message(connection)
+            if "error" in reply or int(reply["size"]) != size:
+                raise _Dropped(f"{peer['node']} no longer holds the parity")
+            into = bytearray(size)
+            computed = _receive_bytes(connection, size, memoryview(into))
+            if recv_message(connection)[0].get("checksum") != computed:
+                raise _Dropped(f"the parity from {peer['node']} was damaged on the way")
+        return _tensor_of(into)
+
+    def _xor_piece(
+        self,
+        peer: dict[str, Any],
+        key: str,
+        world_size: int,
+        step: int,
+        piece: dict[str, Any],
+        parity: torch.Tensor,
+    ) -> None:
+        """XOR into ``parity`` the piece ``peer`` sent to it, read again from its memory."""
+        size = int(piece["size"])
+        with contextlib.closing(self._dial(peer)) as connection:
+            send_message(connection, {"op": "piece_fetch", "key": key, "step": step,
+                                      "world_size": world_size, "segments": piece["segments"],
+                                      "offset": piece["offset"], "size": size})  # fmt: skip
+            reply, _ = recv_message(connection)
+            if "error" in reply:
+                raise _Dropped(f"{piece['node']}: {reply['error']}")
+            into = bytearray(size)
+            computed = _receive_bytes(connection, size, memoryview(into))
+            trailer, _ = recv_message(connection)
+        if not trailer.get("whole") or computed != piece["checksum"]:
+            raise _Dropped(f"{piece['node']} no longer holds the same snapshot of step {step}")
+        parity[:size].bitwise_xor_(_tensor_of(into))
+
+    # -- receiving ---------------------------------------------------------------------------
 
     def _receive(
         self,
@@ -248,26 +611,42 @@ class Peers:
         """Read one segment's bytes and its trailer off ``connection`` into a copy; returns why
         it was not kept (None: kept)."""
         nbytes = int(meta["nbytes"])
-        outcome: dict[str, Any] = {}
 
         def fill(into: memoryview) -> None:
-            hasher = new_hasher()
-            pos = 0
-            while pos < nbytes:
-                got = connection.recv_into(into[pos : pos + min(_CHUNK, nbytes - pos)])
-                if not got:
-                    raise ConnectionError("the peer closed the connection mid-copy")
-                hasher.update(into[pos : pos + got])
-                pos += got
+            computed = _receive_bytes(connection, nbytes, into)
             trailer, _ = recv_message(connection)
-            outcome.update(trailer, computed=hasher.hexdigest())
-            if not trailer.get("whole") or trailer.get("checksum") != outcome["computed"]:
+            if not trailer.get("whole") or trailer.get("checksum") != computed:
                 raise _Dropped("overwritten while it was sent, or damaged on the way")
 
         try:
             return self._host.store_copy(key, meta, fill, origin, as_replica=as_replica)
         except _Dropped as exc:
             return str(exc)
+
+    def _receive_piece(self, connection: socket.socket, message: dict[str, Any]) -> None:
+        key, step, agent = str(message["key"]), int(message["step"]), str(message["agent"])
+        record = dict(message["record"])
+        size = int(record["size"])
+        expected = [str(a) for a in message["expected"]]
+        wanted = self.holder.open_piece(key, step, int(message["world_size"]), agent, expected)
+        if wanted and not self._host.has_room(size):
+            self.holder.close_piece(key, step, agent, None, None)
+            wanted = False
+            log.warning("no memory for a %d-byte parity piece of step %d", size, step)
+        into = bytearray(size) if wanted else None
+        computed = _receive_bytes(connection, size, None if into is None else memoryview(into))
+        trailer, _ = recv_message(connection)
+        if into is None:
+            send_message(connection, {"error": "not wanted (no memory, or not this round's)"})
+            return
+        whole = bool(trailer.get("whole")) and trailer.get("checksum") == computed
+        piece = _tensor_of(into)
+        complete = self.holder.close_piece(
+            key, step, agent, {**record, "checksum": computed} if whole else None, piece
+        )
+        send_message(connection, {"ok": True} if whole else {"error": "overwritten or damaged"})
+        if complete:
+            self._report(key, step)
 
     # -- serving the other agents ------------------------------------------------------------
 
@@ -304,8 +683,28 @@ class Peers:
                 return
 
     def _answer(self, connection: socket.socket, message: dict[str, Any]) -> None:
-        op, key, rank = message["op"], str(message["key"]), int(message["rank"])
-        world_size = int(message["world_size"])
+        op, key = message["op"], str(message["key"])
+        if op == "piece":
+            self._receive_piece(connection, message)
+        elif op == "covered":
+            self._covered(key, int(message["step"]), str(message["agent"]))
+            send_message(connection, {"ok": True})
+        elif op == "parity_fetch":
+            self._send_parity(connection, key, int(message["step"]))
+        elif op == "piece_fetch":
+            self._send_piece(connection, message)
+        elif op == "parity_have":
+            records = self.holder.records(key, int(message["rank"]), int(message["world_size"]))
+            send_message(connection, {"parities": records})
+        else:
+            self._answer_copies(connection, op, message)
+
+    def _answer_copies(self, connection: socket.socket, op: str, message: dict[str, Any]) -> None:
+        key, rank, world_size = (
+            str(message["key"]),
+            int(message["rank"]),
+            int(message["world_size"]),
+        )
         if op == "push":
             slot = (key, rank, int(message["slot"]))
             origin = f"peer:{message.get('node', '?')}"
@@ -322,8 +721,51 @@ class Peers:
                 for copy in held:
                     header = {"world_size": world_size}
                     self._send_copy(connection, (key, rank, copy["slot"]), copy, header)
+            else:
+                send_message(connection, {"error": f"unknown request {op!r}"})
         finally:
             for copy in held:
+                if "fd" in copy:
+                    os.close(copy.pop("fd"))
+
+    def _send_parity(self, connection: socket.socket, key: str, step: int) -> None:
+        parity = self.holder.read(key, step)
+        if parity is None:
+            send_message(connection, {"error": f"no parity of step {step}"})
+            return
+        send_message(connection, {"size": int(parity.numel())})
+        data = _bytes_of(parity)
+        hasher = new_hasher()
+        for start in range(0, len(data), _CHUNK):
+            chunk = data[start : start + _CHUNK]
+            hasher.update(chunk)
+            connection.sendall(chunk)
+        send_message(connection, {"checksum": hasher.hexdigest()})
+
+    def _send_piece(self, connection: socket.socket, message: dict[str, Any]) -> None:
+        """Send again a piece of this node's payload at a step, from its own segments."""
+        key, step = str(message["key"]), int(message["step"])
+        world_size = int(message["world_size"])
+        parts: list[dict[str, Any]] = []
+        try:
+            for wanted in message["segments"]:
+                rank, slot = int(wanted["rank"]), int(wanted["slot"])
+                found = None
+                for copy in self._host.committed(key, rank, world_size):
+                    if found is None and copy["slot"] == slot and copy["step"] == step:
+                        found = {**copy, "rank": rank}
+                    else:
+                        os.close(copy.pop("fd"))
+                if found is None:
+                    send_message(connection, {"error": f"rank {rank}'s step {step} is gone"})
+                    return
+                parts.append(found)
+            send_message(connection, {"ok": True})
+            checksum = _send_range(connection, parts, int(message["offset"]), int(message["size"]))
+            whole = all(self._host.generation(_key_of(key, c)) == c["gen"] for c in parts)
+            send_message(connection, {"whole": whole, "checksum": checksum})
+        finally:
+            for copy in parts:
                 if "fd" in copy:
                     os.close(copy.pop("fd"))
 
@@ -333,14 +775,15 @@ class Peers:
         """Send one of :meth:`PeerCopy.committed`'s copies (its descriptor is closed): its
         record after ``header``, its bytes, then whether it stayed whole and their checksum (the
         trainer may have started to overwrite it meanwhile: then the receiver drops it)."""
-        fd = copy.pop("fd")
         try:
-            send_message(connection, {**header, **{k: v for k, v in copy.items() if k != "gen"}})
-            checksum = _send_segment(connection, fd, copy["nbytes"])
+            send_message(
+                connection, {**header, **{k: v for k, v in copy.items() if k not in ("gen", "fd")}}
+            )
+            checksum = _send_range(connection, [copy], 0, int(copy["nbytes"]))
             whole = self._host.generation(key) == copy["gen"]
             send_message(connection, {"whole": whole, "checksum": checksum})
         finally:
-            os.close(fd)
+            os.close(copy.pop("fd"))
 
     def close(self) -> None:
         with self._lock:
@@ -353,17 +796,59 @@ class Peers:
             connection.close()
 
 
-def _send_segment(connection: socket.socket, fd: int, nbytes: int) -> str:
-    """Stream a segment's bytes; returns their checksum."""
+def _key_of(key: str, copy: dict[str, Any]) -> Key:
+    return (key, int(copy["rank"]), int(copy["slot"]))
+
+
+def _tensor_of(data: bytearray) -> torch.Tensor:
+    """``data`` as a uint8 tensor, sharing its memory."""
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A uint8 tensor's bytes, without a copy."""
+    return tensor.numpy().data if tensor.numel() else memoryview(b"")
+
+
+def _send_range(
+    connection: socket.socket, parts: list[dict[str, Any]], offset: int, size: int
+) -> str:
+    """Stream bytes ``offset .. offset + size`` of the segments ``parts`` (``fd``, ``nbytes``)
+    laid end to end; returns their checksum."""
     hasher = new_hasher()
-    with (
-        mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm,
-        memoryview(mm) as view,
-    ):
-        for start in range(0, nbytes, _CHUNK):
-            with view[start : start + _CHUNK] as chunk:
-                hasher.update(chunk)
-                connection.sendall(chunk)
+    at = 0
+    for part in parts:
+        nbytes = int(part["nbytes"])
+        start, end = max(offset, at), min(offset + size, at + nbytes)
+        if start < end:
+            with (
+                mmap.mmap(part["fd"], nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm,
+                memoryview(mm) as view,
+            ):
+                for pos in range(start - at, end - at, _CHUNK):
+                    with view[pos : min(pos + _CHUNK, end - at)] as chunk:
+                        hasher.update(chunk)
+                        connection.sendall(chunk)
+        at += nbytes
+    return hasher.hexdigest()
+
+
+def _receive_bytes(connection: socket.socket, nbytes: int, into: memoryview | None) -> str:
+    """Read ``nbytes`` off ``connection`` into ``into`` (None: read and dropped); returns their
+    checksum."""
+    hasher = new_hasher()
+    scratch = memoryview(bytearray(min(_CHUNK, nbytes))) if into is None else None
+    pos = 0
+    while pos < nbytes:
+        want = min(_CHUNK, nbytes - pos)
+        target = into[pos : pos + want] if into is not None else scratch[:want]  # type: ignore[index]
+        got = connection.recv_into(target)
+        if not got:
+            raise ConnectionError("the peer closed the connection mid-copy")
+        hasher.update(target[:got])
+        pos += got
     return hasher.hexdigest()
 
 

@@ -396,8 +396,10 @@ def _supervise(
     peers = None
     if memory is not None:
         memory.publish()
-        if config.max_nodes > 1 and args.peer_replicas > 0:
-            peers = memory.replicate_to_peers(args.peer_replicas, _advertised_address(config))
+        if config.max_nodes > 1 and args.peer_replicas != 0:
+            peers = memory.replicate_to_peers(
+                args.peer_replicas, _advertised_address(config), parity=args.peer_parity
+            )
     agent = CrashproofAgent(
         spec,
         config.logs_specs,

@@ -35,6 +35,7 @@ class MemorySnapshots:
         self._client = client
         self.rank, self.world_size = rank, world_size
         key = digest(root.encode())[:16]  # two managers in one trainer (model, EMA) never mix
+        self._key = key
         self.slots = [Slot(client, key, rank, world_size, i) for i in range(slots)]
         reply, fds = client.request(
             {"op": "hello", "key": key, "rank": rank, "world_size": world_size}
@@ -75,6 +76,18 @@ class MemorySnapshots:
         storage = SlotStorage(self.slots[index], data_at)
         group = RankAlone(self.rank, self.world_size)
         return persist(storage, MEMORY_ROOT, mine, group, new_tmp_name(snapshot.step))
+
+    def pinned(self) -> set[int]:
+        """The slots to leave alone: they hold the newest snapshot every other node covers
+        (copies or parity), the step a lost node would be rebuilt at, until a newer one is."""
+        try:
+            reply, _ = self._client.request(
+                {"op": "pinned", "key": self._key, "rank": self.rank, "world_size": self.world_size}
+            )
+        except (OSError, ValueError):
+            return set()  # (the agent is gone: the next save says so)
+        step = reply.get("step")
+        return {s.index for s in self.slots if step is not None and s.step == step}
 
     def steps(self) -> dict[int, int]:
         """The committed steps this rank holds, and the slot of each."""

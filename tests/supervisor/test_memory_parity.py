@@ -1,0 +1,227 @@
+"""XOR parity between agents: a lost node's snapshots rebuilt byte for byte from the parity its
+group holds and the survivors' own snapshots, in one process with real memory hosts and a real
+TCP store (the ``crashproof run`` end to end is in ``test_memory_peers.py``).
+
+The "trainers" here commit raw segments straight to their host, as the wire allows: the bytes
+are what the test compares, and a restore's checks are another test's business."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crashproof.link import MemoryClient
+from crashproof.supervisor._memory_parity import ParityPlan, parity_groups, piece_span
+from crashproof.telemetry import read_events
+from tests.supervisor.test_memory_peers import _round
+
+KEY = "0123456789abcdef"
+
+
+def _hosts(tmp_path: Path, n: int, ranks: int = 1, **scheme: Any) -> tuple[Any, list[Any]]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=20))  # fmt: skip
+    hosts = [_host(tmp_path, i, **scheme) for i in range(n)]
+    _round(store, hosts, 0, ranks)
+    return store, hosts
+
+
+def _host(tmp_path: Path, i: int, **scheme: Any) -> Any:
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    host = MemoryHost(EventLog(tmp_path / f"events{i}-{time.monotonic_ns()}.jsonl"))
+    host.replicate_to_peers(scheme.get("replicas"), "127.0.0.1", parity=scheme.get("parity"))
+    return host
+
+
+class _Trainer:
+    """A rank's side of the wire: segments allocated, filled and committed by hand."""
+
+    def __init__(self, host: Any, rank: int, world_size: int) -> None:
+        self.client = MemoryClient(host.address)
+        self.rank, self.world_size = rank, world_size
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def _ids(self, slot: int) -> dict[str, Any]:
+        return {"key": KEY, "rank": self.rank, "world_size": self.world_size, "slot": slot}
+
+    def commit(self, slot: int, step: int, data: bytes) -> None:
+        if slot not in self.maps or len(self.maps[slot]) != len(data):
+            reply, fds = self.client.request(
+                {"op": "allocate", **self._ids(slot), "nbytes": len(data)}
+            )
+            assert "error" not in reply, reply
+            self.maps[slot] = mmap.mmap(fds[0], len(data))
+            os.close(fds[0])
+        assert "error" not in self.client.request({"op": "invalidate", **self._ids(slot)})[0]
+        self.maps[slot][:] = data
+        files = {"files": {}, "shard": [0, len(data)], "path": f"step_{step}"}
+        reply, _ = self.client.request({"op": "commit", **self._ids(slot), "step": step,
+                                        "files": files})  # fmt: skip
+        assert "error" not in reply, reply
+
+    def close(self) -> None:
+        for mm in self.maps.values():
+            mm.close()
+        self.client.close()
+
+
+def _wait_covered(hosts: list[Any], step: int) -> None:
+    deadline = time.monotonic() + 30
+    while not all(h._pinned.get(KEY) == step for h in hosts):
+        assert time.monotonic() < deadline, [h._pinned for h in hosts]
+        time.sleep(0.02)
+
+
+def _held(host: Any, rank: int, world_size: int) -> dict[int, tuple[int, bytes, str]]:
+    """What a trainer of ``rank`` starting on ``host`` is offered: slot -> (step, bytes, origin)."""
+    reply, fds = host._hello(KEY, rank, world_size)
+    offered = {}
+    for info, fd in zip(reply["slots"], fds, strict=True):
+        if info["step"] is not None:
+            with mmap.mmap(fd, info["nbytes"], mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+                offered[info["slot"]] = (info["step"], bytes(mm), info["origin"])
+    return offered
+
+
+def _data(rank: int, step: int, size: int) -> bytes:
+    return random.Random(rank * 1000 + step).randbytes(size)
+
+
+def _replace(
+    tmp_path: Path, store: Any, hosts: list[Any], lost: list[int], number: int, ranks: int = 1
+) -> None:
+    for i in lost:
+        hosts[i].close()
+        hosts[i] = _host(tmp_path, i)
+    _round(store, hosts, number, ranks)
+
+
+def test_groups_and_pieces() -> None:
+    assert parity_groups(3, 4) == [[0, 1, 2]]
+    assert parity_groups(10, 4) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert parity_groups(7, 2) == [[0, 1, 2, 3], [4, 5, 6]]  # never a group of one
+    assert all(len(g) >= 2 for n in range(2, 40) for k in range(1, 9) for g in parity_groups(n, k))
+    for length in (0, 1, 63, 64, 1000, 12345):
+        for pieces in (1, 2, 3, 7):
+            spans = [piece_span(length, pieces, p) for p in range(pieces)]
+            assert sum(size for _, size in spans) == length
+            assert all(a + s == b for (a, s), (b, _) in itertools.pairwise(spans))
+    plan = ParityPlan.of(1, 3, 4)
+    assert plan is not None and [plan.holder(p) for p in range(plan.pieces)] == [2, 0]
+
+
+def test_of_three_nodes_the_lost_ones_snapshots_are_rebuilt_from_parity(tmp_path: Path) -> None:
+    store, hosts = _hosts(tmp_path, 3)  # three nodes: parity by default, two pieces each
+    sizes = {0: 100_000, 1: 70_001, 2: 123_457}  # (unequal parts, none a multiple of 64)
+    trainers = [_Trainer(hosts[r], r, 3) for r in range(3)]
+    try:
+        assert all(h.peers.scheme == ("parity", 2) for h in hosts)
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, sizes[r]))
+        _wait_covered(hosts, 10)
+        parity = [h.peers.holder.nbytes for h in hosts]
+        assert all(p <= max(sizes.values()) // 2 + 64 for p in parity), parity  # 1/k, not 1
+        for trainer in trainers:
+            trainer.close()
+        _replace(tmp_path, store, hosts, [1], 1)
+        offered = _held(hosts[1], 1, 3)
+        assert offered[0][:2] == (10, _data(1, 10, sizes[1])), "not rebuilt byte for byte"
+        assert offered[0][2].endswith("(parity)")
+        fetched = [e for e in read_events(hosts[1]._events.path) if e["event"] == "memory_fetched"]
+        assert fetched and fetched[0]["peer"].startswith("parity on")
+    finally:
+        for host in hosts:
+            host.close()
+
+
+def test_two_ranks_a_node_and_a_newer_step_the_lost_node_never_finished(tmp_path: Path) -> None:
+    """Four nodes, two ranks each, two slots: every node commits step 10 (covered), then the
+    survivors step 20 while node 2 dies before its own: it is rebuilt at step 10, which the
+    survivors kept (pinned) rather than overwrite it with a step nobody could rebuild."""
+    store, hosts = _hosts(tmp_path, 4, ranks=2, parity=3)
+    trainers = [_Trainer(hosts[r // 2], r, 8) for r in range(8)]
+    try:
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 40_000 + 999 * r))
+        _wait_covered(hosts, 10)
+        for r, trainer in enumerate(trainers):
+            if r // 2 != 2:
+                trainer.commit(1, 20, _data(r, 20, 40_000 + 999 * r))
+        pinned = hosts[0]._answer({"op": "pinned", "key": KEY, "rank": 0, "world_size": 8})[0]
+        assert pinned["step"] == 10
+        for trainer in trainers:
+            trainer.close()
+        _replace(tmp_path, store, hosts, [2], 1, ranks=2)
+        for rank in (4, 5):
+            offered = _held(hosts[2], rank, 8)
+            assert [(s, d) for s, d, _ in offered.values()] == [
+                (10, _data(rank, 10, 40_000 + 999 * rank))
+            ]
+    finally:
+        for host in hosts:
+            host.close()
+
+
+@pytest.mark.parametrize(
+    ("lost", "damage", "why"),
+    [
+        ([1, 2], False, "more nodes were lost than the parity covers"),
+        # A bad DIMM on node 0 after it sent its pieces, in the one the rebuild uses (its first
+        # piece went to node 1, lost with it).
+        ([1], True, "no longer holds the same snapshot of step 10"),
+    ],
+    ids=["two-nodes-of-a-group-lost", "a-survivors-snapshot-damaged"],
+)
+def test_what_parity_cannot_rebuild_falls_back_to_storage_and_says_why(
+    tmp_path: Path, lost: list[int], damage: bool, why: str
+) -> None:
+    store, hosts = _hosts(tmp_path, 3)
+    trainers = [_Trainer(hosts[r], r, 3) for r in range(3)]
+    try:
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 50_000))
+        _wait_covered(hosts, 10)
+        if damage:
+            trainers[0].maps[0][40_000] ^= 0x01
+        for trainer in trainers:
+            trainer.close()
+        _replace(tmp_path, store, hosts, lost, 1)
+        assert _held(hosts[1], 1, 3) == {}  # nothing offered: the restore goes to storage
+        missing = [e for e in read_events(hosts[1]._events.path) if e["event"] == "memory_missing"]
+        assert missing and why in missing[0]["why"], missing
+    finally:
+        for host in hosts:
+            host.close()
+
+
+@pytest.mark.parametrize("nodes", [2, 5])
+def test_full_copies_cover_and_pin_too(tmp_path: Path, nodes: int) -> None:
+    store, hosts = _hosts(tmp_path, nodes, replicas=1)
+    trainers = [_Trainer(hosts[r], r, nodes) for r in range(nodes)]
+    try:
+        assert all(h.peers.scheme == ("replicas", 1) for h in hosts)
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 30_000))
+        _wait_covered(hosts, 10)
+        for trainer in trainers:
+            trainer.close()
+        _replace(tmp_path, store, hosts, [1], 1)
+        assert [(s, d) for s, d, _ in _held(hosts[1], 1, nodes).values()] == [
+            (10, _data(1, 10, 30_000))
+        ]
+    finally:
+        for host in hosts:
+            host.close()
