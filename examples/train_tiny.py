@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(dim, args.hidden)
     ema = EMA(model)
     if world_size > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        # DDP regroups its gradient buckets after a process's first step; from three ranks on
+        # that changes the order of the first step's sums after a resume, unless it keeps its
+        # first grouping, as it does looking for unused parameters (docs/exactness.md).
+        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=world_size >= 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=args.steps)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)

@@ -279,6 +279,21 @@ def test_a_ddp_wrapped_model_is_saved_without_the_module_prefix(gloo_world_of_on
     assert not any(key.startswith("module.") for key in tree["model"])
 
 
+@pytest.mark.parametrize(
+    ("options", "regroups"),
+    [({}, True), ({"find_unused_parameters": True}, False), ({"static_graph": True}, True),
+     ({"find_unused_parameters": True, "static_graph": True}, True)],
+)  # fmt: skip
+def test_which_ddp_regroups_its_buckets_after_the_first_step(
+    gloo_world_of_one: None, options: dict[str, bool], regroups: bool
+) -> None:
+    """A DDP that regroups makes the first step after a resume on 3+ ranks inexact (warned)."""
+    ddp = nn.parallel.DistributedDataParallel(_model(), **options)
+    assert TrainState(model=ddp).ddp_regroups_gradients() is regroups
+    assert TrainState(model=torch.compile(ddp)).ddp_regroups_gradients() is regroups
+    assert not TrainState(model=_model()).ddp_regroups_gradients()
+
+
 def test_a_ddp_checkpoint_restores_into_a_plain_model_and_back(
     tmp_path: Path, gloo_world_of_one: None
 ) -> None:

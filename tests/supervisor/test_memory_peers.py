@@ -27,9 +27,9 @@ TRAIN = ["--steps", "60", "--workers", "0", "--batch-size", "8", "--every", "100
          "--memory-every", "5", "--staging-buffers", "2"]  # fmt: skip
 
 
-def _node(run_dir: Path, port: int, ckpt: Path, dump: Path) -> subprocess.Popen[str]:
+def _node(run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int) -> subprocess.Popen[str]:
     command = [
-        sys.executable, "-m", "crashproof.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
+        sys.executable, "-m", "crashproof.cli", "run", "--nnodes", str(nodes), "--nproc-per-node", "1",
         "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "peers-test", "--run-dir", str(run_dir), "--metrics-port", "-1",
         str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", "0.1",
@@ -53,44 +53,51 @@ def _step_reached(*run_dirs: Path) -> int:
     return max(steps, default=0)
 
 
-def test_a_lost_node_resumes_from_the_copies_its_peer_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("nodes", [2, 3], ids=["2-nodes-copies", "3-nodes-parity"])
+def test_a_lost_node_resumes_from_its_peers_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: int
 ) -> None:
+    """Two nodes keep a whole copy of each other's snapshots; three keep XOR parity (the
+    default from three nodes on), and the lost node's are rebuilt from it."""
     # One thread per trainer in both runs (torchrun gives one only to several trainers per
     # node): the same kernels' reduction order, so the runs may be compared bit for bit.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     port = free_port()
     ckpt, dump = tmp_path / "ckpt", tmp_path / "b.st"
-    a, b, b2 = tmp_path / "a", tmp_path / "b", tmp_path / "b2"
+    dirs = [tmp_path / f"node{i}" for i in range(nodes)]
+    replacement = tmp_path / "replacement"
     clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
-                  *TRAIN, "--dump", str(tmp_path / "a.st"))  # fmt: skip
-    nodes = [_node(a, port, ckpt, dump)]
+                  *TRAIN, "--dump", str(tmp_path / "a.st"),
+                  options=["--nproc-per-node", str(nodes)])  # fmt: skip
+    started = [_node(dirs[0], port, ckpt, dump, nodes)]
     try:
-        # A first: its agent hosts the rendezvous store (c10d), which must outlive B.
+        # Node 0 first: its agent hosts the rendezvous store (c10d), which must outlive node 1.
         deadline = time.monotonic() + 60
-        while not _events(a):
-            assert time.monotonic() < deadline and nodes[0].poll() is None, "A did not start"
+        while not _events(dirs[0]):
+            assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
             time.sleep(0.1)
-        nodes.append(_node(b, port, ckpt, dump))
-        deadline = time.monotonic() + 120
-        while _step_reached(a, b) < 25:
-            assert time.monotonic() < deadline, "the two nodes did not train"
-            assert all(n.poll() is None for n in nodes), "a node ended early"
+        started += [_node(d, port, ckpt, dump, nodes) for d in dirs[1:]]
+        deadline = time.monotonic() + 150
+        while _step_reached(*dirs) < 25:
+            assert time.monotonic() < deadline, "the nodes did not train"
+            assert all(n.poll() is None for n in started), "a node ended early"
             time.sleep(0.1)
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node B: its agent and its trainer at once
-        nodes[1].wait(30)
-        nodes.append(_node(b2, port, ckpt, dump))  # a new node in its place
-        assert nodes[0].wait(150) == 0, (a.with_suffix(".log")).read_text()[-3000:]
-        assert nodes[2].wait(60) == 0, (b2.with_suffix(".log")).read_text()[-3000:]
+        os.killpg(started[1].pid, signal.SIGKILL)  # node 1: its agent and its trainer at once
+        started[1].wait(30)
+        started.append(_node(replacement, port, ckpt, dump, nodes))  # a new node in its place
+        for node, where in [*zip(started, dirs, strict=False), (started[-1], replacement)]:
+            if node is not started[1]:
+                assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
     finally:
-        for node in nodes:
+        for node in started:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
                 node.wait(30)
     code, _, output = finish(clean)
     assert code == 0, output[-3000:]
     assert not any(p.name.startswith("step_") for p in (ckpt / "checkpoints").iterdir())
-    restores = [e for d in (a, b2) for e in _events(d) if e["event"] == "restore"]
+    survivors = [d for d in dirs if d != dirs[1]]
+    restores = [e for d in (*survivors, replacement) for e in _events(d) if e["event"] == "restore"]
     assert [e["kind"] for e in restores] == ["peer"], restores
     assert restores[0]["step"] >= 20 and restores[0]["bytes"] > 0
     expected, got = load_file(tmp_path / "a.st"), load_file(dump)

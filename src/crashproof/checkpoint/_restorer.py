@@ -365,7 +365,7 @@ class Restorer:
                 f"{where}: another rank failed to load step {candidate} ({peer}); this rank "
                 "loaded it, but the ranks no longer hold one state: restore again"
             )
-        self._warn_if_inexact(candidate)
+        self._warn_if_inexact(candidate, state)
         shared = self._shared
         shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
         if plan is None:  # (a step in memory may not be on disk: retention goes by the disk)
@@ -381,10 +381,21 @@ class Restorer:
             )
         return int(candidate), storage.describe(path)
 
-    def _warn_if_inexact(self, step: int) -> None:
+    def _warn_if_inexact(self, step: int, state: TrainState) -> None:
         """Say so when the run that saved (or this one) uses kernels that may not be bit-exact."""
         env = self._restored_environment
         now = exactness_environment()
+        if self._group.world_size >= 3 and state.ddp_regroups_gradients() and self._group.rank == 0:
+            log.warning(
+                "resuming from step %d with DistributedDataParallel on %d ranks: DDP regroups its "
+                "gradient buckets after a process's first step, so the first step after this "
+                "resume sums gradients in another order than the uninterrupted run did, and the "
+                "runs differ in the last bits; for bit-exact resumes pass "
+                "find_unused_parameters=True to DistributedDataParallel, which keeps its first "
+                "grouping (see docs/exactness.md)",
+                step,
+                self._group.world_size,
+            )
         if (env.get("cuda") or now["cuda"]) and not (
             env.get("deterministic_algorithms") and now["deterministic_algorithms"]
         ):

@@ -332,6 +332,14 @@ class TrainState:
             model = inner if isinstance(inner, nn.Module) else None
         return None
 
+    def ddp_regroups_gradients(self) -> bool:
+        """Whether the model's DDP regroups its gradient buckets after a process's first step
+        (it does unless ``find_unused_parameters=True`` without ``static_graph``): with three
+        ranks or more, a bucket's sum goes around the ranks in pieces, so that first step adds
+        each gradient in another order than the uninterrupted run did at that step."""
+        ddp = self._ddp()
+        return ddp is not None and (not ddp.find_unused_parameters or bool(ddp.static_graph))
+
     def per_rank_names(self) -> frozenset[str]:
         """Names (as in a checkpoint) of the model's buffers: tensors the ranks of a DDP job may
         hold differently (see :meth:`replicated_names`), so a restore on another number of ranks

@@ -250,7 +250,7 @@ class MemoryHost:
 
     def pin(self, key: str, step: int) -> None:
         with self._lock:
-            self._pinned[key] = max(step, self._pinned.get(key, step))
+            self._pinned[key] = step
 
     def ranks(self, key: str) -> list[int]:
         """The ranks of ``key`` with segments of this node's own."""

@@ -169,6 +169,14 @@ class ParityHolder:
                 self._retire(key)
             return complete
 
+    def new_round(self) -> None:
+        """A new round: coverage starts again (its trainers may go back to older steps); the
+        complete parities stay offered, the ones being built go."""
+        with self._lock:
+            self._floor = {}
+            for k in [k for k, p in self._parities.items() if not p.complete]:
+                del self._parities[k]
+
     def covered(self, key: str, step: int) -> None:
         """``step`` is covered: the parities of older steps are no longer needed."""
         with self._lock:

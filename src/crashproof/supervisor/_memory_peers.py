@@ -138,6 +138,7 @@ class Peers:
         self._sent: dict[str, int] = {}  # parity: the newest step sent, per root key
         self._acked: dict[tuple[str, int], set[int]] = {}  # copies: ranks copied, per step
         self._reports: dict[str, dict[int, set[str]]] = {}  # covered: who said so, per step
+        self._newest_covered: dict[str, int] = {}
         self._closed = False
         self._server = socket.create_server(("", 0), backlog=64)
         self.port = self._server.getsockname()[1]
@@ -172,10 +173,14 @@ class Peers:
                 if scheme is not None and scheme[0] == "parity"
                 else None
             )
-            self._sent, self._acked, self._jobs = {}, {}, {}
+            # Coverage starts again: the trainers restore now, perhaps to an older step than
+            # the one covered (the parities kept stay offered, for rebuilding a lost node).
+            self._sent, self._acked, self._jobs, self._reports = {}, {}, {}, {}
+            self._newest_covered = {}
             for connection in self._out.values():
                 connection.close()
             self._out = {}
+        self.holder.new_round()
         log.info(
             "memory peers this round: %s; %s",
             {r: p["node"] for r, p in peers.items()},
@@ -368,12 +373,15 @@ class Peers:
     def _covered(self, key: str, step: int, agent: str) -> None:
         with self._lock:
             everyone = {p["agent"] for p in self._peers.values()}
+            if agent not in everyone or step <= self._newest_covered.get(key, -1):
+                return  # (another round's agent, or an older step completed late)
             reports = self._reports.setdefault(key, {})
             reports.setdefault(step, set()).add(agent)
             if not reports[step] >= everyone:
                 return
             for old in [s for s in reports if s <= step]:
                 del reports[old]
+            self._newest_covered[key] = step
         self._host.pin(key, step)
         self.holder.covered(key, step)
 
@@ -432,7 +440,9 @@ class Peers:
             stored = self._fetch_copies(peer, key, rank, world_size)
             source = peer["node"]
         else:
-            stored, source = self._rebuild(key, rank, world_size, others)
+            with self._lock:
+                everyone = [self._peers[r] for r in sorted(self._peers)]  # (itself included)
+            stored, source = self._rebuild(key, rank, world_size, everyone)
             if not stored:
                 return []
         seconds = time.monotonic() - started
@@ -477,7 +487,10 @@ class Peers:
                 offers.setdefault(int(record["step"]), []).append((peer, record))
         with self._lock:
             agents = {p["agent"]: p for p in self._peers.values()}
-        why = "no peer holds a copy or parity of it"
+        if not offers:
+            log.info("no agent holds rank %d's snapshots: it restores from storage", rank)
+            return [], ""
+        why = ""
         for step in sorted(offers, reverse=True):
             started = time.monotonic()
             try:
