@@ -116,10 +116,11 @@ class ParityHolder:
             return sum(p.nbytes for p in self._parities.values())
 
     def open_piece(
-        self, key: str, step: int, world_size: int, agent: str, expected: list[str]
+        self, key: str, step: int, world_size: int, agent: str, expected: list[str], size: int
     ) -> bool:
-        """Whether to receive ``agent``'s piece for (key, step): not when it is older than the
-        covered step, a piece that parity has (or is receiving) already, or broken."""
+        """Whether to receive ``agent``'s piece of ``size`` bytes for (key, step) (the parity
+        grown to hold it); not when it is older than the covered step, a piece that parity has
+        (or is receiving) already, or broken."""
         with self._lock:
             if step < self._floor.get(key, -1) or agent not in expected:
                 return False
@@ -135,34 +136,34 @@ class ParityHolder:
                 return False
             if agent in parity.contributors or agent in parity.arriving:
                 return False
-            parity.arriving.add(agent)
-            return True
-
-    def close_piece(
-        self,
-        key: str,
-        step: int,
-        agent: str,
-        record: dict[str, Any] | None,
-        piece: torch.Tensor | None,
-    ) -> bool:
-        """``agent``'s piece arrived whole (``record``, its bytes ``piece``: XORed in now), or
-        not (None: the parity can never be complete); returns whether it is complete now."""
-        with self._lock:
-            parity = self._parities.get((key, step))
-            if parity is None or agent not in parity.arriving:
-                return False  # (retired meanwhile)
-            parity.arriving.discard(agent)
-            if record is None or piece is None:
-                parity.broken = True
-                return False
-            size = int(piece.numel())
             if parity.buffer is None or parity.nbytes < size:
                 grown = torch.zeros(size, dtype=torch.uint8)
                 if parity.buffer is not None:
                     grown[: parity.nbytes].copy_(parity.buffer)
                 parity.buffer = grown
-            parity.buffer[:size].bitwise_xor_(piece)
+            parity.arriving.add(agent)
+            return True
+
+    def xor_in(self, key: str, step: int, offset: int, data: memoryview) -> None:
+        """XOR ``data``, bytes ``offset ..`` of a piece being received, into the parity (under
+        the lock: another piece may grow the buffer meanwhile)."""
+        with self._lock:
+            parity = self._parities.get((key, step))
+            if parity is not None and parity.buffer is not None and len(data):
+                chunk = torch.frombuffer(data, dtype=torch.uint8)
+                parity.buffer[offset : offset + len(data)].bitwise_xor_(chunk)
+
+    def close_piece(self, key: str, step: int, agent: str, record: dict[str, Any] | None) -> bool:
+        """``agent``'s piece arrived whole (``record``), or not (None: the parity may hold part
+        of it, and can never be complete); returns whether the parity is complete now."""
+        with self._lock:
+            parity = self._parities.get((key, step))
+            if parity is None or agent not in parity.arriving:
+                return False  # (retired meanwhile)
+            parity.arriving.discard(agent)
+            if record is None:
+                parity.broken = True
+                return False
             parity.contributors[agent] = record
             complete = parity.complete
             if complete:

@@ -51,6 +51,7 @@ __all__ = ["PeerCopy", "Peers"]
 log = logging.getLogger("crashproof.supervisor")
 
 _CHUNK = 8 * 1024 * 1024
+_SCRATCH = 1024 * 1024
 _TIMEOUT_S = 60.0
 _STORE_PREFIX = "crashproof/memory"
 DEFAULT_PARITY = 4
@@ -637,25 +638,30 @@ class Peers:
             return str(exc)
 
     def _receive_piece(self, connection: socket.socket, message: dict[str, Any]) -> None:
+        """Receive a piece of another member's payload and XOR it into the parity as it comes,
+        a chunk at a time: no copy of the piece is held."""
         key, step, agent = str(message["key"]), int(message["step"]), str(message["agent"])
         record = dict(message["record"])
         size = int(record["size"])
         expected = [str(a) for a in message["expected"]]
-        wanted = self.holder.open_piece(key, step, int(message["world_size"]), agent, expected)
-        if wanted and not self._host.has_room(size):
-            self.holder.close_piece(key, step, agent, None, None)
-            wanted = False
+        room = self._host.has_room(size)
+        world_size = int(message["world_size"])
+        wanted = room and self.holder.open_piece(key, step, world_size, agent, expected, size)
+        if not room:
             log.warning("no memory for a %d-byte parity piece of step %d", size, step)
-        into = bytearray(size) if wanted else None
-        computed = _receive_bytes(connection, size, None if into is None else memoryview(into))
+
+        def xor(offset: int, chunk: memoryview) -> None:
+            if wanted:
+                self.holder.xor_in(key, step, offset, chunk)
+
+        computed = _receive_bytes(connection, size, None, xor)
         trailer, _ = recv_message(connection)
-        if into is None:
+        if not wanted:
             send_message(connection, {"error": "not wanted (no memory, or not this round's)"})
             return
         whole = bool(trailer.get("whole")) and trailer.get("checksum") == computed
-        piece = _tensor_of(into)
         complete = self.holder.close_piece(
-            key, step, agent, {**record, "checksum": computed} if whole else None, piece
+            key, step, agent, {**record, "checksum": computed} if whole else None
         )
         send_message(connection, {"ok": True} if whole else {"error": "overwritten or damaged"})
         if complete:
@@ -848,19 +854,28 @@ def _send_range(
     return hasher.hexdigest()
 
 
-def _receive_bytes(connection: socket.socket, nbytes: int, into: memoryview | None) -> str:
-    """Read ``nbytes`` off ``connection`` into ``into`` (None: read and dropped); returns their
-    checksum."""
+def _receive_bytes(
+    connection: socket.socket,
+    nbytes: int,
+    into: memoryview | None,
+    each: Callable[[int, memoryview], None] | None = None,
+) -> str:
+    """Read ``nbytes`` off ``connection`` into ``into`` (None: a chunk at a time, each handed to
+    ``each`` with its offset, then dropped); returns their checksum."""
     hasher = new_hasher()
-    scratch = memoryview(bytearray(min(_CHUNK, nbytes))) if into is None else None
+    # (A small scratch: freed memory of a connection's thread stays with its malloc arena.)
+    chunk_size = _CHUNK if into is not None else _SCRATCH
+    scratch = memoryview(bytearray(min(chunk_size, nbytes))) if into is None else None
     pos = 0
     while pos < nbytes:
-        want = min(_CHUNK, nbytes - pos)
+        want = min(chunk_size, nbytes - pos)
         target = into[pos : pos + want] if into is not None else scratch[:want]  # type: ignore[index]
         got = connection.recv_into(target)
         if not got:
             raise ConnectionError("the peer closed the connection mid-copy")
         hasher.update(target[:got])
+        if each is not None:
+            each(pos, target[:got])
         pos += got
     return hasher.hexdigest()
 
