@@ -20,7 +20,6 @@ import json
 import mmap
 import multiprocessing as mp
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -55,7 +56,7 @@ def _memfd_bytes() -> int:
 
 
 def _payload(rank: int, nbytes: int) -> bytes:
-    return random.Random(rank).randbytes(nbytes)
+    return bytes(np.random.default_rng(rank).bytes(nbytes))
 
 
 def _node(

@@ -72,6 +72,7 @@ BAD: dict[str, list[str]] = {
     "--memory-limit": ["0", "-1G", "lots", "nan", "", "1e999"],
     "--peer-replicas": ["-1", "9", "one", "1.5", ""],
     "--peer-parity": ["0", "-1", "17", "two", "2.0", ""],
+    "--standby": ["-1", "65", "one", "1.5", ""],
     "--straggler-factor": ["1", "nan", "inf", "0.5"],
     "--straggler-steps": ["0", "-1"],
     "--metrics-port": ["99999", "-7", "0x50"],
@@ -183,6 +184,9 @@ def test_each_hostile_value_is_refused(
         (["-m", "--no-python"], "-m"),
         (["--run-dir", "/proc/self/nosuch/x"], "--run-dir"),
         (["--peer-replicas", "1", "--peer-parity", "2"], "--peer-parity"),
+        (["--standby", "1"], "--standby"),
+        (["--standalone", "--standby", "1"], "--standby"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--standby", "2"], "--standby"),
     ],
 )
 def test_contradictory_options_are_refused(

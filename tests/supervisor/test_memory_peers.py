@@ -27,9 +27,12 @@ TRAIN = ["--steps", "60", "--workers", "0", "--batch-size", "8", "--every", "100
          "--memory-every", "5", "--staging-buffers", "2"]  # fmt: skip
 
 
-def _node(run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int) -> subprocess.Popen[str]:
+def _node(
+    run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int, *options: str
+) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nnodes", str(nodes), "--nproc-per-node", "1",
+        *options,
         "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "peers-test", "--run-dir", str(run_dir), "--metrics-port", "-1",
         str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", "0.1",
@@ -53,12 +56,17 @@ def _step_reached(*run_dirs: Path) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.parametrize("nodes", [2, 3], ids=["2-nodes-copies", "3-nodes-parity"])
+@pytest.mark.parametrize(
+    ("nodes", "spare"),
+    [(2, False), (3, False), (2, True)],
+    ids=["2-nodes-copies", "3-nodes-parity", "2-nodes-hot-spare"],
+)
 def test_a_lost_node_resumes_from_its_peers_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: int, spare: bool
 ) -> None:
     """Two nodes keep a whole copy of each other's snapshots; three keep XOR parity (the
-    default from three nodes on), and the lost node's are rebuilt from it."""
+    default from three nodes on), and the lost node's are rebuilt from it. The node that takes
+    the lost one's place is started after the loss, or was waiting as a hot spare."""
     # One thread per trainer in both runs (torchrun gives one only to several trainers per
     # node): the same kernels' reduction order, so the runs may be compared bit for bit.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -69,22 +77,29 @@ def test_a_lost_node_resumes_from_its_peers_memory(
     clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
                   *TRAIN, "--dump", str(tmp_path / "a.st"),
                   options=["--nproc-per-node", str(nodes)])  # fmt: skip
-    started = [_node(dirs[0], port, ckpt, dump, nodes)]
+    pool = ["--standby", "1"] if spare else []
+    started = [_node(dirs[0], port, ckpt, dump, nodes, *pool)]
     try:
         # Node 0 first: its agent hosts the rendezvous store (c10d), which must outlive node 1.
         deadline = time.monotonic() + 60
         while not _events(dirs[0]):
             assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
             time.sleep(0.1)
-        started += [_node(d, port, ckpt, dump, nodes) for d in dirs[1:]]
+        started += [_node(d, port, ckpt, dump, nodes, *pool) for d in dirs[1:]]
         deadline = time.monotonic() + 150
         while _step_reached(*dirs) < 25:
             assert time.monotonic() < deadline, "the nodes did not train"
             assert all(n.poll() is None for n in started), "a node ended early"
             time.sleep(0.1)
+        if spare:  # waiting warm beside the run, before the loss
+            started.append(_node(replacement, port, ckpt, dump, nodes, *pool))
+            while not any(e["event"] == "standby" for e in _events(replacement)):
+                assert time.monotonic() < deadline, "the spare did not wait as a spare"
+                time.sleep(0.1)
         os.killpg(started[1].pid, signal.SIGKILL)  # node 1: its agent and its trainer at once
         started[1].wait(30)
-        started.append(_node(replacement, port, ckpt, dump, nodes))  # a new node in its place
+        if not spare:
+            started.append(_node(replacement, port, ckpt, dump, nodes))  # a new node in its place
         for node, where in [*zip(started, dirs, strict=False), (started[-1], replacement)]:
             if node is not started[1]:
                 assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
@@ -100,6 +115,11 @@ def test_a_lost_node_resumes_from_its_peers_memory(
     restores = [e for d in (*survivors, replacement) for e in _events(d) if e["event"] == "restore"]
     assert [e["kind"] for e in restores] == ["peer"], restores
     assert restores[0]["step"] >= 20 and restores[0]["bytes"] > 0
+    if spare:
+        assert "standby_promoted" in [e["event"] for e in _events(replacement)]
+        # The survivor saw the pool of spares used up (and said how many to start).
+        pools = [e for e in _events(dirs[0]) if e["event"] == "standby_pool"]
+        assert pools and pools[-1]["waiting"] == 0 and pools[-1]["wanted"] == 1, pools
     expected, got = load_file(tmp_path / "a.st"), load_file(dump)
     different = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not different, f"differs from the uninterrupted run: {different}"

@@ -159,6 +159,15 @@ def build_run_parser() -> argparse.ArgumentParser:
         "node of a group may be lost (the default from three nodes on, with K up to 4)",
     )
     group.add_argument(
+        "--standby",
+        type=whole_number(0, 64),
+        default=0,
+        metavar="N",
+        help="the hot spares this run keeps: nodes started with the same command beyond --nnodes' "
+        "maximum wait warm in the rendezvous and take a lost node's place at once; the agents "
+        "report when fewer than N wait (0: no such check; spares are taken in either way)",
+    )
+    group.add_argument(
         "--memory-limit",
         type=size(),
         default=None,

@@ -153,6 +153,13 @@ def _check_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) 
         raise RunOptionError(
             "--nnodes", args.nnodes, "the static rendezvous has a fixed size: give N"
         )
+    if args.standby and (args.standalone or args.rdzv_backend == "static" or max_nodes < 2):
+        raise RunOptionError(
+            "--standby",
+            args.standby,
+            "hot spares wait in a rendezvous of several nodes (c10d or etcd, --nnodes 2 or "
+            "more, not --standalone): give 0 here",
+        )
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -63,6 +63,7 @@ from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
 from crashproof.supervisor._memory_peers import Peers
+from crashproof.supervisor._standby import Standby, warm_forkserver
 from crashproof.supervisor._straggler import StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
@@ -104,6 +105,7 @@ class CrashproofAgent(LocalElasticAgent):
         exit_barrier_timeout: float = 300,
         keeper: Keeper | None = None,
         memory_peers: Peers | None = None,
+        standby: int = 0,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -119,6 +121,8 @@ class CrashproofAgent(LocalElasticAgent):
         self.events = events
         self._keeper = keeper
         self._memory_peers = memory_peers
+        self._standby = Standby(events, standby)
+        self._warmed = start_method != "forkserver"
         self._sessions: dict[int, int | None] = {}  # the trainers' sessions, by leader
         self.layout = RunDir(config.run_dir)
         self.crash_loop: Failure | None = None
@@ -170,7 +174,17 @@ class CrashproofAgent(LocalElasticAgent):
     # -- starting and stopping ---------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        if not self._warmed:  # the trainers' imports, while the agents meet
+            self._warmed = True
+            warm_forkserver()
+        handler = worker_group.spec.rdzv_handler
+        self._standby.begin(handler)
+        try:
+            super()._rendezvous(worker_group)
+        except BaseException:
+            self._standby.stop()
+            raise
+        self._standby.end(handler)
         group_rank, nodes = worker_group.group_rank, worker_group.group_world_size
         if self._memory_peers is not None and group_rank is not None and nodes is not None:
             # The agents learn each other's address, to copy snapshots between them.

@@ -409,6 +409,7 @@ def _supervise(
         log_line_prefix_template=config.log_line_prefix_template,
         keeper=keeper,
         memory_peers=peers,
+        standby=args.standby,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
