@@ -8,6 +8,8 @@ and a new agent is started in its place, as a scheduler would. Two variants, in 
 times each:
 
 * **peers**: memory snapshots every 5 steps and ``--peer-replicas 1``; no checkpoint on disk;
+* **spare**: as *peers*, the node in B's place started before the loss with ``--standby 1``,
+  waiting warm in the rendezvous (a hot spare);
 * **disk**: the same with ``--no-memory`` and a checkpoint every 5 steps on the local disk (the
   recovery every other launcher offers).
 
@@ -53,9 +55,10 @@ def _node(run_dir: Path, port: int, ckpt: Path, variant: str, hidden: int, step_
         "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "node-loss", "--run-dir", str(run_dir), "--metrics-port", "-1",
         *(["--no-memory"] if variant == "disk" else []),
+        *(["--standby", "1"] if variant == "spare" else []),
         str(REPO / "examples" / "train_tiny.py"), "--run-dir", str(ckpt), "--steps", "100000",
         "--workers", "0", "--batch-size", "8", "--hidden", str(hidden), "--step-s", str(step_s),
-        *(memory if variant == "peers" else disk),
+        *(disk if variant == "disk" else memory),
     ]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 - the process keeps it
@@ -91,10 +94,15 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
         nodes.append(_node(b, port, ckpt, variant, hidden, step_s))
         steps = lambda: [e["step"] for e in _events(a, b) if e["event"] == "progress"]  # noqa: E731
         _wait(lambda: max(steps(), default=0) >= 22, 120, "training")
+        if variant == "spare":  # started ahead, waiting warm
+            nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
+            waiting = lambda: any(e["event"] == "standby" for e in _events(b2))  # noqa: E731
+            _wait(waiting, 120, "the spare")
         killed = time.time()
         os.killpg(nodes[1].pid, signal.SIGKILL)
         nodes[1].wait(30)
-        nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
+        if variant != "spare":
+            nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
 
         def resumed() -> bool:
             return any(e["event"] == "progress" and e["ts"] > killed for e in _events(a, b2))
@@ -105,7 +113,9 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
         assert restore is not None, "no restore after the loss"
         first_step = min(e["ts"] for e in events if e["event"] == "progress")
         fetched = [e for e in events if e["event"] == "memory_fetched"]
-        started = min(e["ts"] for e in events if e["event"] == "run_start")
+        # (A spare's agent started long before: it counts from when it was taken in.)
+        begun = "standby_promoted" if variant == "spare" else "run_start"
+        started = min(e["ts"] for e in events if e["event"] == begun)
         return {
             "variant": variant,
             "kill_to_first_step_s": first_step - killed,
@@ -128,13 +138,14 @@ def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
     hidden = max(64, int((mb * 1e6 / 16) ** 0.5))
     results: list[dict[str, Any]] = []
     for i in range(runs):
-        for variant in ("peers", "disk") if i % 2 == 0 else ("disk", "peers"):
+        order = ("peers", "spare", "disk")
+        for variant in order if i % 2 == 0 else order[::-1]:
             with tempfile.TemporaryDirectory(prefix="node-loss-", dir=REPO) as work:
                 result = one_loss(Path(work), variant, hidden, step_s)
             print(json.dumps(result), file=sys.stderr)
             results.append(result)
     summary: dict[str, Any] = {"runs": runs, "hidden": hidden, "step_s": step_s, "results": results}
-    for variant in ("peers", "disk"):
+    for variant in ("peers", "spare", "disk"):
         mine = [r for r in results if r["variant"] == variant]
         summary[variant] = {
             key: statistics.median(r[key] for r in mine)
@@ -144,9 +155,14 @@ def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rows = ["| recovery of a lost node | kill -> first step | new agent's start -> first step | restore |",
+    rows = ["| recovery of a lost node | kill -> first step | new agent's start (spare: taken in) -> first step | restore |",
             "|---|---|---|---|"]  # fmt: skip
-    for variant, name in (("peers", "**from the peers' copies**"), ("disk", "from the local disk")):
+    variants = (
+        ("spare", "**a hot spare, from the peers' copies**"),
+        ("peers", "a new node, from the peers' copies"),
+        ("disk", "a new node, from the local disk"),
+    )
+    for variant, name in variants:
         r = result[variant]
         rows.append(
             f"| {name} | {r['kill_to_first_step_s']:.2f} s | "
