@@ -225,3 +225,25 @@ def test_full_copies_cover_and_pin_too(tmp_path: Path, nodes: int) -> None:
     finally:
         for host in hosts:
             host.close()
+
+
+def test_a_holder_keeps_a_bounded_number_of_parities_and_drops_older_than_covered() -> None:
+    """Steps that are never covered (a node that never reports) must not pile up in memory; a
+    piece sent twice, or from an agent not of the group, is refused before it is XORed in."""
+    from crashproof.supervisor._memory_parity import ParityHolder
+
+    holder = ParityHolder()
+    record = {"segments": [{"rank": 1, "slot": 0, "nbytes": 64}]}
+    for step in range(10, 200, 10):
+        for agent in ("a", "b"):
+            assert holder.open_piece(KEY, step, 3, agent, ["a", "b"], 64)
+            assert not holder.open_piece(KEY, step, 3, agent, ["a", "b"], 64)  # (twice)
+            holder.xor_in(KEY, step, 0, memoryview(bytearray([step % 251]) * 64))
+            holder.close_piece(KEY, step, agent, {**record, "piece": 0})
+    assert not holder.open_piece(KEY, 500, 3, "c", ["a", "b"], 64)
+    steps = [r["step"] for r in holder.records(KEY, 1, 3)]
+    assert steps == [190, 180, 170, 160] and holder.nbytes == 4 * 64
+    assert holder.read(KEY, 190) is not None and not any(holder.read(KEY, 190))  # x ^ x = 0
+    holder.covered(KEY, 180)
+    assert [r["step"] for r in holder.records(KEY, 1, 3)] == [190, 180]
+    assert not holder.open_piece(KEY, 170, 3, "a", ["a", "b"], 64)  # older than covered

@@ -32,6 +32,8 @@ __all__ = ["ParityHolder", "ParityPlan", "parity_groups", "piece_span"]
 _ALIGN = 64
 _KEEP_BUILDING = 3
 """Parities being built for steps newer than the newest complete one, at most (the oldest go)."""
+_KEEP_COMPLETE = 4
+"""Complete parities kept at most (the covered step's is among the newest)."""
 
 
 def parity_groups(nodes: int, k: int) -> list[list[int]]:
@@ -195,6 +197,9 @@ class ParityHolder:
         for step in building:
             if step < newest or step in building[:-_KEEP_BUILDING]:
                 del self._parities[(key, step)]
+        # (Complete ones go when a newer step is covered; these few bound them if none is.)
+        for step in complete[:-_KEEP_COMPLETE]:
+            del self._parities[(key, step)]
 
     def records(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
         """The complete parities of ``key`` with a piece of ``rank``'s segments: ``step``,

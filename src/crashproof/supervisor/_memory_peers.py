@@ -259,6 +259,9 @@ class Peers:
                 done = self._acked.setdefault((key[0], step), set())
                 done.add(key[1])
                 whole = done >= set(self._my_ranks(key[0]))
+                if whole:
+                    for old in [k for k in self._acked if k[0] == key[0] and k[1] <= step]:
+                        del self._acked[old]
             if whole:
                 self._report(key[0], step)
 
