@@ -73,6 +73,7 @@ BAD: dict[str, list[str]] = {
     "--peer-replicas": ["-1", "9", "one", "1.5", ""],
     "--peer-parity": ["0", "-1", "17", "two", "2.0", ""],
     "--standby": ["-1", "65", "one", "1.5", ""],
+    "--peer-bandwidth": ["0", "-1G", "fast", "nan", "", "1e999"],
     "--straggler-factor": ["1", "nan", "inf", "0.5"],
     "--straggler-steps": ["0", "-1"],
     "--metrics-port": ["99999", "-7", "0x50"],

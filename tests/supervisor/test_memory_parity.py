@@ -42,7 +42,12 @@ def _host(tmp_path: Path, i: int, **scheme: Any) -> Any:
     from crashproof.telemetry import EventLog
 
     host = MemoryHost(EventLog(tmp_path / f"events{i}-{time.monotonic_ns()}.jsonl"))
-    host.replicate_to_peers(scheme.get("replicas"), "127.0.0.1", parity=scheme.get("parity"))
+    host.replicate_to_peers(
+        scheme.get("replicas"),
+        "127.0.0.1",
+        parity=scheme.get("parity"),
+        bandwidth=scheme.get("bandwidth"),
+    )
     return host
 
 
@@ -247,3 +252,30 @@ def test_a_holder_keeps_a_bounded_number_of_parities_and_drops_older_than_covere
     holder.covered(KEY, 180)
     assert [r["step"] for r in holder.records(KEY, 1, 3)] == [190, 180]
     assert not holder.open_piece(KEY, 170, 3, "a", ["a", "b"], 64)  # older than covered
+
+
+def test_a_bandwidth_cap_paces_the_copies_and_a_slot_being_sent_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    """Backpressure: while its snapshot is on its way, the trainer is told to leave that slot
+    alone (its next memory snapshot is skipped, never waited for); the copies keep to the cap."""
+    _store, hosts = _hosts(tmp_path, 2, replicas=1, bandwidth=4 << 20)  # 4 MiB/s
+    trainers = [_Trainer(hosts[r], r, 2) for r in range(2)]
+    try:
+        started = time.monotonic()
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 2 << 20))
+        seen = []  # (the send starts when the push thread takes it up, and lasts ~0.45 s)
+        while not seen or (seen[-1]["sending"] != [0] and time.monotonic() - started < 0.4):
+            seen.append(hosts[0]._answer({"op": "pinned", "key": KEY, "rank": 0,
+                                          "world_size": 2})[0])  # fmt: skip
+        assert seen[-1]["sending"] == [0] and seen[-1]["step"] is None, seen[-1]
+        _wait_covered(hosts, 10)
+        assert time.monotonic() - started >= 0.3  # 2 MiB at 4 MiB/s, less the burst allowed
+        reply = hosts[0]._answer({"op": "pinned", "key": KEY, "rank": 0, "world_size": 2})[0]
+        assert reply == {"ok": True, "step": 10, "sending": []}
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        for host in hosts:
+            host.close()

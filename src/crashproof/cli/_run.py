@@ -159,6 +159,15 @@ def build_run_parser() -> argparse.ArgumentParser:
         "node of a group may be lost (the default from three nodes on, with K up to 4)",
     )
     group.add_argument(
+        "--peer-bandwidth",
+        type=size(),
+        default=None,
+        metavar="SIZE",
+        help="the most bytes a second this agent sends to its peers in the background (copies "
+        "or parity), e.g. 500MiB, so the training's own traffic keeps the network (default: no "
+        "limit); snapshots due while theirs is still being sent are skipped, never waited for",
+    )
+    group.add_argument(
         "--standby",
         type=whole_number(0, 64),
         default=0,

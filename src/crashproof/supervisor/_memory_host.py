@@ -70,6 +70,7 @@ class MemoryHost:
         self._replicas: dict[Key, _Segment] = {}  # other nodes' ranks' snapshots, copied here
         self._filling = 0  # bytes of copies being received, not kept yet
         self._pinned: dict[str, int] = {}  # per root key: the newest step the peers cover
+        self._sending: dict[Key, int] = {}  # segments being sent to peers (how many sends)
         self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -87,13 +88,24 @@ class MemoryHost:
         os.environ[ENV_MEMORY_SOCKET] = self.address
 
     def replicate_to_peers(
-        self, replicas: int | None, advertise: str, *, parity: int | None = None
+        self,
+        replicas: int | None,
+        advertise: str,
+        *,
+        parity: int | None = None,
+        bandwidth: int | None = None,
     ) -> Peers:
         """Copy committed snapshots to ``replicas`` other nodes' agents, or keep ``parity`` of
-        them there (a multi-node run; neither: see :class:`Peers`): the agent calls
-        :meth:`Peers.join_round` after each rendezvous."""
+        them there (a multi-node run; neither: see :class:`Peers`), sending at most
+        ``bandwidth`` bytes a second: the agent calls :meth:`Peers.join_round` after each
+        rendezvous."""
         self.peers = Peers(
-            self, self._events, replicas=replicas, parity=parity, advertise=advertise
+            self,
+            self._events,
+            replicas=replicas,
+            parity=parity,
+            advertise=advertise,
+            bandwidth=bandwidth,
         )
         return self.peers
 
@@ -177,7 +189,8 @@ class MemoryHost:
                 return self._hello(key, rank, world_size)
             if kind == "pinned":
                 with self._lock:
-                    return {"ok": True, "step": self._pinned.get(key)}, []
+                    sending = sorted(s for k, r, s in self._sending if (k, r) == (key, rank))
+                    return {"ok": True, "step": self._pinned.get(key), "sending": sending}, []
             slot = _whole(message, "slot", _MAX_SLOT)
             if kind == "allocate":
                 return self._allocate(key, rank, slot, _whole(message, "nbytes", 1 << 50), message)
@@ -251,6 +264,15 @@ class MemoryHost:
     def pin(self, key: str, step: int) -> None:
         with self._lock:
             self._pinned[key] = step
+
+    def sending(self, keys: list[Key], busy: bool) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._sending.get(key, 0) + (1 if busy else -1)
+                if count > 0:
+                    self._sending[key] = count
+                else:
+                    self._sending.pop(key, None)
 
     def ranks(self, key: str) -> list[int]:
         """The ranks of ``key`` with segments of this node's own."""

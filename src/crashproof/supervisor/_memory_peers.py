@@ -52,6 +52,7 @@ log = logging.getLogger("crashproof.supervisor")
 
 _CHUNK = 8 * 1024 * 1024
 _SCRATCH = 1024 * 1024
+_BURST_S = 0.05
 _TIMEOUT_S = 60.0
 _STORE_PREFIX = "crashproof/memory"
 DEFAULT_PARITY = 4
@@ -77,6 +78,11 @@ class PeerCopy(Protocol):
 
     def ranks(self, key: str) -> list[int]:
         """The ranks of root ``key`` this node's trainers hold segments for."""
+        ...
+
+    def sending(self, keys: list[Key], busy: bool) -> None:
+        """Segments ``keys`` are (busy) or are no longer being sent: their trainers' memory
+        snapshots skip them meanwhile (backpressure: skipped, never waited for)."""
         ...
 
     def committed(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -107,7 +113,8 @@ class Peers:
     """The replication between this node's memory host and the other nodes'.
 
     ``replicas`` full copies, or ``parity`` (pieces per node, XOR); neither given: parity from
-    three nodes on, one copy on two."""
+    three nodes on, one copy on two. ``bandwidth`` (bytes a second) caps what the background
+    copies send, leaving the network to the training's own traffic."""
 
     def __init__(
         self,
@@ -117,8 +124,10 @@ class Peers:
         replicas: int | None,
         advertise: str,
         parity: int | None = None,
+        bandwidth: int | None = None,
     ) -> None:
         self._host = host
+        self._pace = _Pacer(bandwidth) if bandwidth else None
         self._events = events
         self._replicas = replicas
         self._parity = parity
@@ -278,7 +287,11 @@ class Peers:
             connection = self._connection(target)
             header = {"op": "push", "key": key[0], "rank": key[1], "world_size": world_size,
                       "node": self._node}  # fmt: skip
-            self._send_copy(connection, key, copy, header)
+            self._host.sending([key], True)
+            try:
+                self._send_copy(connection, key, copy, header, self._pace)
+            finally:
+                self._host.sending([key], False)
             reply, _ = recv_message(connection)
             if "error" in reply:
                 log.warning("a peer refused rank %d's snapshot: %s", key[1], reply["error"])
@@ -299,6 +312,8 @@ class Peers:
             return  # (not every rank has committed it yet: the last one's commit sends it)
         with self._lock:
             self._sent[key] = step
+        keys = [_key_of(key, c) for c in parts]
+        self._host.sending(keys, True)
         try:
             length = sum(int(c["nbytes"]) for c in parts)
             segments = [
@@ -317,7 +332,7 @@ class Peers:
                 try:
                     connection = self._connection(target)
                     send_message(connection, header)
-                    checksum = _send_range(connection, parts, offset, size)
+                    checksum = _send_range(connection, parts, offset, size, self._pace)
                     whole = all(self._host.generation(_key_of(key, c)) == c["gen"] for c in parts)
                     send_message(connection, {"whole": whole, "checksum": checksum})
                     reply, _ = recv_message(connection)
@@ -327,6 +342,7 @@ class Peers:
                     log.warning("sending a parity piece to a peer failed: %s", exc)
                     self._drop_connection(target)
         finally:
+            self._host.sending(keys, False)
             for copy in parts:
                 os.close(copy.pop("fd"))
 
@@ -792,7 +808,12 @@ class Peers:
                     os.close(copy.pop("fd"))
 
     def _send_copy(
-        self, connection: socket.socket, key: Key, copy: dict[str, Any], header: dict[str, Any]
+        self,
+        connection: socket.socket,
+        key: Key,
+        copy: dict[str, Any],
+        header: dict[str, Any],
+        pace: _Pacer | None = None,
     ) -> None:
         """Send one of :meth:`PeerCopy.committed`'s copies (its descriptor is closed): its
         record after ``header``, its bytes, then whether it stayed whole and their checksum (the
@@ -801,7 +822,7 @@ class Peers:
             send_message(
                 connection, {**header, **{k: v for k, v in copy.items() if k not in ("gen", "fd")}}
             )
-            checksum = _send_range(connection, [copy], 0, int(copy["nbytes"]))
+            checksum = _send_range(connection, [copy], 0, int(copy["nbytes"]), pace)
             whole = self._host.generation(key) == copy["gen"]
             send_message(connection, {"whole": whole, "checksum": checksum})
         finally:
@@ -834,11 +855,29 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return tensor.numpy().data if tensor.numel() else memoryview(b"")
 
 
+class _Pacer:
+    """Keeps what passes through it under ``rate`` bytes a second (a short burst allowed)."""
+
+    def __init__(self, rate: int) -> None:
+        self._rate = rate
+        self._free_at = time.monotonic()
+
+    def __call__(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self._free_at = max(self._free_at, now) + nbytes / self._rate
+        if self._free_at - now > _BURST_S:
+            time.sleep(self._free_at - now - _BURST_S)
+
+
 def _send_range(
-    connection: socket.socket, parts: list[dict[str, Any]], offset: int, size: int
+    connection: socket.socket,
+    parts: list[dict[str, Any]],
+    offset: int,
+    size: int,
+    pace: _Pacer | None = None,
 ) -> str:
     """Stream bytes ``offset .. offset + size`` of the segments ``parts`` (``fd``, ``nbytes``)
-    laid end to end; returns their checksum."""
+    laid end to end, ``pace``d; returns their checksum."""
     hasher = new_hasher()
     at = 0
     for part in parts:
@@ -851,6 +890,8 @@ def _send_range(
             ):
                 for pos in range(start - at, end - at, _CHUNK):
                     with view[pos : min(pos + _CHUNK, end - at)] as chunk:
+                        if pace is not None:
+                            pace(len(chunk))
                         hasher.update(chunk)
                         connection.sendall(chunk)
         at += nbytes

@@ -398,7 +398,10 @@ def _supervise(
         memory.publish()
         if config.max_nodes > 1 and args.peer_replicas != 0:
             peers = memory.replicate_to_peers(
-                args.peer_replicas, _advertised_address(config), parity=args.peer_parity
+                args.peer_replicas,
+                _advertised_address(config),
+                parity=args.peer_parity,
+                bandwidth=args.peer_bandwidth,
             )
     agent = CrashproofAgent(
         spec,

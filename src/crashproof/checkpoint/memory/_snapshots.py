@@ -79,15 +79,20 @@ class MemorySnapshots:
 
     def pinned(self) -> set[int]:
         """The slots to leave alone: they hold the newest snapshot every other node covers
-        (copies or parity), the step a lost node would be rebuilt at, until a newer one is."""
+        (copies or parity), the step a lost node would be rebuilt at, until a newer one is; or
+        the agent is sending them to its peers (a memory snapshot skips rather than wait)."""
         try:
             reply, _ = self._client.request(
                 {"op": "pinned", "key": self._key, "rank": self.rank, "world_size": self.world_size}
             )
         except (OSError, ValueError):
             return set()  # (the agent is gone: the next save says so)
-        step = reply.get("step")
-        return {s.index for s in self.slots if step is not None and s.step == step}
+        step, sending = reply.get("step"), set(reply.get("sending", []))
+        return {
+            s.index
+            for s in self.slots
+            if (step is not None and s.step == step) or s.index in sending
+        }
 
     def steps(self) -> dict[int, int]:
         """The committed steps this rank holds, and the slot of each."""
