@@ -55,8 +55,30 @@ def _memfd_bytes() -> int:
     return total
 
 
-def _payload(rank: int, nbytes: int) -> bytes:
-    return bytes(np.random.default_rng(rank).bytes(nbytes))
+_BLOCK = 64 << 20
+
+
+def _payload(rank: int, nbytes: int) -> Any:
+    """Rank ``rank``'s snapshot bytes, block by block (no second copy of them in memory)."""
+    rng = np.random.default_rng(rank)
+    for start in range(0, nbytes, _BLOCK):
+        yield rng.bytes(min(_BLOCK, nbytes - start))
+
+
+def _fill(view: Any, rank: int, nbytes: int) -> None:
+    pos = 0
+    for block in _payload(rank, nbytes):
+        view[pos : pos + len(block)] = block
+        pos += len(block)
+
+
+def _same(view: Any, rank: int, nbytes: int) -> bool:
+    pos = 0
+    for block in _payload(rank, nbytes):
+        if view[pos : pos + len(block)] != block:
+            return False
+        pos += len(block)
+    return True
 
 
 def _node(
@@ -96,12 +118,14 @@ def _node(
         with mmap.mmap(fds[0], nbytes) as mm:
             os.close(fds[0])
             client.request({"op": "invalidate", **ids})
-            mm[:] = _payload(index, nbytes)
+            _fill(mm, index, nbytes)
         files = {"files": {}, "shard": [0, nbytes], "path": "step_10"}
         anon_before = _status_kib("RssAnon")
         started = time.perf_counter()
         client.request({"op": "commit", **ids, "step": 10, "files": files})
         while host._pinned.get(KEY) != 10:
+            if time.perf_counter() - started > 300:
+                raise RuntimeError("the snapshot was not covered in 300 s (see the log)")
             time.sleep(0.005)
         result["cover_s"] = time.perf_counter() - started
         time.sleep(0.5)  # (the other nodes finish covering too)
@@ -119,7 +143,7 @@ def _node(
         for info, fd in zip(reply["slots"], fds, strict=False):
             if info["step"] == 10:
                 with mmap.mmap(fd, info["nbytes"], mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-                    result["exact"] = bytes(mm) == _payload(index, nbytes)
+                    result["exact"] = _same(mm, index, nbytes)
             os.close(fd)
     out.put(result)
     rejoin, stop = events

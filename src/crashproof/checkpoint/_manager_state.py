@@ -4,10 +4,14 @@ known to be this run's), and :func:`open_for_writing`, which a writing manager r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from crashproof._console import announce
 from crashproof.checkpoint._group import Group
@@ -16,6 +20,7 @@ from crashproof.checkpoint.root import (
     committed_steps,
     hold_root,
     leftover_dirs,
+    read_holder,
     recover_interrupted,
 )
 from crashproof.checkpoint.save import DeltaBase
@@ -80,6 +85,43 @@ class ManagerState:
             self.lock.release()
 
 
+_SHARED_WAIT_S = 3.0
+"""How long a rank looks for rank 0's lock file before it says the root is not shared (a
+network filesystem's client may cache the directory's old listing for a moment; each look
+lists the directory, which makes it fetch the listing again)."""
+
+
+def _not_shared(root: str, group: Group, held: list[Any] | None) -> CheckpointWriteError | None:
+    """Every rank must see the one root rank 0 locked (``held``: its host and pid; None: an
+    object store, one namespace for all): a root that is a local directory on each node would
+    commit checkpoints that hold only rank 0's node's shards. Returns the error every rank
+    raises, or None (a collective)."""
+    blind = False
+    if held is not None and group.rank != 0:
+        deadline = time.monotonic() + _SHARED_WAIT_S
+        while True:
+            with contextlib.suppress(OSError):
+                os.listdir(root)  # (refreshes a network filesystem's cached listing)
+            holder = read_holder(root)
+            blind = holder is None or [holder.host, holder.pid] != held
+            if not blind or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    verdicts = group.all_gather((blind, socket.gethostname()))
+    apart = [f"{rank} (on {host})" for rank, (no, host) in enumerate(verdicts) if no]
+    if not apart:
+        return None
+    host, _ = held if held is not None else ("?", 0)
+    return CheckpointWriteError(
+        errno.ENOTSUP,
+        f"{root}: rank(s) {', '.join(apart)} do not see the lock rank 0 (on {host}) holds in "
+        "this directory: it is not one directory shared by every rank (a local disk on each "
+        "node, or another path on some ranks). crashproof commits a checkpoint in one root that "
+        "every rank writes into: put the root on a shared filesystem (NFS, Lustre, GPFS) or in "
+        "an object store (s3://, gs://), and give every rank the same path",
+    )
+
+
 def open_for_writing(state: ManagerState, group: Group, policies: str) -> None:
     """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
     left, then announces the ``policies`` in force; every rank fails if it cannot (no collective
@@ -103,9 +145,17 @@ def open_for_writing(state: ManagerState, group: Group, policies: str) -> None:
         except Exception as exc:
             error = exc
     if group.world_size > 1:
-        message = group.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if message is not None and error is None:
-            error = CheckpointWriteError(errno.EBUSY, f"rank 0 cannot write to {root}: {message}")
+        lock = state.lock
+        held = None if lock is None else [lock.holder.host, lock.holder.pid]
+        said = group.broadcast(
+            {"error": None if error is None else f"{type(error).__name__}: {error}", "lock": held}
+        )
+        if said["error"] is not None and error is None:
+            error = CheckpointWriteError(
+                errno.EBUSY, f"rank 0 cannot write to {root}: {said['error']}"
+            )
+        if said["error"] is None:
+            error = error or _not_shared(root, group, said["lock"])
     if error is not None:
         state.release_lock()
         raise error

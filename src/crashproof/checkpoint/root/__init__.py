@@ -17,7 +17,7 @@ from crashproof.checkpoint.root._catalog import (
     retention_plan,
 )
 from crashproof.checkpoint.root._listing import list_checkpoints, located, unreadable
-from crashproof.checkpoint.root._lock import RootLock, hold_root, lock_root
+from crashproof.checkpoint.root._lock import RootLock, hold_root, lock_root, read_holder
 from crashproof.checkpoint.root._rollbacks import (
     abandoned,
     abandoned_steps,
@@ -41,6 +41,7 @@ __all__ = [
     "newest_verified",
     "prune_plan",
     "published_steps",
+    "read_holder",
     "read_marks",
     "record_rollback",
     "recover_interrupted",
