@@ -16,10 +16,12 @@ copy or rebuild it is measured, and its bytes compared with the lost node's.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import mmap
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -104,6 +106,7 @@ def _node(
     from crashproof.telemetry import EventLog
 
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (kill -USR1: where it waits)
     directory = tempfile.mkdtemp()
     host = MemoryHost(EventLog(Path(directory) / "events.jsonl"))
     host.replicate_to_peers(scheme.get("replicas"), "127.0.0.1", parity=scheme.get("parity"))

@@ -30,7 +30,6 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -39,20 +38,24 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
 from crashproof.checkpoint.format import new_hasher
 from crashproof.link import recv_exactly, recv_message, send_message
 from crashproof.supervisor._memory_parity import ParityHolder, ParityPlan, piece_span
+from crashproof.supervisor._memory_rebuild import rebuild
+from crashproof.supervisor._peer_wire import (
+    CHUNK,
+    Dropped,
+    Pacer,
+    bytes_of,
+    receive_bytes,
+    send_range,
+)
 from crashproof.telemetry import EventLog
 
 __all__ = ["PeerCopy", "Peers"]
 
 log = logging.getLogger("crashproof.supervisor")
 
-_CHUNK = 8 * 1024 * 1024
-_SCRATCH = 1024 * 1024
-_BURST_S = 0.05
 _TIMEOUT_S = 60.0
 _STORE_PREFIX = "crashproof/memory"
 DEFAULT_PARITY = 4
@@ -127,7 +130,7 @@ class Peers:
         bandwidth: int | None = None,
     ) -> None:
         self._host = host
-        self._pace = _Pacer(bandwidth) if bandwidth else None
+        self._pace = Pacer(bandwidth) if bandwidth else None
         self._events = events
         self._replicas = replicas
         self._parity = parity
@@ -332,7 +335,7 @@ class Peers:
                 try:
                     connection = self._connection(target)
                     send_message(connection, header)
-                    checksum = _send_range(connection, parts, offset, size, self._pace)
+                    checksum = send_range(connection, parts, offset, size, self._pace)
                     whole = all(self._host.generation(_key_of(key, c)) == c["gen"] for c in parts)
                     send_message(connection, {"whole": whole, "checksum": checksum})
                     reply, _ = recv_message(connection)
@@ -510,125 +513,14 @@ class Peers:
         if not offers:
             log.info("no agent holds rank %d's snapshots: it restores from storage", rank)
             return [], ""
-        why = ""
-        for step in sorted(offers, reverse=True):
-            started = time.monotonic()
-            try:
-                stored = self._rebuild_step(key, rank, world_size, step, offers[step], agents)
-            except (OSError, ValueError, KeyError, TypeError, _Dropped) as exc:
-                why = f"step {step}: {exc}"
-                log.warning("cannot rebuild rank %d's snapshot of %s", rank, why)
-                continue
-            holders = sorted({peer["node"] for peer, _ in offers[step]})
-            log.info("rebuilt rank %d's snapshot of step %d from parity in %.2f s", rank, step,
-                     time.monotonic() - started)  # fmt: skip
-            return stored, f"parity on {', '.join(holders)}"
-        self._events.emit("memory_missing", rank=rank, why=why)
-        log.warning("rank %d's snapshot is in no agent's memory (%s): it restores from storage",
-                    rank, why)  # fmt: skip
-        return [], ""
-
-    def _rebuild_step(
-        self,
-        key: str,
-        rank: int,
-        world_size: int,
-        step: int,
-        offered: list[tuple[dict[str, Any], dict[str, Any]]],
-        agents: dict[str, dict[str, Any]],
-    ) -> list[str]:
-        lost = next(
-            agent
-            for _, record in offered
-            for agent, piece in record["contributors"].items()
-            if any(int(s["rank"]) == rank for s in piece["segments"])
+        stored, source, why = rebuild(
+            key, rank, world_size, offers, agents, self._dial, self._host.store_copy
         )
-        pieces = {
-            int(record["contributors"][lost]["piece"]): (peer, record)
-            for peer, record in offered
-            if lost in record["contributors"]
-        }
-        mine = next(iter(pieces.values()))[1]["contributors"][lost]
-        count, length = int(mine["pieces"]), int(mine["length"])
-        if set(pieces) != set(range(count)):
-            raise _Dropped(
-                f"only {len(pieces)} of its {count} parity pieces are on nodes still here "
-                "(more nodes were lost than the parity covers)"
-            )
-        payload = bytearray(length)
-        for peer, record in pieces.values():
-            parity = self._read_parity(peer, key, step, int(record["size"]))
-            for agent, piece in record["contributors"].items():
-                if agent == lost:
-                    continue
-                source = agents.get(agent)
-                if source is None:
-                    raise _Dropped(f"{piece['node']}, which has a part in it, is gone too")
-                self._xor_piece(source, key, world_size, step, piece, parity)
-            mine = record["contributors"][lost]
-            offset, size = int(mine["offset"]), int(mine["size"])
-            rebuilt = _bytes_of(parity)[:size]
-            hasher = new_hasher()
-            hasher.update(rebuilt)
-            if hasher.hexdigest() != mine["checksum"]:
-                raise _Dropped(f"piece {mine['piece']} rebuilt does not match its checksum")
-            payload[offset : offset + size] = rebuilt
-        origin = f"peer:{', '.join(sorted({p['node'] for p, _ in pieces.values()}))} (parity)"
-        stored, at = [], 0
-        for segment in mine["segments"]:
-            nbytes = int(segment["nbytes"])
-            chunk = memoryview(payload)[at : at + nbytes]
-            at += nbytes
-            meta = {"nbytes": nbytes, "world_size": world_size, "step": step,
-                    "contents": segment["contents"]}  # fmt: skip
-
-            def fill(into: memoryview, chunk: memoryview = chunk) -> None:
-                into[:] = chunk
-
-            slot = (key, int(segment["rank"]), int(segment["slot"]))
-            why = self._host.store_copy(slot, meta, fill, origin, as_replica=slot[1] != rank)
-            if why is not None:
-                raise _Dropped(why)
-            if slot[1] == rank:
-                stored.append(origin)
-        return stored
-
-    def _read_parity(self, peer: dict[str, Any], key: str, step: int, size: int) -> torch.Tensor:
-        with contextlib.closing(self._dial(peer)) as connection:
-            send_message(connection, {"op": "parity_fetch", "key": key, "step": step})
-            reply, _ = recv_message(connection)
-            if "error" in reply or int(reply["size"]) != size:
-                raise _Dropped(f"{peer['node']} no longer holds the parity")
-            into = bytearray(size)
-            computed = _receive_bytes(connection, size, memoryview(into))
-            if recv_message(connection)[0].get("checksum") != computed:
-                raise _Dropped(f"the parity from {peer['node']} was damaged on the way")
-        return _tensor_of(into)
-
-    def _xor_piece(
-        self,
-        peer: dict[str, Any],
-        key: str,
-        world_size: int,
-        step: int,
-        piece: dict[str, Any],
-        parity: torch.Tensor,
-    ) -> None:
-        """XOR into ``parity`` the piece ``peer`` sent to it, read again from its memory."""
-        size = int(piece["size"])
-        with contextlib.closing(self._dial(peer)) as connection:
-            send_message(connection, {"op": "piece_fetch", "key": key, "step": step,
-                                      "world_size": world_size, "segments": piece["segments"],
-                                      "offset": piece["offset"], "size": size})  # fmt: skip
-            reply, _ = recv_message(connection)
-            if "error" in reply:
-                raise _Dropped(f"{piece['node']}: {reply['error']}")
-            into = bytearray(size)
-            computed = _receive_bytes(connection, size, memoryview(into))
-            trailer, _ = recv_message(connection)
-        if not trailer.get("whole") or computed != piece["checksum"]:
-            raise _Dropped(f"{piece['node']} no longer holds the same snapshot of step {step}")
-        parity[:size].bitwise_xor_(_tensor_of(into))
+        if not stored:
+            self._events.emit("memory_missing", rank=rank, why=why)
+            log.warning("rank %d's snapshot is in no agent's memory (%s): it restores from "
+                        "storage", rank, why)  # fmt: skip
+        return stored, source
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -646,14 +538,14 @@ class Peers:
         nbytes = int(meta["nbytes"])
 
         def fill(into: memoryview) -> None:
-            computed = _receive_bytes(connection, nbytes, into)
+            computed = receive_bytes(connection, nbytes, into)
             trailer, _ = recv_message(connection)
             if not trailer.get("whole") or trailer.get("checksum") != computed:
-                raise _Dropped("overwritten while it was sent, or damaged on the way")
+                raise Dropped("overwritten while it was sent, or damaged on the way")
 
         try:
             return self._host.store_copy(key, meta, fill, origin, as_replica=as_replica)
-        except _Dropped as exc:
+        except Dropped as exc:
             return str(exc)
 
     def _receive_piece(self, connection: socket.socket, message: dict[str, Any]) -> None:
@@ -673,7 +565,7 @@ class Peers:
             if wanted:
                 self.holder.xor_in(key, step, offset, chunk)
 
-        computed = _receive_bytes(connection, size, None, xor)
+        computed = receive_bytes(connection, size, None, xor)
         trailer, _ = recv_message(connection)
         if not wanted:
             send_message(connection, {"error": "not wanted (no memory, or not this round's)"})
@@ -772,10 +664,10 @@ class Peers:
             send_message(connection, {"error": f"no parity of step {step}"})
             return
         send_message(connection, {"size": int(parity.numel())})
-        data = _bytes_of(parity)
+        data = bytes_of(parity)
         hasher = new_hasher()
-        for start in range(0, len(data), _CHUNK):
-            chunk = data[start : start + _CHUNK]
+        for start in range(0, len(data), CHUNK):
+            chunk = data[start : start + CHUNK]
             hasher.update(chunk)
             connection.sendall(chunk)
         send_message(connection, {"checksum": hasher.hexdigest()})
@@ -799,7 +691,7 @@ class Peers:
                     return
                 parts.append(found)
             send_message(connection, {"ok": True})
-            checksum = _send_range(connection, parts, int(message["offset"]), int(message["size"]))
+            checksum = send_range(connection, parts, int(message["offset"]), int(message["size"]))
             whole = all(self._host.generation(_key_of(key, c)) == c["gen"] for c in parts)
             send_message(connection, {"whole": whole, "checksum": checksum})
         finally:
@@ -813,7 +705,7 @@ class Peers:
         key: Key,
         copy: dict[str, Any],
         header: dict[str, Any],
-        pace: _Pacer | None = None,
+        pace: Pacer | None = None,
     ) -> None:
         """Send one of :meth:`PeerCopy.committed`'s copies (its descriptor is closed): its
         record after ``header``, its bytes, then whether it stayed whole and their checksum (the
@@ -822,7 +714,7 @@ class Peers:
             send_message(
                 connection, {**header, **{k: v for k, v in copy.items() if k not in ("gen", "fd")}}
             )
-            checksum = _send_range(connection, [copy], 0, int(copy["nbytes"]), pace)
+            checksum = send_range(connection, [copy], 0, int(copy["nbytes"]), pace)
             whole = self._host.generation(key) == copy["gen"]
             send_message(connection, {"whole": whole, "checksum": checksum})
         finally:
@@ -841,88 +733,3 @@ class Peers:
 
 def _key_of(key: str, copy: dict[str, Any]) -> Key:
     return (key, int(copy["rank"]), int(copy["slot"]))
-
-
-def _tensor_of(data: bytearray) -> torch.Tensor:
-    """``data`` as a uint8 tensor, sharing its memory."""
-    if not data:
-        return torch.zeros(0, dtype=torch.uint8)
-    return torch.frombuffer(data, dtype=torch.uint8)
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A uint8 tensor's bytes, without a copy."""
-    return tensor.numpy().data if tensor.numel() else memoryview(b"")
-
-
-class _Pacer:
-    """Keeps what passes through it under ``rate`` bytes a second (a short burst allowed)."""
-
-    def __init__(self, rate: int) -> None:
-        self._rate = rate
-        self._free_at = time.monotonic()
-
-    def __call__(self, nbytes: int) -> None:
-        now = time.monotonic()
-        self._free_at = max(self._free_at, now) + nbytes / self._rate
-        if self._free_at - now > _BURST_S:
-            time.sleep(self._free_at - now - _BURST_S)
-
-
-def _send_range(
-    connection: socket.socket,
-    parts: list[dict[str, Any]],
-    offset: int,
-    size: int,
-    pace: _Pacer | None = None,
-) -> str:
-    """Stream bytes ``offset .. offset + size`` of the segments ``parts`` (``fd``, ``nbytes``)
-    laid end to end, ``pace``d; returns their checksum."""
-    hasher = new_hasher()
-    at = 0
-    for part in parts:
-        nbytes = int(part["nbytes"])
-        start, end = max(offset, at), min(offset + size, at + nbytes)
-        if start < end:
-            with (
-                mmap.mmap(part["fd"], nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm,
-                memoryview(mm) as view,
-            ):
-                for pos in range(start - at, end - at, _CHUNK):
-                    with view[pos : min(pos + _CHUNK, end - at)] as chunk:
-                        if pace is not None:
-                            pace(len(chunk))
-                        hasher.update(chunk)
-                        connection.sendall(chunk)
-        at += nbytes
-    return hasher.hexdigest()
-
-
-def _receive_bytes(
-    connection: socket.socket,
-    nbytes: int,
-    into: memoryview | None,
-    each: Callable[[int, memoryview], None] | None = None,
-) -> str:
-    """Read ``nbytes`` off ``connection`` into ``into`` (None: a chunk at a time, each handed to
-    ``each`` with its offset, then dropped); returns their checksum."""
-    hasher = new_hasher()
-    # (A small scratch: freed memory of a connection's thread stays with its malloc arena.)
-    chunk_size = _CHUNK if into is not None else _SCRATCH
-    scratch = memoryview(bytearray(min(chunk_size, nbytes))) if into is None else None
-    pos = 0
-    while pos < nbytes:
-        want = min(chunk_size, nbytes - pos)
-        target = into[pos : pos + want] if into is not None else scratch[:want]  # type: ignore[index]
-        got = connection.recv_into(target)
-        if not got:
-            raise ConnectionError("the peer closed the connection mid-copy")
-        hasher.update(target[:got])
-        if each is not None:
-            each(pos, target[:got])
-        pos += got
-    return hasher.hexdigest()
-
-
-class _Dropped(Exception):
-    """A copy received whole but not to be kept (overwritten while sent, or damaged)."""
