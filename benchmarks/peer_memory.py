@@ -182,7 +182,9 @@ def _run(nodes: int, scheme: dict[str, Any], nbytes: int) -> dict[str, Any]:
     first = [out.get(timeout=600) for _ in procs]
     procs[1].kill()  # node 1 is lost, all at once
     procs[1].join()
-    # The survivors join a new round with the replacement, as their agents would.
+    # The survivors join a new round with the replacement, as their agents would. (A queue of
+    # its own: the node killed may have died holding the first one's lock.)
+    out = ctx.Queue()
     replacement = ctx.Process(
         target=_node, args=(1, nodes, store.port, scheme, nbytes, 1, False, out, (None, stop))
     )
