@@ -155,7 +155,7 @@ def build_run_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="on several nodes, keep XOR parity of the snapshots in groups of K+1 nodes or more "
-        "instead of whole copies: 1/K of a node's snapshots in memory per node, and any one "
+        "instead of whole copies: 1/K of a node's snapshots in memory per node or less, and any one "
         "node of a group may be lost (the default from three nodes on, with K up to 4)",
     )
     group.add_argument(
