@@ -104,14 +104,21 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
         if variant != "spare":
             nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
 
-        def resumed() -> bool:
-            return any(e["event"] == "progress" and e["ts"] > killed for e in _events(a, b2))
+        def restored() -> list[dict[str, Any]]:
+            return [e for e in _events(a, b2) if e["event"] == "restore" and e["ts"] > killed]
+
+        def resumed() -> bool:  # (A's trainer may report a step or two before it fails)
+            done = restored()
+            return bool(done) and any(
+                e["event"] == "progress" and e["ts"] > done[0]["ts"] for e in _events(a, b2)
+            )
 
         _wait(resumed, 180, "the first step after the recovery")
         events = [e for e in _events(a, b2) if e["ts"] > killed]
-        [restore] = [e for e in events if e["event"] == "restore"][:1] or [None]
-        assert restore is not None, "no restore after the loss"
-        first_step = min(e["ts"] for e in events if e["event"] == "progress")
+        restore = restored()[0]
+        first_step = min(
+            e["ts"] for e in events if e["event"] == "progress" and e["ts"] > restore["ts"]
+        )
         fetched = [e for e in events if e["event"] == "memory_fetched"]
         # (A spare's agent started long before: it counts from when it was taken in.)
         begun = "standby_promoted" if variant == "spare" else "run_start"
