@@ -244,11 +244,15 @@ def test_another_hosts_lock_is_never_taken_over_and_the_message_says_how_to_clea
 class _Rank:
     """A group as one rank of a two-rank job sees it; rank 0's broadcast value is given."""
 
-    def __init__(self, rank: int, rank0_says: Any = None) -> None:
-        self.rank, self.world_size, self._says = rank, 2, rank0_says
+    def __init__(self, rank: int, rank0_error: str | None = None) -> None:
+        self.rank, self.world_size = rank, 2
+        self._says = {"error": rank0_error, "lock": None}  # (no lock to look for: an object store)
 
     def broadcast(self, obj: Any) -> Any:
         return obj if self.rank == 0 else self._says
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj, obj]
 
 
 def test_only_rank_0_locks_and_every_rank_fails_when_it_cannot(

@@ -28,14 +28,14 @@ TRAIN = ["--steps", "60", "--workers", "0", "--batch-size", "8", "--every", "100
 
 
 def _node(
-    run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int, *options: str
+    run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int, *options: str, step_s: float = 0.1
 ) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nnodes", str(nodes), "--nproc-per-node", "1",
         *options,
         "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "peers-test", "--run-dir", str(run_dir), "--metrics-port", "-1",
-        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", "0.1",
+        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", str(step_s),
         "--dump", str(dump),
     ]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +49,18 @@ def _node(
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     return list(read_events(path)) if path.exists() else []
+
+
+def _has(run_dir: Path, event: str) -> bool:
+    return any(e["event"] == event for e in _events(run_dir))
+
+
+def _wait_for(done: Any, nodes: list[subprocess.Popen[str]], what: str) -> None:
+    deadline = time.monotonic() + 150
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert all(n.poll() is None for n in nodes), f"a node ended early, waiting for {what}"
+        time.sleep(0.1)
 
 
 def _step_reached(*run_dirs: Path) -> int:
@@ -79,28 +91,25 @@ def test_a_lost_node_resumes_from_its_peers_memory(
                   *TRAIN, "--dump", str(tmp_path / "a.st"),
                   options=["--nproc-per-node", str(nodes)])  # fmt: skip
     pool = ["--standby", "1"] if spare else []
-    started = [_node(dirs[0], port, ckpt, dump, nodes, *pool)]
+    step_s = 0.3 if spare else 0.1  # (time for a spare to start, under a loaded test machine)
+    started = [_node(dirs[0], port, ckpt, dump, nodes, *pool, step_s=step_s)]
     try:
         # Node 0 first: its agent hosts the rendezvous store (c10d), which must outlive node 1.
         deadline = time.monotonic() + 60
         while not _events(dirs[0]):
             assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
             time.sleep(0.1)
-        started += [_node(d, port, ckpt, dump, nodes, *pool) for d in dirs[1:]]
-        deadline = time.monotonic() + 150
-        while _step_reached(*dirs) < 25:
-            assert time.monotonic() < deadline, "the nodes did not train"
-            assert all(n.poll() is None for n in started), "a node ended early"
-            time.sleep(0.1)
-        if spare:  # waiting warm beside the run, before the loss
-            started.append(_node(replacement, port, ckpt, dump, nodes, *pool))
-            while not any(e["event"] == "standby" for e in _events(replacement)):
-                assert time.monotonic() < deadline, "the spare did not wait as a spare"
-                time.sleep(0.1)
+        started += [_node(d, port, ckpt, dump, nodes, *pool, step_s=step_s) for d in dirs[1:]]
+        if spare:  # once the round is full (every node's trainer started), a spare waits beside
+            _wait_for(lambda: all(_has(d, "rank_start") for d in dirs), started, "training")
+            started.append(_node(replacement, port, ckpt, dump, nodes, *pool, step_s=step_s))
+            _wait_for(lambda: _has(replacement, "standby"), started, "the spare to wait")
+        _wait_for(lambda: _step_reached(*dirs) >= 25, started, "the nodes to train")
+        assert _step_reached(*dirs) < 55, "the run nearly ended before the loss"
         os.killpg(started[1].pid, signal.SIGKILL)  # node 1: its agent and its trainer at once
         started[1].wait(30)
-        if not spare:
-            started.append(_node(replacement, port, ckpt, dump, nodes))  # a new node in its place
+        if not spare:  # a new node in its place
+            started.append(_node(replacement, port, ckpt, dump, nodes, step_s=step_s))
         for node, where in [*zip(started, dirs, strict=False), (started[-1], replacement)]:
             if node is not started[1]:
                 assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
