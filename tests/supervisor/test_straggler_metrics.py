@@ -79,6 +79,10 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
         {"ts": 7.1, "event": "restart", "restart": 2},
         {"ts": 8.0, "event": "hang", "rank": 0, "step": 15},
         {"ts": 9.0, "event": "straggler", "rank": 1, "ratio": 1.6},
+        {"ts": 9.1, "event": "standby", "participants": 2},
+        {"ts": 9.2, "event": "standby_promoted", "waited_s": 30.0},
+        {"ts": 9.3, "event": "memory_missing", "rank": 3, "why": "two nodes of its group lost"},
+        {"ts": 9.4, "event": "standby_pool", "waiting": 1, "wanted": 2},
     ]  # fmt: skip
     text = "".join(json.dumps(e) + "\n" for e in lines)
     events.write_text(text[:-20])  # the last line still being written
@@ -110,6 +114,10 @@ def test_metrics_follow_the_event_log(tmp_path: Path) -> None:
     assert value("crashproof_restore_seconds_sum") == 0.3
     assert value("crashproof_restore_seconds_bucket", {"le": "3600.0"}) == 1
     assert value("crashproof_straggler_ratio", {"rank": "1"}) == 1.6
+    assert value("crashproof_standby") == 0  # taken in
+    assert value("crashproof_standby_spares") == 1
+    assert value("crashproof_standby_wanted") == 2
+    assert value("crashproof_memory_missing_total") == 1
     assert value("crashproof_ettr_ratio") == 0.75
     assert value("crashproof_ettr") == 0.75  # the deprecated name, one release more
     assert value("crashproof_last_progress_timestamp_seconds") == 5.0

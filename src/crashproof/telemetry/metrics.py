@@ -148,6 +148,27 @@ class RunMetrics:
             ["rank"],
             registry=r,
         )
+        self.standby = Gauge(
+            "crashproof_standby",
+            "1 while this agent waits as a hot spare (the run has all its nodes), else 0",
+            registry=r,
+        )
+        self.standby_spares = Gauge(
+            "crashproof_standby_spares",
+            "Hot spares waiting in the rendezvous, as this agent last counted them (--standby)",
+            registry=r,
+        )
+        self.standby_wanted = Gauge(
+            "crashproof_standby_wanted",
+            "The hot spares the run should keep (--standby N; 0: not asked)",
+            registry=r,
+        )
+        self.memory_missing = Counter(
+            "crashproof_memory_missing",
+            "Snapshots of a rank starting here that the peers could not give back (too many "
+            "nodes lost, or a damaged piece): that rank restored from storage",
+            registry=r,
+        )
         self.ettr = Gauge(
             "crashproof_ettr_ratio",
             "Effective training time ratio so far: productive step time / wall time",
@@ -250,6 +271,13 @@ class RunMetrics:
                 self.backlog.labels(tier=tier).set(event["pending"])
         elif name == "replication_failed":
             self.backlog.labels(tier=str(event.get("tier"))).set(len(event.get("pending") or []))
+        elif name in ("standby", "standby_promoted"):
+            self.standby.set(1 if name == "standby" else 0)
+        elif name == "standby_pool":
+            self.standby_spares.set(int(event.get("waiting", 0)))
+            self.standby_wanted.set(int(event.get("wanted", 0)))
+        elif name == "memory_missing":
+            self.memory_missing.inc()
 
 
 def _run_labels(event: dict[str, Any]) -> dict[str, str]:
