@@ -183,15 +183,17 @@ def test_two_ranks_a_node_and_a_newer_step_the_lost_node_never_finished(tmp_path
 @pytest.mark.parametrize(
     ("lost", "damage", "why"),
     [
-        ([1, 2], False, "more nodes were lost than the parity covers"),
+        ([1, 2], "", "more nodes were lost than the parity covers"),
         # A bad DIMM on node 0 after it sent its pieces, in the one the rebuild uses (its first
         # piece went to node 1, lost with it).
-        ([1], True, "no longer holds the same snapshot of step 10"),
+        ([1], "dimm", "no longer holds the same snapshot of step 10"),
+        # Node 2 dies after the new round met, before the rebuild reads from it.
+        ([1], "second-loss", "more nodes were lost than the parity covers"),
     ],
-    ids=["two-nodes-of-a-group-lost", "a-survivors-snapshot-damaged"],
+    ids=["two-nodes-of-a-group-lost", "a-survivors-snapshot-damaged", "a-survivor-lost-after"],
 )
 def test_what_parity_cannot_rebuild_falls_back_to_storage_and_says_why(
-    tmp_path: Path, lost: list[int], damage: bool, why: str
+    tmp_path: Path, lost: list[int], damage: str, why: str
 ) -> None:
     store, hosts = _hosts(tmp_path, 3)
     trainers = [_Trainer(hosts[r], r, 3) for r in range(3)]
@@ -199,11 +201,13 @@ def test_what_parity_cannot_rebuild_falls_back_to_storage_and_says_why(
         for r, trainer in enumerate(trainers):
             trainer.commit(0, 10, _data(r, 10, 50_000))
         _wait_covered(hosts, 10)
-        if damage:
+        if damage == "dimm":
             trainers[0].maps[0][40_000] ^= 0x01
         for trainer in trainers:
             trainer.close()
         _replace(tmp_path, store, hosts, lost, 1)
+        if damage == "second-loss":
+            hosts[2].close()
         assert _held(hosts[1], 1, 3) == {}  # nothing offered: the restore goes to storage
         missing = [e for e in read_events(hosts[1]._events.path) if e["event"] == "memory_missing"]
         assert missing and why in missing[0]["why"], missing
