@@ -269,12 +269,15 @@ class SavePipeline:
             )
         return self._oldest(set(range(capacity)) - {slot for _, slot in self._inflight})
 
-    def _oldest(self, free: set[int]) -> int:
+    def _oldest(self, free: set[int], pinned: set[int] | None = None) -> int:
         """Of the free staging slots, the one whose memory snapshot is oldest (or none): the
-        newest snapshot in memory stays while the next one is copied."""
+        newest snapshot in memory stays while the next one is copied. Slots the agent pins come
+        last (``pinned``: asked already, else asked here)."""
         if self._memory is None:
             return min(free)
-        slots, pinned = self._memory.slots, self._memory.pinned() if len(free) > 1 else set()
+        slots = self._memory.slots
+        if pinned is None:
+            pinned = self._memory.pinned() if len(free) > 1 else set()
         return min(
             free,
             key=lambda i: (i in pinned, -1 if slots[i].step is None else slots[i].step, i),
@@ -296,6 +299,7 @@ class SavePipeline:
         self.last_memory_step, self.last_memory_s = step, time.monotonic()  # (taken or not)
         self.raise_pending()
         free: set[int] = set()
+        pinned: set[int] = set()
         if self._memory is not None and self._memory_stagings:
             busy = {slot for future, slot in self._inflight if not future.done()}
             busy |= {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
@@ -308,7 +312,8 @@ class SavePipeline:
             if len(self._memory_stagings) > 1 and len(held) == 1:
                 free -= held  # the one snapshot held stays until another is committed beside it
             if len(self._memory_stagings) > 1 and free:
-                free -= self._memory.pinned()  # (the step the other nodes cover stays too)
+                pinned = self._memory.pinned()
+                free -= pinned  # (the step the other nodes cover stays too)
         can = bool(free)
         if self._group.world_size > 1:
             can = all(self._group.all_gather(can))
@@ -322,7 +327,7 @@ class SavePipeline:
                 )
             return False
         assert self._memory is not None
-        slot = self._oldest(free)
+        slot = self._oldest(free, pinned)  # (pinned slots are not free: no need to ask again)
         self._wait_memory(slot)  # (done already: collected)
         staging = self._memory_stagings[slot]
         try:

@@ -35,7 +35,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from crashproof.checkpoint.format import new_hasher
@@ -278,15 +278,11 @@ class Peers:
                 self._report(key[0], step)
 
     def _push(self, key: Key, world_size: int, step: int, target: int) -> bool:
-        held = [c for c in self._host.committed(key[0], key[1], world_size) if c["slot"] == key[2]]
-        for other in held[1:]:
-            os.close(other.pop("fd"))
-        if not held:
+        # (Overwritten since, if not at ``step``: its own commit pushes it.)
+        copy = self._copy_of(key[0], key[1], world_size, slot=key[2], step=step)
+        if copy is None:
             return False
-        copy = held[0]
         try:
-            if copy["step"] != step:
-                return False  # (overwritten since: its own commit pushes it)
             connection = self._connection(target)
             header = {"op": "push", "key": key[0], "rank": key[1], "world_size": world_size,
                       "node": self._node}  # fmt: skip
@@ -353,22 +349,28 @@ class Peers:
         """This node's segments holding ``step``, one per rank in rank order (descriptors the
         caller closes), or None when a rank has not committed it."""
         parts: list[dict[str, Any]] = []
-        complete = True
         for rank in self._my_ranks(key):
-            held = self._host.committed(key, rank, world_size)
-            found = [c for c in held if c["step"] == step]
-            for copy in held:
-                if copy is not (found[0] if found else None):
-                    os.close(copy.pop("fd"))
-            if not found:
-                complete = False
-                continue
-            parts.append({**found[0], "rank": rank})
-        if complete and parts:
-            return parts
-        for copy in parts:
-            os.close(copy.pop("fd"))
-        return None
+            copy = self._copy_of(key, rank, world_size, step=step)
+            if copy is None:
+                for part in parts:
+                    os.close(part.pop("fd"))
+                return None
+            parts.append(copy)
+        return parts or None
+
+    def _copy_of(
+        self, key: str, rank: int, world_size: int, *, slot: int | None = None, step: int
+    ) -> dict[str, Any] | None:
+        """The committed segment of (key, rank) holding ``step`` (in ``slot``, if given), with
+        its ``rank``, as :meth:`PeerCopy.committed` gives it (its descriptor the caller's), or
+        None; the descriptors of the others are closed."""
+        found = None
+        for copy in self._host.committed(key, rank, world_size):
+            if found is None and copy["step"] == step and slot in (None, copy["slot"]):
+                found = {**copy, "rank": rank}
+            else:
+                os.close(copy.pop("fd"))
+        return found
 
     # -- coverage ----------------------------------------------------------------------------
 
@@ -438,6 +440,19 @@ class Peers:
             send_message(connection, message)
             return recv_message(connection)[0]
 
+    def _ask_each(
+        self, peers: list[dict[str, Any]], message: dict[str, Any], what: str
+    ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each of ``peers`` that answers ``message``, with its reply (one that cannot be
+        reached, or answers nonsense, is logged and passed over)."""
+        for peer in peers:
+            try:
+                reply = self._ask(peer, message)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot ask %s for %s: %s", peer["node"], what, exc)
+                continue
+            yield peer, reply
+
     # -- fetching copies ---------------------------------------------------------------------
 
     def fetch(self, key: str, rank: int, world_size: int) -> list[str]:
@@ -447,13 +462,8 @@ class Peers:
         with self._lock:
             others = [self._peers[r] for r in self._others()]
         best: tuple[int, dict[str, Any]] | None = None
-        for peer in others:
-            try:
-                reply = self._ask(peer, {"op": "have", "key": key, "rank": rank,
-                                         "world_size": world_size})  # fmt: skip
-            except (OSError, ValueError) as exc:
-                log.warning("cannot ask %s for rank %d's snapshots: %s", peer["node"], rank, exc)
-                continue
+        ask = {"op": "have", "key": key, "rank": rank, "world_size": world_size}
+        for peer, reply in self._ask_each(others, ask, f"rank {rank}'s snapshots"):
             newest = max((int(s["step"]) for s in reply.get("slots", [])), default=-1)
             if newest >= 0 and (best is None or newest > best[0]):
                 best = (newest, peer)
@@ -499,13 +509,8 @@ class Peers:
         """Rebuild (key, rank)'s newest snapshot that parity and the survivors still hold;
         returns the origins stored and where from."""
         offers: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-        for peer in others:
-            try:
-                reply = self._ask(peer, {"op": "parity_have", "key": key, "rank": rank,
-                                         "world_size": world_size})  # fmt: skip
-            except (OSError, ValueError) as exc:
-                log.warning("cannot ask %s for parity of rank %d: %s", peer["node"], rank, exc)
-                continue
+        ask = {"op": "parity_have", "key": key, "rank": rank, "world_size": world_size}
+        for peer, reply in self._ask_each(others, ask, f"parity of rank {rank}"):
             for record in reply.get("parities", []):
                 offers.setdefault(int(record["step"]), []).append((peer, record))
         with self._lock:
@@ -680,12 +685,7 @@ class Peers:
         try:
             for wanted in message["segments"]:
                 rank, slot = int(wanted["rank"]), int(wanted["slot"])
-                found = None
-                for copy in self._host.committed(key, rank, world_size):
-                    if found is None and copy["slot"] == slot and copy["step"] == step:
-                        found = {**copy, "rank": rank}
-                    else:
-                        os.close(copy.pop("fd"))
+                found = self._copy_of(key, rank, world_size, slot=slot, step=step)
                 if found is None:
                     send_message(connection, {"error": f"rank {rank}'s step {step} is gone"})
                     return
