@@ -82,7 +82,7 @@ def test_work_after_close_that_keeps_beating_is_not_ended(tmp_path: Path, runs: 
 # -- the done phase is final, and a crash on the way out is no failure ---------------------------
 
 
-def test_nothing_leaves_the_done_phase(tmp_path: Path) -> None:
+def test_nothing_leaves_the_finished_phases(tmp_path: Path) -> None:
     from crashproof.link import HeartbeatWriter, read_heartbeat
 
     writer = HeartbeatWriter(str(tmp_path / "beat"))
@@ -93,6 +93,13 @@ def test_nothing_leaves_the_done_phase(tmp_path: Path) -> None:
         leave()
         beat = read_heartbeat(str(tmp_path / "beat"))
         assert beat is not None and beat.phase == "done" and beat.step == 7
+    # the script's normal return is the only way on, and nothing leaves it either
+    writer.set_phase("exiting")
+    for leave in (lambda: writer.beat(8), lambda: writer.set_phase("done"),
+                  lambda: writer.restored(3), lambda: writer.set_phase("step")):  # fmt: skip
+        leave()
+        beat = read_heartbeat(str(tmp_path / "beat"))
+        assert beat is not None and beat.phase == "exiting" and beat.step == 7
     writer.close()
 
 
@@ -166,18 +173,22 @@ def test_a_crash_after_close_leaves_a_peer_still_working_alone(
     tmp_path: Path, runs: list[Run]
 ) -> None:
     """torch stops every other trainer when one ends non-zero: rank 0, still working before its
-    own close, would be killed and the run restarted."""
+    own close, would be killed and the run restarted. After its close too: its script may still
+    export or upload (here 2 s without a beat), and only once the script returned may torch
+    stop it (a warm trainer waits for torch to collect its result)."""
     run = start_run(
         tmp_path / "run",
         [],
-        ["--steps", "4", "--every", "2", "--after-close", "segv", "--work-before-close", "3"],
-    )
+        ["--steps", "4", "--every", "2", "--after-close", "segv", "--work-before-close", "3",
+         "--export-after-close", "2"],
+    )  # fmt: skip
     runs.append(run)
     _finished_without_restart(run, run.wait(timeout=90))
-    assert "rank 0 finished at step 4" in output(run)
+    text = output(run)
+    assert "rank 0 exported" in text and "rank 0 finished at step 4" in text, text
     exits = {e["rank"]: e for e in run.events("rank_exit")}
     assert exits[1]["ended_after_done"] and exits[1]["exitcode"] == -11
-    # rank 0 finished too, and may wait for torch to collect its return value: stopped then
+    assert not run.events("done_hang")
 
 
 def test_a_step_beat_after_close_does_not_make_a_later_hang_a_step_hang(

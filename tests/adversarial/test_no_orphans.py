@@ -220,7 +220,8 @@ def children(tmp_path: Path) -> Iterator[Path]:
 def _started_children(run: Run, record: Path) -> list[int]:
     _wait_until(lambda: record.exists() and len(record.read_text().split()) >= 3, 60, "children")
     pids = [int(p) for p in record.read_text().split()]
-    assert all(_alive(pid, record.name) for pid in pids), pids
+    dead = [pid for pid in pids if not _alive(pid, record.name)]
+    assert not dead, (dead, [e["event"] for e in run.events()], output(run)[-3000:])
     return pids
 
 

@@ -18,6 +18,8 @@ collective (a real hang), and a rank that dies leaves them with a broken connect
                           abort (crash on the way out) or beat-step-hang (crashproof.heartbeat(step),
                           then never exit)
     --work-before-close S rank 0 works S seconds, beating, before it closes its manager
+    --export-after-close S  rank 0 works S seconds after closing its manager without a beat (an
+                          export or an upload), then says "rank 0 exported"
     --clean-env-children FILE  rank 0 of the first attempt starts programs with an environment
                           of their own (so no marker of the run's), not detached: a child, one
                           left behind by a shell (`cmd &`), one in a process group of its own;
@@ -67,6 +69,7 @@ def main() -> int:
     p.add_argument("--after-close", choices=["segv", "abort", "beat-step-hang"], default=None)
     p.add_argument("--after-close-rank", default="1")
     p.add_argument("--work-before-close", type=float, default=0.0)
+    p.add_argument("--export-after-close", type=float, default=0.0)
     p.add_argument("--raise-in-loop-at", type=int, default=None)
     p.add_argument("--clean-env-children", default=None)
     p.add_argument("--remote", default=None, help="a durable tier (replicated by the agent)")
@@ -126,6 +129,9 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         while True:  # as a deadlock in a destructor at exit: never beats, never exits
             time.sleep(1)
+    if args.export_after_close and rank == 0:
+        time.sleep(args.export_after_close)
+        print("rank 0 exported", flush=True)
     beat_for(args.work_after_close)  # work after close that tells it is alive
     for helper in helpers:
         helper.terminate()

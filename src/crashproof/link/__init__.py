@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from crashproof.link._heartbeat import (
     ENV_HEARTBEAT_DIR,
+    FINISHED_PHASES,
     Heartbeat,
     HeartbeatWriter,
     Phase,
@@ -42,6 +43,7 @@ from crashproof.link._worker import (
     STACK_DUMP_SIGNAL,
     attach_to_supervisor,
     die_with_parent,
+    script_returned,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "ENV_NOTICE_FILE",
     "ENV_PARENT_PID",
     "EXIT_PREEMPTED",
+    "FINISHED_PHASES",
     "PREEMPTION_SIGNALS",
     "STACK_DUMP_SIGNAL",
     "Heartbeat",
@@ -68,6 +71,7 @@ __all__ = [
     "read_heartbeat",
     "recv_exactly",
     "recv_message",
+    "script_returned",
     "send_message",
     "trainer_reporter",
     "worker_heartbeat",

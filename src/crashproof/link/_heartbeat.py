@@ -2,7 +2,7 @@
 
 A trainer run by ``crashproof run`` finds ``CRASHPROOF_HEARTBEAT_DIR`` in its environment and
 keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the step it
-started from (its restore), the phase it is in (start-up, step, restore, save, done), when it
+started from (its restore), the phase it is in (start-up, step, restore, save, done, exiting), when it
 entered that phase and when it last beat, the longest gap between two steps since its previous
 write, and the seconds it spent in its own work (``compute_section``: the part of a step with no
 collective in it, which finds a straggler among ranks that wait for each other). The supervisor
@@ -30,6 +30,7 @@ from crashproof._runfiles import RunFileRefused, open_run_file
 
 __all__ = [
     "ENV_HEARTBEAT_DIR",
+    "FINISHED_PHASES",
     "Heartbeat",
     "HeartbeatWriter",
     "Phase",
@@ -41,8 +42,14 @@ __all__ = [
 ENV_HEARTBEAT_DIR = "CRASHPROOF_HEARTBEAT_DIR"
 """Set by ``crashproof run``: where each local rank keeps its heartbeat record."""
 
-Phase = Literal["startup", "step", "restore", "save", "done"]
-_PHASES: tuple[Phase, ...] = ("startup", "step", "restore", "save", "done")
+Phase = Literal["startup", "step", "restore", "save", "done", "exiting"]
+_PHASES: tuple[Phase, ...] = ("startup", "step", "restore", "save", "done", "exiting")
+
+FINISHED_PHASES: frozenset[Phase] = frozenset({"done", "exiting"})
+"""Final phases: "done", the trainer closed its checkpoint manager normally (its work is
+committed); "exiting", its script returned normally and its exit handlers ran, and the process only
+waits for torch to collect its result (a warm-started trainer). Only "done" may still lead to
+"exiting"; nothing leaves "exiting"."""
 
 _MAGIC = b"CPHB0003"
 # magic, pid, step, beat time, phase start, max gap, work seconds, start step, phase
@@ -120,7 +127,7 @@ class HeartbeatWriter:
         after ``close()``, an evaluation's, must not turn a finished trainer back into a
         training one, whose later crash or hang would cost restarts of committed work)."""
         now = time.monotonic()
-        if step is not None and self._phase != "done":
+        if step is not None and self._phase not in FINISHED_PHASES:
             if step > self._step and self._last_step_s and self._phase == "step":
                 self._max_gap_s = max(
                     self._max_gap_s, (now - self._last_step_s) / (step - self._step)
@@ -134,9 +141,10 @@ class HeartbeatWriter:
             self._write(now)
 
     def set_phase(self, phase: Phase) -> None:
-        """Enter ``phase``: the supervisor allows each phase its own time without a beat. "done"
-        is final: nothing leaves it (see :meth:`beat`)."""
-        if phase != self._phase and self._phase != "done":
+        """Enter ``phase``: the supervisor allows each phase its own time without a beat. The
+        finished phases are final (see :meth:`beat`): "done" leads only to "exiting"."""
+        final = self._phase in FINISHED_PHASES
+        if phase != self._phase and (not final or (self._phase, phase) == ("done", "exiting")):
             now = time.monotonic()
             if phase == "step":
                 self._last_step_s = now  # the time spent restoring or saving is not a step
@@ -144,7 +152,7 @@ class HeartbeatWriter:
 
     def restored(self, step: int) -> None:
         """The trainer restored the state after ``step``: training resumes from there."""
-        if self._phase == "done":
+        if self._phase in FINISHED_PHASES:
             return  # a manager opened after close(), to read: the trainer's work is done
         self._step = self._start_step = step
         self.set_phase("step")

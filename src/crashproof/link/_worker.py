@@ -39,6 +39,7 @@ __all__ = [
     "STACK_DUMP_SIGNAL",
     "attach_to_supervisor",
     "die_with_parent",
+    "script_returned",
 ]
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -87,6 +88,15 @@ def attach_to_supervisor() -> None:
             _stack_file.close()
         _stack_file = os.fdopen(fd, "w", encoding="utf-8")
         faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
+def script_returned() -> None:
+    """Tell the agent this trainer's script returned normally and its exit handlers ran: what is
+    left is waiting for torch to collect the result, so the agent may let torch stop it (after a
+    peer crashed on its way out) without cutting short any of the script's own work."""
+    writer = worker_heartbeat()
+    if writer is not None:
+        writer.set_phase("exiting")
 
 
 def _is_stack_dump(head: bytes) -> bool:

@@ -47,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from crashproof._rundir import ENV_RUN_DIR, RunDir
 from crashproof._runfiles import make_new_dir
-from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED
+from crashproof.link import ENV_HEARTBEAT_DIR, ENV_PARENT_PID, EXIT_PREEMPTED, FINISHED_PHASES
 from crashproof.supervisor._announce import (
     announce_budget_spent,
     announce_crash_loop,
@@ -315,8 +315,8 @@ class CrashproofAgent(LocalElasticAgent):
         elif result.state == WorkerState.HEALTHY:
             codes = self._exit_codes(worker_group)
             hung = self.heartbeats.hung([w for w in workers if codes[w.local_rank] is None])
-            stuck = [(w, v) for w, v in hung if v.phase == "done"]
-            hung = [(w, v) for w, v in hung if v.phase != "done"]
+            stuck = [(w, v) for w, v in hung if v.phase in FINISHED_PHASES]
+            hung = [(w, v) for w, v in hung if v.phase not in FINISHED_PHASES]
             if hung:
                 self._on_hang(worker_group, hung)
                 return RunResult(state=WorkerState.FAILED)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from torch.distributed.elastic.agent.server.api import Worker
 
-from crashproof.link import EXIT_PREEMPTED, Heartbeat
+from crashproof.link import EXIT_PREEMPTED, FINISHED_PHASES, Heartbeat
 from crashproof.supervisor._announce import announce_done_crash, announce_done_hang
 from crashproof.supervisor._hang import Verdict
 from crashproof.supervisor._trainers import process_state, signal_name, signal_trainers
@@ -80,16 +80,20 @@ class AfterDone:
         """Whether torch's process context may look at the group now.
 
         At any non-zero exit torch stops every other trainer, so after a done trainer crashed it
-        must not look while another one still works (not yet done). Once every trainer still
-        running is done too, they are finished: they only wait for torch to collect their return
-        values (a warm trainer exits only then), and torch's stop is their end, no failure."""
+        must not look while another one still works, after its close() too: the script may still
+        export, upload or log. Once every trainer still running has returned from its script
+        (phase "exiting"), they only wait for torch to collect their return values (a warm
+        trainer exits only then), and torch's stop is their end, no failure. One that stays in
+        "done" is ended by :meth:`end_stuck` when its done allowance runs out."""
         exited = [w for w in workers if codes[w.local_rank] is not None]
         if not any(w.id in self.ended and codes[w.local_rank] != 0 for w in exited):
             return True  # no done trainer ended non-zero: nothing to hold back
         if not all(_finished(w, codes, self.ended) for w in exited):
             return True  # a real failure besides: torch stops the group as for any failure
         running = [w for w in workers if codes[w.local_rank] is None]
-        if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
+        if any(
+            w.local_rank not in beats or beats[w.local_rank].phase != "exiting" for w in running
+        ):
             return False
         self.stopped_by_torch.update(w.id for w in running)
         return True
@@ -109,7 +113,7 @@ class AfterDone:
         any process that ends non-zero, and a done one SIGTERMed by torch would read as a failure.
         """
         running = [w for w in workers if codes[w.local_rank] is None]
-        if any(w.local_rank not in beats or beats[w.local_rank].phase != "done" for w in running):
+        if any(_working(w, beats) for w in running):
             return  # a rank still works (its own allowance applies); the done ones wait for it
         # Ended already, not yet reaped (a busy host): ended and reported once.
         running = [w for w in running if w.id not in self.ended]
@@ -148,9 +152,13 @@ def crashed_after_done(
         for w in workers
         if codes[w.local_rank] not in (None, 0, EXIT_PREEMPTED)
         and w.id not in noted
-        and w.local_rank in beats
-        and beats[w.local_rank].phase == "done"
+        and not _working(w, beats)
     ]
+
+
+def _working(worker: Worker, beats: Beats) -> bool:
+    """Whether ``worker`` has not finished (no record yet, or one not in a finished phase)."""
+    return worker.local_rank not in beats or beats[worker.local_rank].phase not in FINISHED_PHASES
 
 
 def _finished(worker: Worker, codes: Codes, done: Collection[int | None]) -> bool:

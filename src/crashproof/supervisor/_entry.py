@@ -29,7 +29,7 @@ import crashproof  # noqa: F401
 # modules): 1-1.5 s of every restart on a small machine, the largest part left after torch.
 with contextlib.suppress(ImportError):  # a torch built without it
     import torch._dynamo
-from crashproof.link import attach_to_supervisor
+from crashproof.link import attach_to_supervisor, script_returned
 
 __all__ = ["FORKSERVER_IGNORES", "run_script"]
 
@@ -83,6 +83,8 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     finally:
         atexit._run_exitfuncs()
         _flush()
+    # Reached only when the script ended normally: from here the process waits for torch.
+    script_returned()
 
 
 def _end_forked_child(code: object) -> None:

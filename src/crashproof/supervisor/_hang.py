@@ -107,6 +107,7 @@ class HangDetector:
             "restore": c.restore_timeout_s,
             "save": c.save_timeout_s,
             "done": c.done_timeout_s,
+            "exiting": c.done_timeout_s,
         }.get(phase)
 
     def check(self, beat: Heartbeat, now_s: float) -> Verdict | None:
