@@ -7,7 +7,7 @@ For each injection: the event that shows it was **detected**, by kind:
 | kill | the ``rank_exit`` of the killed process |
 | hang | a ``hang`` event (the stopped rank's, or a peer's stuck waiting for it) |
 | nan | the ``numerics`` event of the step the seam made non-finite |
-| corrupt | a ``restore`` from a step older than the corrupted one (or the trainer's "skipping checkpoint step N" line, when nothing older was left) |
+| corrupt | a ``restore`` from a step older than the corrupted one (or the trainer's "skipping checkpoint step N" line, when nothing older was left); *not needed* when the restore came from memory at that step or a newer one |
 | storage | the error in a rank's ``rank_exit`` or log (``enospc``, ``eio``); a ``checkpoint`` whose ``persist_s`` shows the stall, or a ``hang`` (``hang``) |
 | straggler | a ``straggler`` event naming the rank |
 
@@ -73,11 +73,20 @@ class Injection:
     """When the campaign saw it resolved, seconds after the run started."""
     gave_up: bool = False
     """The campaign stopped waiting for it (``--resolve-timeout``) or the run ended first."""
+    not_needed: str | None = None
+    """Why the fault turned out to need no detection: a corrupted checkpoint that the restore
+    after it never had to read, since the agent's memory (or its peers') held that step or a
+    newer one, verified."""
 
     @property
     def resolved(self) -> bool:
-        """Nothing more is to be waited for: detected and recovered, or given up."""
-        return self.gave_up or (self.detected and self.recovered)
+        """Nothing more is to be waited for: given up, or passed."""
+        return self.gave_up or self.passed
+
+    @property
+    def passed(self) -> bool:
+        """Detected (or shown not to need detecting) and recovered from."""
+        return (self.detected or self.not_needed is not None) and self.recovered
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +109,7 @@ class Injection:
             "recovered_by": self.recovered_by,
             "lost_steps": self.lost_steps,
             "lost_s": round(self.lost_s, 3),
+            "not_needed": self.not_needed,
         }
 
 
@@ -114,14 +124,16 @@ def assess(inj: Injection, view: RunView, *, until: float | None = None) -> None
 
     ``until``: when the next fault was injected. Detections and failures from then on are the
     next fault's doing (a recovery may still be seen later)."""
-    if not inj.detected:
+    if inj.fault.kind == "corrupt" and not inj.detected and inj.not_needed is None:
+        inj.not_needed = _corruption_not_read(inj, view, until)
+    if not inj.detected and inj.not_needed is None:
         found = _detection(inj, view, until)
         if found is not None:
             inj.detected, inj.detected_by = True, found[0]
             # None when only a trainer's log line showed it: such a line carries no time
             inj.detect_s = None if found[1] is None else max(0.0, found[1] - inj.ts)
     failure = _failure(inj, view, until)
-    if inj.detected and not inj.recovered:
+    if (inj.detected or inj.not_needed is not None) and not inj.recovered:
         recovery = _recovery(inj, view, failure)
         if recovery is not None:
             inj.recovered, inj.recovered_by = True, recovery
@@ -224,6 +236,23 @@ def _corruption_seen(
     if line is not None:
         return f"trainer log: {line[:300]}", None
     return None
+
+
+def _corruption_not_read(inj: Injection, view: RunView, until: float | None) -> str | None:
+    """Why the damaged checkpoint never had to be read: the first restore after the fault came
+    from memory (the agent's, or its peers') at the corrupted step or a newer one."""
+    corrupted = inj.details.get("step")
+    restores = view.of("restore", after=inj.ts, before=until)
+    if corrupted is None or not restores:
+        return None
+    first = restores[0]
+    if first.get("kind") not in ("memory", "peer") or int(first["step"]) < int(corrupted):
+        return None
+    where = "the agent's memory" if first.get("kind") == "memory" else "the peers' memory"
+    return (
+        f"restored step {first['step']} from {where}: the damaged checkpoint of step "
+        f"{corrupted} was never read"
+    )
 
 
 def _failure(inj: Injection, view: RunView, until: float | None) -> FailureRecord | None:

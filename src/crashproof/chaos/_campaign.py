@@ -430,12 +430,13 @@ class Campaign:
             recovered_by=inj.recovered_by,
             lost_steps=inj.lost_steps,
             gave_up=inj.gave_up,
+            not_needed=inj.not_needed,
         )
-        outcome = (
-            f"detected by {inj.detected_by}; recovered: {inj.recovered_by}"
-            if inj.detected and inj.recovered
-            else f"NOT {'recovered' if inj.detected else 'detected'} (gave up)"
-        )
+        if inj.passed:
+            seen = f"detected by {inj.detected_by}" if inj.detected else f"{inj.not_needed}"
+            outcome = f"{seen}; recovered: {inj.recovered_by}"
+        else:
+            outcome = f"NOT {'recovered' if inj.detected else 'detected'} (gave up)"
         self._say(f"[chaos] {self._elapsed():6.1f}s  {inj.fault.id} {outcome}")
 
     def _release(self) -> None:

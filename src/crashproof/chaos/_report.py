@@ -1,7 +1,7 @@
 """The campaign's verdict: the JSON report, the table and the summary line.
 
 A campaign **passes** when the run succeeded, every fault injected was detected and recovered
-from, every fault given explicitly (``--fault``) was injected, and, with ``--compare-baseline``,
+from (or needed neither: a corrupted checkpoint the restore never read, see ``not_needed``), every fault given explicitly (``--fault``) was injected, and, with ``--compare-baseline``,
 the final checkpoint is bit for bit the baseline's. ETTR comes from the goodput ledger
 (:func:`crashproof.telemetry.read_ledger`), the same arithmetic as ``crashproof report``.
 """
@@ -46,7 +46,7 @@ def build_report(
     passed = (
         result.exitcode == 0
         and bool(injections)
-        and all(i.detected and i.recovered for i in injections)
+        and all(i.passed for i in injections)
         and not (explicit and result.not_injected)
         and not result.blocked
         and (baseline is None or (baseline.identical and baseline_exitcode == 0))
@@ -61,6 +61,7 @@ def build_report(
         "injected": len(injections),
         "detected": sum(i.detected for i in injections),
         "recovered": sum(i.recovered for i in injections),
+        "not_needed": sum(i.not_needed is not None for i in injections),
         "lost_steps": sum(i.lost_steps for i in injections),
         "run": {
             "exitcode": result.exitcode,
@@ -95,7 +96,8 @@ def format_table(injections: list[Injection]) -> list[str]:
     header = f"{'fault':<5} {'kind':<9} {'at':>7} {'rank':>4} {'step':>6}  {'detected by':<58} {'recovered':<9} {'lost steps':>10}"
     lines = [header]
     for i in injections:
-        first, *more = wrapped_cell(i.detected_by or "NOT DETECTED", 58)
+        said = i.detected_by or (f"not needed: {i.not_needed}" if i.not_needed else "NOT DETECTED")
+        first, *more = wrapped_cell(said, 58)
         lead = f"{i.fault.id:<5} {i.fault.kind:<9} {i.at_s:>6.1f}s {i.fault.rank:>4} {i.step:>6}  "
         lines.append(f"{lead}{first:<58} {_yes(i.recovered):<9} {i.lost_steps:>10}")
         lines += [" " * len(lead) + line for line in more]  # the rest of the words, not cut
@@ -107,6 +109,8 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{report['injected']} fault(s) injected, {report['detected']} detected, "
         f"{report['recovered']} recovered, {report['lost_steps']} step(s) recomputed",
     ]
+    if report["not_needed"]:
+        parts.append(f"{report['not_needed']} needed no detection (see not_needed)")
     blocked = sum(f["blocked"] is not None for f in report["not_injected"])
     if len(report["not_injected"]) > blocked:
         ended = len(report["not_injected"]) - blocked
