@@ -312,7 +312,9 @@ class MemoryHost:
         *,
         as_replica: bool,
     ) -> str | None:
-        nbytes = int(meta["nbytes"])
+        # Read before any memory is taken: a record that cannot be kept must hold none.
+        nbytes, world_size, step = int(meta["nbytes"]), int(meta["world_size"]), int(meta["step"])
+        contents = dict(meta["contents"])
         with self._lock:  # (made under the lock, as a trainer's: the check holds for both)
             table = self._replicas if as_replica else self._segments
             old = table.get(key)
@@ -337,8 +339,7 @@ class MemoryHost:
             with self._lock:
                 self._filling -= nbytes
             raise
-        copy = _Segment(fd, nbytes, int(meta["world_size"]), int(meta["step"]),
-                        dict(meta["contents"]), origin=origin)  # fmt: skip
+        copy = _Segment(fd, nbytes, world_size, step, contents, origin=origin)
         with self._lock:
             self._filling -= nbytes
             table = self._replicas if as_replica else self._segments

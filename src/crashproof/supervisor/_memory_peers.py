@@ -42,6 +42,7 @@ from crashproof.checkpoint.format import new_hasher
 from crashproof.link import recv_exactly, recv_message, send_message
 from crashproof.supervisor._memory_parity import ParityHolder, ParityPlan, piece_span
 from crashproof.supervisor._memory_rebuild import rebuild
+from crashproof.supervisor._peer_requests import Malformed, checked
 from crashproof.supervisor._peer_wire import (
     CHUNK,
     Dropped,
@@ -610,7 +611,11 @@ class Peers:
                 connection.settimeout(None)
                 while True:
                     message, _ = recv_message(connection)
-                    self._answer(connection, message)
+                    self._answer(connection, checked(message))
+            except Malformed as exc:
+                log.warning("refused a peer's request: %s", exc)
+                with contextlib.suppress(OSError):
+                    send_message(connection, {"error": f"malformed request: {exc}"})
             except (OSError, ValueError, KeyError, TypeError):
                 return
             except Exception:  # a bug here must not pass silently, nor end the agent

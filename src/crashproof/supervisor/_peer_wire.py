@@ -90,13 +90,16 @@ def receive_bytes(
     pos = 0
     while pos < nbytes:
         want = min(chunk_size, nbytes - pos)
-        target = into[pos : pos + want] if into is not None else scratch[:want]  # type: ignore[index]
-        got = connection.recv_into(target)
-        if not got:
-            raise ConnectionError("the peer closed the connection mid-copy")
-        hasher.update(target[:got])
-        if each is not None:
-            each(pos, target[:got])
+        # Each view released at once, an error's too: a view left to an exception's traceback
+        # keeps ``into``'s mapping from being closed (BufferError, the mapping held meanwhile).
+        with into[pos : pos + want] if into is not None else scratch[:want] as target:  # type: ignore[index]
+            got = connection.recv_into(target)
+            if not got:
+                raise ConnectionError("the peer closed the connection mid-copy")
+            with target[:got] as received:
+                hasher.update(received)
+                if each is not None:
+                    each(pos, received)
         pos += got
     return hasher.hexdigest()
 

@@ -1,0 +1,182 @@
+"""Promise: an agent that knows the run's secret (another version, or one with a bug) still
+cannot make a peer's memory host allocate without bound, keep memory it should not, read past a
+segment, or stop serving. Each hostile request is refused by name, holds no memory and no
+descriptor afterwards, and the host goes on answering the next agent.
+
+Found reading the server: a ``push`` whose record could not be kept (its ``contents`` not an
+object) was read only after its segment was made and filled, so the segment and its accounting
+stayed taken for the rest of the run."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from crashproof.link import recv_exactly, recv_message, send_message
+from crashproof.supervisor._peer_requests import MAX_SLOTS, Malformed, checked
+from tests.supervisor.test_memory_parity import _host
+from tests.supervisor.test_memory_peers import _round
+
+PUSH = {"op": "push", "key": "k" * 16, "rank": 0, "world_size": 2, "slot": 0, "step": 10,
+        "nbytes": 4096, "contents": {}, "node": "n1"}  # fmt: skip
+PIECE = {"op": "piece", "key": "k" * 16, "step": 10, "world_size": 2, "agent": "a",
+         "expected": ["a"], "record": {"size": 64}}  # fmt: skip
+PIECE_FETCH = {"op": "piece_fetch", "key": "k" * 16, "step": 10, "world_size": 2,
+               "segments": [{"rank": 1, "slot": 0}], "offset": 0, "size": 64}  # fmt: skip
+
+HOSTILE = [
+    ({"op": "drop_everything", "key": "k"}, "unknown request 'drop_everything'"),
+    ({"op": 7, "key": "k"}, "unknown request 7"),
+    ({**PUSH, "nbytes": 0}, "nbytes 0 is outside"),
+    ({**PUSH, "nbytes": -4096}, "nbytes -4096 is outside"),
+    ({**PUSH, "nbytes": 1 << 62}, "nbytes 4611686018427387904 is outside"),
+    ({**PUSH, "nbytes": "4096"}, "nbytes must be an integer, not str"),
+    ({**PUSH, "nbytes": True}, "nbytes must be an integer, not bool"),
+    ({**PUSH, "nbytes": 4096.0}, "nbytes must be an integer, not float"),
+    ({**PUSH, "contents": ["index"]}, "contents must be an object"),
+    ({**PUSH, "rank": 2}, "rank 2 of a world of 2"),
+    ({**PUSH, "slot": MAX_SLOTS}, f"slot {MAX_SLOTS} is outside"),
+    ({**PUSH, "step": -1}, "step -1 is outside"),
+    ({**PUSH, "world_size": 0}, "world_size 0 is outside"),
+    ({k: v for k, v in PUSH.items() if k != "step"}, "step must be an integer, not NoneType"),
+    ({**PUSH, "key": ""}, "key must be a string"),
+    ({**PUSH, "key": "k" * 10_000}, "key must be a string"),
+    ({**PIECE, "record": {"size": -1}}, "record.size -1 is outside"),
+    ({**PIECE, "record": "all of it"}, "record must be an object"),
+    ({**PIECE, "expected": "a"}, "expected must be a list"),
+    ({**PIECE, "expected": [None]}, "expected[0] must be a string"),
+    ({**PIECE_FETCH, "offset": -1}, "offset -1 is outside"),
+    ({**PIECE_FETCH, "segments": []}, "segments must be a list"),
+    ({**PIECE_FETCH, "segments": [{"rank": 5, "slot": 0}]}, "rank 5 of a world of 2"),
+    ({**PIECE_FETCH, "segments": [{"rank": 0}]}, "segments[0].slot must be an integer"),
+    ({"op": "have", "key": "k", "rank": 0, "world_size": -3}, "world_size -3 is outside"),
+    ({"op": "covered", "key": "k", "step": "latest", "agent": "a"}, "step must be an integer"),
+    ({"op": "parity_fetch", "key": "k", "step": -5}, "step -5 is outside"),
+]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=20))  # fmt: skip
+    host = _host(tmp_path_factory.mktemp("peer"), 0, replicas=1)
+    _round(store, [host], 0, 1)
+    yield host
+    host.close()
+
+
+def _dial(host: Any) -> socket.socket:
+    """A connection that proved it knows the run's secret, as one of the run's agents."""
+    connection = socket.create_connection(("127.0.0.1", host.peers.port), timeout=10)
+    challenge = recv_exactly(connection, 32)
+    connection.sendall(hmac.new(host.peers._secret, challenge, hashlib.sha256).digest())
+    return connection
+
+
+def _footprint(host: Any) -> tuple[int, int, int]:
+    """What the host holds: bytes, segments kept, and this process's open descriptors."""
+    with host._lock:
+        held, kept = host._held(), len(host._segments) + len(host._replicas)
+    return held, kept, len(os.listdir("/proc/self/fd"))
+
+
+def _settled(host: Any, before: tuple[int, int, int]) -> None:
+    """Nothing held beyond ``before`` (descriptors: no more, the host may close some of its own)."""
+
+    def holds() -> bool:
+        held, kept, fds = _footprint(host)
+        return (held, kept) == before[:2] and fds <= before[2]
+
+    deadline = time.monotonic() + 5  # the serving thread closes its side a moment later
+    while not holds() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert holds(), (_footprint(host), before)
+
+
+def _still_serves(host: Any) -> None:
+    with _dial(host) as connection:
+        send_message(connection, {"op": "have", "key": "k" * 16, "rank": 0, "world_size": 2})
+        assert recv_message(connection)[0] == {"slots": []}
+
+
+@pytest.mark.parametrize(("request_", "why"), HOSTILE, ids=[w for _, w in HOSTILE])
+def test_a_malformed_request_is_refused_by_name_and_holds_nothing(
+    host: Any, request_: dict[str, Any], why: str
+) -> None:
+    before = _footprint(host)
+    with _dial(host) as connection:
+        send_message(connection, request_)
+        reply, _ = recv_message(connection)
+        assert reply["error"].startswith(f"malformed request: {why}"), reply
+        assert connection.recv(1) == b""  # and the connection is closed
+    _settled(host, before)
+    _still_serves(host)
+
+
+def _push(host: Any, nbytes: int, body: bytes, trailer: dict[str, Any] | None) -> dict[str, Any]:
+    with _dial(host) as connection:
+        send_message(connection, {**PUSH, "nbytes": nbytes})
+        connection.sendall(body)
+        if trailer is None:  # cut off mid-copy
+            connection.shutdown(socket.SHUT_WR)
+            return {"closed": connection.recv(1) == b""}
+        send_message(connection, trailer)
+        return recv_message(connection)[0]
+
+
+def test_a_copy_cut_off_or_damaged_on_the_way_is_not_kept(host: Any) -> None:
+    before = _footprint(host)
+    assert _push(host, 1 << 20, b"x" * 1000, None) == {"closed": True}
+    _settled(host, before)
+    body = os.urandom(4096)
+    reply = _push(host, 4096, body, {"whole": True, "checksum": "0" * 16})
+    assert reply == {"error": "overwritten while it was sent, or damaged on the way"}
+    reply = _push(host, 4096, body, {"whole": False, "checksum": "0" * 16})
+    assert "error" in reply
+    _settled(host, before)
+    _still_serves(host)
+
+
+def test_a_message_announcing_more_than_any_message_holds_is_not_read(host: Any) -> None:
+    before = _footprint(host)
+    with _dial(host) as connection:
+        connection.sendall(struct.pack("<II", 0xFFFFFFFF, 0))  # a header: size, descriptors
+        assert connection.recv(1) == b""
+    with _dial(host) as connection:
+        body = b"[1, 2, 3]"  # JSON, but not an object
+        connection.sendall(struct.pack("<II", len(body), 0) + body)
+        assert connection.recv(1) == b""
+    _settled(host, before)
+    _still_serves(host)
+
+
+def test_an_unauthenticated_connection_is_never_answered(host: Any) -> None:
+    with socket.create_connection(("127.0.0.1", host.peers.port), timeout=10) as connection:
+        recv_exactly(connection, 32)
+        connection.sendall(b"\0" * 32)
+        try:
+            send_message(connection, {"op": "have", "key": "k", "rank": 0, "world_size": 1})
+            assert connection.recv(1) == b""
+        except ConnectionResetError:
+            pass  # closed with the request unread: as good
+    _still_serves(host)
+
+
+def test_every_request_the_agents_send_passes_the_checks() -> None:
+    for message in (PUSH, PIECE, PIECE_FETCH):
+        assert checked(dict(message)) == message
+    with pytest.raises(Malformed):
+        checked(json.loads('{"op": "push"}'))
