@@ -42,7 +42,7 @@ from crashproof.checkpoint.format import new_hasher
 from crashproof.link import recv_exactly, recv_message, send_message
 from crashproof.supervisor._memory_parity import ParityHolder, ParityPlan, piece_span
 from crashproof.supervisor._memory_rebuild import rebuild
-from crashproof.supervisor._peer_requests import Malformed, checked
+from crashproof.supervisor._peer_requests import MAX_SLOTS, Malformed, checked
 from crashproof.supervisor._peer_wire import (
     CHUNK,
     Dropped,
@@ -495,8 +495,12 @@ class Peers:
             send_message(connection, {"op": "fetch", "key": key, "rank": rank,
                                       "world_size": world_size})  # fmt: skip
             count = int(recv_message(connection)[0]["count"])
+            if not 0 <= count <= MAX_SLOTS:
+                raise Malformed(f"{peer['node']} offers {count} copies of rank {rank}")
             for _ in range(count):
                 meta, _ = recv_message(connection)
+                # (checked as the peer would check it, had this been pushed)
+                checked({**meta, "op": "push", "key": key, "rank": rank})
                 why = self._receive(connection, (key, rank, int(meta["slot"])), meta, origin)
                 if why is None:
                     stored.append(origin)
