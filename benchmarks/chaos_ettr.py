@@ -47,6 +47,7 @@ def run_campaign(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         str(REPO / "examples" / "train_tiny.py"), "--run-dir", "{run}",
         "--steps", str(args.steps), "--every", str(args.every), "--hidden", "256",
         "--samples", "400", "--workers", "1",
+        *(["--memory-every", str(args.memory_every)] if args.memory_every else []),
     ]  # fmt: skip
     env = {**os.environ, "MKL_CBWR": "AUTO,STRICT", "MKL_DYNAMIC": "FALSE"}
     started = time.monotonic()
@@ -67,6 +68,17 @@ def ledger_parts(run_dir: str) -> dict[str, float]:
     return read_ledger(run_dir).parts()
 
 
+def _restores(run_dir: str) -> str:
+    """How many restores came from the agent's memory and how many from disk."""
+    kinds: list[str] = []
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        for line in f:
+            event = json.loads(line)
+            if event.get("event") == "restore":
+                kinds.append(str(event.get("kind")))
+    return f"{kinds.count('memory')} / {len(kinds) - kinds.count('memory')}"
+
+
 def markdown(report: dict[str, Any], args: argparse.Namespace, book: dict[str, float]) -> str:
     faults = report["faults"]
     lost = [f["lost_steps"] for f in faults]
@@ -74,7 +86,8 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, book: dict[str, f
     baseline = report["baseline"]
     lines = [
         f"**ETTR and exactness under SIGKILLs** (`examples/train_tiny.py`, 2 ranks, gloo DDP, "
-        f"{args.steps} steps, asynchronous checkpoint every {args.every} steps; exponential "
+        f"{args.steps} steps, asynchronous checkpoint every {args.every} steps"
+        f"{f', memory snapshot every {args.memory_every}' if args.memory_every else ''}; exponential "
         f"kills at an MTBF of {args.mtbf:.0f} s for {args.duration:.0f} s, seed {args.seed}; "
         f"the faulted run took {report['run']['wall_s']:.0f} s)",
         "",
@@ -86,6 +99,7 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, book: dict[str, f
         f"{statistics.median(lost) if lost else 0:.0f} / {max(lost, default=0)} |",
         f"| detection (kill to `rank_exit`): median s | "
         f"{statistics.median(detect) if detect else float('nan'):.3f} |",
+        f"| restores: from the agent's memory / from disk | {_restores(report['run_dir'])} |",
         f"| **ETTR** (goodput ledger) | **{report['ettr']:.3f}** |",
     ]
     for part, seconds in book.items():
@@ -111,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=66_000, help="over 10 minutes of training")
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=0,
+        help="also snapshot into the agent's memory every N steps (0: only the checkpoints' "
+        "asynchronous snapshots are kept there)",
+    )
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--markdown", action="store_true")
