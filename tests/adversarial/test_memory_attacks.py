@@ -186,6 +186,34 @@ def test_malformed_requests_are_refused_and_the_host_serves_on(
     assert _settled_fds(before) == set()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"files": ["index"]}, {"step": "7"}, {"step": -1}, {"step": 7.0}, {"files": None}],
+    ids=["files-a-list", "step-a-string", "step-negative", "step-a-float", "files-null"],
+)
+def test_a_malformed_commit_leaves_the_snapshot_committed_before_it_whole(
+    memory_host: MemoryHost, bad: dict[str, Any]
+) -> None:
+    """The commit used to change the segment's world size before it read the rest: a commit
+    that failed halfway left the earlier snapshot offered under another world size."""
+    client = MemoryClient(memory_host.address, timeout_s=5)
+    ids = {"key": "k", "rank": 0, "world_size": 2, "slot": 0}
+    try:
+        reply, fds = client.request({"op": "allocate", **ids, "nbytes": 4096})
+        for fd in fds:
+            os.close(fd)
+        assert "error" not in reply, reply
+        good = {"op": "commit", **ids, "step": 5, "files": {"path": "step_5"}}
+        assert client.request(good)[0] == {"ok": True}
+        reply, _ = client.request({**good, "world_size": 3, **bad})
+        assert reply["error"].startswith("malformed request"), reply
+    finally:
+        client.close()
+    [segment] = memory_host._segments.values()
+    assert (segment.step, segment.world_size, segment.files) == (5, 2, {"path": "step_5"})
+    _still_serves(memory_host)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_non_finite_numbers_get_an_error_reply_not_a_dead_connection_thread(
     memory_host: MemoryHost,

@@ -36,6 +36,7 @@ from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
 from crashproof.supervisor._memory_peers import Key, Peers
+from crashproof.supervisor._peer_requests import whole
 from crashproof.telemetry import EventLog
 
 __all__ = ["MemoryHost"]
@@ -194,6 +195,8 @@ class MemoryHost:
             slot = _whole(message, "slot", _MAX_SLOT)
             if kind == "allocate":
                 return self._allocate(key, rank, slot, _whole(message, "nbytes", 1 << 50), message)
+            if kind == "commit":  # (read whole before anything changes)
+                files, committed = dict(message["files"]), _whole(message, "step", 1 << 62)
             with self._lock:
                 segment = self._segments.get((key, rank, slot))
                 if segment is None:
@@ -202,9 +205,7 @@ class MemoryHost:
                     segment.step, segment.files = None, {}
                     segment.gen += 1
                 elif kind == "commit":
-                    segment.world_size = world_size
-                    segment.files = dict(message["files"])
-                    segment.step = int(message["step"])
+                    segment.world_size, segment.files, segment.step = world_size, files, committed
                     segment.gen += 1
                     segment.origin = "local"
                 else:
@@ -410,12 +411,8 @@ _MAX_SLOT = 64
 
 
 def _whole(message: dict[str, Any], name: str, upper: int, *, low: int = 0) -> int:
-    """``message[name]``, a whole number in [low, upper) (JSON's floats, booleans and strings
-    are not); raises ``ValueError``."""
-    value = message[name]
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < upper:
-        raise ValueError(f"{name} must be a whole number from {low} to {upper - 1}, not {value!r}")
-    return value
+    """``message[name]``, a whole number in [low, upper); raises ``ValueError``."""
+    return whole(name, message[name], low, upper - 1)
 
 
 def _same_user(connection: socket.socket) -> bool:

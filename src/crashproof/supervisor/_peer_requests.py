@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["MAX_SLOTS", "MAX_WORLD_SIZE", "Malformed", "checked"]
+__all__ = ["MAX_SLOTS", "MAX_WORLD_SIZE", "Malformed", "checked", "whole"]
 
 MAX_WORLD_SIZE = 1 << 20
 """More ranks than any run has."""
@@ -28,36 +28,39 @@ class Malformed(ValueError):
     """A peer's request that fails a check: what is wrong, in words."""
 
 
-def _integer(name: str, value: object, low: int, high: int) -> None:
-    # bool is an int to Python, never a count or an index on the wire
+def whole(name: str, value: object, low: int, high: int) -> int:
+    """``value`` when it is a whole number from ``low`` to ``high``; else :class:`Malformed`
+    (JSON's floats, strings and booleans are not: to Python a bool is an int, never a count or
+    an index on the wire)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise Malformed(f"{name} must be an integer, not {type(value).__name__}")
     if not low <= value <= high:
         raise Malformed(f"{name} {value} is outside {low}..{high}")
+    return value
 
 
 def _step(name: str, value: object) -> None:
-    _integer(name, value, 0, 1 << 62)
+    whole(name, value, 0, 1 << 62)
 
 
 def _rank(name: str, value: object) -> None:
-    _integer(name, value, 0, MAX_WORLD_SIZE - 1)
+    whole(name, value, 0, MAX_WORLD_SIZE - 1)
 
 
 def _world_size(name: str, value: object) -> None:
-    _integer(name, value, 1, MAX_WORLD_SIZE)
+    whole(name, value, 1, MAX_WORLD_SIZE)
 
 
 def _slot(name: str, value: object) -> None:
-    _integer(name, value, 0, MAX_SLOTS - 1)
+    whole(name, value, 0, MAX_SLOTS - 1)
 
 
 def _size(name: str, value: object) -> None:
-    _integer(name, value, 0, _MAX_BYTES)
+    whole(name, value, 0, _MAX_BYTES)
 
 
 def _segment_size(name: str, value: object) -> None:
-    _integer(name, value, 1, _MAX_BYTES)  # (an empty segment cannot be mapped)
+    whole(name, value, 1, _MAX_BYTES)  # (an empty segment cannot be mapped)
 
 
 def _text(name: str, value: object) -> None:
