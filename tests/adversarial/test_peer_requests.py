@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -180,3 +181,71 @@ def test_every_request_the_agents_send_passes_the_checks() -> None:
         assert checked(dict(message)) == message
     with pytest.raises(Malformed):
         checked(json.loads('{"op": "push"}'))
+
+
+# -- a peer that lies in its answers -------------------------------------------------------------
+
+_GOOD_META = {"world_size": 2, "slot": 0, "step": 10, "nbytes": 4096, "contents": {}}
+LIES = {
+    "a billion copies": [{"count": 10**9}],
+    "a copy of no bytes": [{"count": 1}, {**_GOOD_META, "nbytes": 0}],
+    "a copy larger than memory": [{"count": 1}, {**_GOOD_META, "nbytes": 1 << 60}],
+    "contents not an object": [{"count": 1}, {**_GOOD_META, "contents": "index"}],
+    "a step that is text": [{"count": 1}, {**_GOOD_META, "step": "10"}],
+    "bytes cut short": [{"count": 1}, _GOOD_META, b"x" * 100],
+    "a wrong checksum": [{"count": 1}, _GOOD_META, b"x" * 4096, {"whole": True, "checksum": "0"}],
+}
+
+
+class _Liar:
+    """An agent that knows the run's secret, offers a snapshot, and answers a fetch with
+    ``answers`` (messages, and raw bytes), then hangs up."""
+
+    def __init__(self, secret: bytes, answers: list[Any]) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.secret, self.answers = secret, answers
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with connection:
+                challenge = os.urandom(32)
+                connection.sendall(challenge)
+                recv_exactly(connection, 32)  # (the host proves itself; not checked here)
+                try:
+                    message, _ = recv_message(connection)
+                    if message["op"] == "have":
+                        send_message(connection, {"slots": [{"slot": 0, "step": 10}]})
+                    elif message["op"] == "fetch":
+                        for answer in self.answers:
+                            if isinstance(answer, bytes):
+                                connection.sendall(answer)
+                            else:
+                                send_message(connection, answer)
+                except OSError:
+                    pass
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_lying_peer_leaves_nothing_offered_nor_held(host: Any, lie: str) -> None:
+    liar = _Liar(host.peers._secret, LIES[lie])
+    peers = host.peers._peers
+    peers[1] = {"host": "127.0.0.1", "port": liar.server.getsockname()[1], "node": "liar",
+                "agent": "liar-agent"}  # fmt: skip
+    before = _footprint(host)
+    try:
+        reply, fds = host._hello("k" * 16, 1, 2)  # a rank this node holds nothing of
+        for fd in fds:
+            os.close(fd)
+    finally:
+        del peers[1]
+        liar.server.close()
+    assert all(slot["step"] is None for slot in reply["slots"]), reply
+    with host._lock:
+        assert not host._replicas and not host._filling
+    _settled(host, before)
+    _still_serves(host)
