@@ -5,6 +5,7 @@ detection, recovery and lost steps are read off the event log as documented."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from torch import nn
 
 import crashproof as cp
 from crashproof.chaos._analysis import Injection, assess
-from crashproof.chaos._faults import DutyCycle, corrupt_newest, process_state
+from crashproof.chaos._faults import DutyCycle, corrupt_memory, corrupt_newest, process_state
 from crashproof.chaos._schedule import Fault
 from crashproof.chaos._watch import RunView
 from crashproof.checkpoint import verify_checkpoint
@@ -302,3 +303,28 @@ def test_the_table_wraps_a_long_detection_between_words_and_cuts_none() -> None:
     words = said.split()
     assert text.split()[: len(words) - 1] == words[:-1]
     assert text.replace(" ", "").endswith(words[-1])
+
+
+def test_a_corrupt_fault_flips_one_bit_of_the_ranks_snapshot_in_the_agents_memory(
+    memory_host: Any, tmp_path: Path
+) -> None:
+    """The chaos ``corrupt`` fault reaches the agent's memory through ``/proc/<agent>/fd`` (the
+    host runs in this process here): one bit of the rank's segment, none of another rank's."""
+    from tests.checkpoint.test_manager import _state
+
+    with cp.CheckpointManager(tmp_path / "ck", every=cp.EverySteps(1)) as ckpt:
+        ckpt.save(7, _state())
+        ckpt.wait()
+        memory = ckpt._pipeline._memory
+        assert memory is not None
+        slot = memory.slots[memory.steps()[7]]
+        before = bytes(slot.view())
+        assert corrupt_memory(os.getpid(), 1, random.Random(0)) == []  # no segment of rank 1
+        # (the trainer's side holds the segment open too: it is flipped once)
+        [flip] = corrupt_memory(os.getpid(), 0, random.Random(0))
+        after = bytes(slot.view())
+    assert flip["slot"] == 0 and flip["size"] == len(before)
+    changed = [i for i in range(len(before)) if before[i] != after[i]]
+    assert changed == [flip["offset"]]
+    assert before[flip["offset"]] ^ after[flip["offset"]] == 1 << flip["bit"]
+    assert corrupt_memory(2**22 + 12345, 0, random.Random(0)) == []  # no such agent

@@ -37,7 +37,7 @@ from crashproof._rundir import RunDir
 from crashproof._runfiles import open_run_file
 from crashproof._seams import ENV_CHAOS_NAN, ENV_CHAOS_STORAGE, read_fired, write_control
 from crashproof.chaos._analysis import Injection, assess
-from crashproof.chaos._faults import DutyCycle, corrupt_newest, send, stop_all
+from crashproof.chaos._faults import DutyCycle, corrupt_memory, corrupt_newest, send, stop_all
 from crashproof.chaos._schedule import Fault
 from crashproof.chaos._watch import RunView
 from crashproof.checkpoint import committed_steps
@@ -366,6 +366,9 @@ class Campaign:
         pids = stop_all([p.pid for p in ranks])  # nothing commits while the file is damaged
         try:
             inj.details = corrupt_newest(root, str(inj.fault.params["mode"]), self._rng)
+            agent = self._view.agent_pid()
+            if agent is not None:  # the restore would prefer the snapshots there
+                inj.details["memory"] = corrupt_memory(agent, inj.fault.rank, self._rng)
         except (OSError, ValueError) as exc:
             inj.details = {"error": f"{type(exc).__name__}: {exc}"}
             inj.gave_up = True

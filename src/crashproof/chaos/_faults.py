@@ -8,7 +8,9 @@
 - ``corrupt``: every rank of the group is stopped (so nothing can commit meanwhile), a bit of the
   newest committed checkpoint's largest file is flipped (or the file is cut in half), and the
   group is SIGKILLed, the fault's rank first: a corruption shows only when a restore reads the
-  file, and the restart makes one read it at once.
+  file, and the restart makes one read it at once. Under ``crashproof run`` the fault's rank's
+  snapshots in the agent's memory get a bit flipped too (a RAM error): the restore prefers them,
+  so without it the damaged file would seldom be read.
 - ``nan`` and ``storage``: a line in the seam's control file (:mod:`crashproof._seams`);
   the trainer fires it.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -30,6 +33,7 @@ from crashproof.storage import LocalStorage
 
 __all__ = [
     "DutyCycle",
+    "corrupt_memory",
     "corrupt_newest",
     "process_state",
     "send",
@@ -96,6 +100,46 @@ def corrupt_newest(root: str, mode: str, rng: random.Random) -> dict[str, Any]:
         os.close(fd)
     details.update(offset=offset, bit=bit)
     return details
+
+
+_TRAINER_SEGMENT = re.compile(r"/memfd:crashproof:[0-9a-f]+:r(\d+):s(\d+) \(deleted\)")
+"""How a trainer's snapshot segment shows among its agent's descriptors (copies of other
+nodes' end in ``:copy`` and are left alone)."""
+
+
+def corrupt_memory(agent_pid: int, rank: int, rng: random.Random) -> list[dict[str, Any]]:
+    """Flip one bit, at a random place, of each snapshot segment of ``rank`` that the agent
+    ``agent_pid`` holds (reached through ``/proc/<agent>/fd``, as its own user may). Returns
+    each flip's ``segment`` (its slot), ``size``, ``offset`` and ``bit``; none when the agent
+    holds no segment of the rank or its descriptors cannot be reached."""
+    flips: list[dict[str, Any]] = []
+    seen: set[int] = set()  # segments by inode: one may be open under several descriptors
+    fd_dir = f"/proc/{agent_pid}/fd"
+    try:
+        names = sorted(os.listdir(fd_dir), key=int)
+    except (OSError, ValueError):
+        return flips
+    for name in names:
+        try:
+            match = _TRAINER_SEGMENT.fullmatch(os.readlink(f"{fd_dir}/{name}"))
+            if match is None or int(match.group(1)) != rank:
+                continue
+            fd = os.open(f"{fd_dir}/{name}", os.O_RDWR)
+        except OSError:
+            continue  # closed meanwhile, or not ours to open
+        try:
+            info = os.fstat(fd)
+            size = info.st_size
+            if size == 0 or info.st_ino in seen:
+                continue
+            seen.add(info.st_ino)
+            offset, bit = rng.randrange(size), rng.randrange(8)
+            (byte,) = os.pread(fd, 1, offset)
+            os.pwrite(fd, bytes([byte ^ (1 << bit)]), offset)
+        finally:
+            os.close(fd)
+        flips.append({"slot": int(match.group(2)), "size": size, "offset": offset, "bit": bit})
+    return flips
 
 
 class DutyCycle:

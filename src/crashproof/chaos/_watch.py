@@ -83,6 +83,11 @@ class RunView:
             if int(e.get("restart", 0)) == attempt and e.get("pid") is not None
         }
 
+    def agent_pid(self) -> int | None:
+        """The pid of the agent that started the newest attempt's trainers (None: none yet)."""
+        starts = [e for e in self.of("rank_start") if e.get("agent_pid") is not None]
+        return int(starts[-1]["agent_pid"]) if starts else None
+
     def heartbeat(self, process: RankProcess) -> Heartbeat | None:
         """The trainer's heartbeat record, if it has written one (matched by pid)."""
         pattern = RunDir.heartbeat_file(self.layout.heartbeat_dir("*"), process.local_rank)
