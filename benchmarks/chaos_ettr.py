@@ -84,11 +84,12 @@ def markdown(report: dict[str, Any], args: argparse.Namespace, book: dict[str, f
     lost = [f["lost_steps"] for f in faults]
     detect = [f["detect_s"] for f in faults if f["detect_s"] is not None]
     baseline = report["baseline"]
+    memory = f", memory snapshot every {args.memory_every}" if args.memory_every else ""
     lines = [
         f"**ETTR and exactness under SIGKILLs** (`examples/train_tiny.py`, 2 ranks, gloo DDP, "
-        f"{args.steps} steps, asynchronous checkpoint every {args.every} steps"
-        f"{f', memory snapshot every {args.memory_every}' if args.memory_every else ''}; exponential "
-        f"kills at an MTBF of {args.mtbf:.0f} s for {args.duration:.0f} s, seed {args.seed}; "
+        f"{args.steps} steps, asynchronous checkpoint every {args.every} steps{memory}; "
+        f"exponential kills at an MTBF of {args.mtbf:.0f} s for {args.duration:.0f} s, "
+        f"seed {args.seed}; "
         f"the faulted run took {report['run']['wall_s']:.0f} s)",
         "",
         "| | |",

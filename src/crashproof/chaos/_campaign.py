@@ -436,7 +436,7 @@ class Campaign:
             not_needed=inj.not_needed,
         )
         if inj.passed:
-            seen = f"detected by {inj.detected_by}" if inj.detected else f"{inj.not_needed}"
+            seen = f"detected by {inj.detected_by}" if inj.detected else str(inj.not_needed)
             outcome = f"{seen}; recovered: {inj.recovered_by}"
         else:
             outcome = f"NOT {'recovered' if inj.detected else 'detected'} (gave up)"

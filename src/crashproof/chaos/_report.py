@@ -1,8 +1,9 @@
 """The campaign's verdict: the JSON report, the table and the summary line.
 
-A campaign **passes** when the run succeeded, every fault injected was detected and recovered
-from (or needed neither: a corrupted checkpoint the restore never read, see ``not_needed``), every fault given explicitly (``--fault``) was injected, and, with ``--compare-baseline``,
-the final checkpoint is bit for bit the baseline's. ETTR comes from the goodput ledger
+A campaign **passes** when the run succeeded, every fault injected was detected (or needed no
+detection: a corrupted checkpoint the restore never read, see ``not_needed``) and recovered from,
+every fault given explicitly (``--fault``) was injected, and, with ``--compare-baseline``, the
+final checkpoint is bit for bit the baseline's. ETTR comes from the goodput ledger
 (:func:`crashproof.telemetry.read_ledger`), the same arithmetic as ``crashproof report``.
 """
 

@@ -2,11 +2,11 @@
 
 A trainer run by ``crashproof run`` finds ``CRASHPROOF_HEARTBEAT_DIR`` in its environment and
 keeps ``<dir>/local_rank_<k>`` up to date: its pid, the last step it finished, the step it
-started from (its restore), the phase it is in (start-up, step, restore, save, done, exiting), when it
-entered that phase and when it last beat, the longest gap between two steps since its previous
-write, and the seconds it spent in its own work (``compute_section``: the part of a step with no
-collective in it, which finds a straggler among ranks that wait for each other). The supervisor
-reads these files every monitor interval and decides what is a hang
+started from (its restore), the phase it is in (start-up, step, restore, save, done, exiting),
+when it entered that phase and when it last beat, the longest gap between two steps since its
+previous write, and the seconds it spent in its own work (``compute_section``: the part of a
+step with no collective in it, which finds a straggler among ranks that wait for each other). The
+supervisor reads these files every monitor interval and decides what is a hang
 (:mod:`crashproof.supervisor._hang`); this module only moves the facts.
 
 A record is 72 bytes (a 68-byte body and its CRC-32) written with one ``pwrite``, so a reader

@@ -660,13 +660,11 @@ class Peers:
             if op == "have":
                 send_message(connection, {"slots": [{"slot": c["slot"], "step": c["step"]}
                                                     for c in held]})  # fmt: skip
-            elif op == "fetch":
+            else:  # fetch (an unknown request is refused by the checks before it gets here)
                 send_message(connection, {"count": len(held)})
                 for copy in held:
                     header = {"world_size": world_size}
                     self._send_copy(connection, (key, rank, copy["slot"]), copy, header)
-            else:
-                send_message(connection, {"error": f"unknown request {op!r}"})
         finally:
             for copy in held:
                 if "fd" in copy:

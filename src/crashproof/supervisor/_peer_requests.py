@@ -141,12 +141,13 @@ def checked(message: dict[str, Any]) -> dict[str, Any]:
     op = message.get("op")
     if not isinstance(op, str) or op not in _FIELDS:
         raise Malformed(f"unknown request {op!r}")
-    for name, check in _FIELDS[op].items():
+    fields = _FIELDS[op]
+    for name, check in fields.items():
         check(name, message.get(name))
-    world_size = message.get("world_size")
-    ranks = [message["rank"]] if "rank" in _FIELDS[op] else []
-    ranks += [s["rank"] for s in message.get("segments") or []] if op == "piece_fetch" else []
-    for rank in ranks:
-        if isinstance(world_size, int) and rank >= world_size:
-            raise Malformed(f"rank {rank} of a world of {world_size}")
+    ranks = [message["rank"]] if "rank" in fields else []
+    if op == "piece_fetch":
+        ranks += [segment["rank"] for segment in message["segments"]]
+    for rank in ranks:  # (every request that names a rank comes with its world size)
+        if rank >= message["world_size"]:
+            raise Malformed(f"rank {rank} of a world of {message['world_size']}")
     return message
