@@ -12,7 +12,7 @@ from __future__ import annotations
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._options import ManagerOptions
 from crashproof.checkpoint.export import check_target, export_dcp, export_safetensors
-from crashproof.checkpoint.format import RankIndex, parse_step_dir
+from crashproof.checkpoint.format import RankIndex, held_part, parse_step_dir, part_files
 from crashproof.checkpoint.manager import CheckpointManager
 from crashproof.checkpoint.restore import (
     load_rank_state,
@@ -53,12 +53,14 @@ __all__ = [
     "describe_checkpoint",
     "export_dcp",
     "export_safetensors",
+    "held_part",
     "hold_root",
     "list_checkpoints",
     "load_rank_state",
     "located",
     "lock_root",
     "parse_step_dir",
+    "part_files",
     "prune_plan",
     "published_steps",
     "read_manifest",

@@ -11,10 +11,11 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from crashproof._console import announce
 from crashproof.checkpoint._group import Group
+from crashproof.checkpoint._placement import NODE_ENV, Placement, node_key
 from crashproof.checkpoint.root import (
     RootLock,
     committed_steps,
@@ -27,7 +28,7 @@ from crashproof.checkpoint.save import DeltaBase
 from crashproof.errors import CheckpointWriteError, ConfigError
 from crashproof.storage import Storage
 
-__all__ = ["ManagerState", "open_for_writing"]
+__all__ = ["ManagerState", "RootScope", "open_for_writing"]
 
 log = logging.getLogger("crashproof.checkpoint")
 
@@ -42,7 +43,8 @@ class ManagerState:
     read_only: bool = False
     closed: bool = False
     lock: RootLock | None = None
-    """Rank 0's lock on a local root while writing; None on other ranks, object stores, readers."""
+    """The root's lock while writing, held by the rank that leads it (rank 0; each node's first
+    rank on node-local roots); None on other ranks, object stores, readers."""
     newest_valid: int | None = None
     """The newest checkpoint known to verify: committed or restored by this manager."""
     delta_base: DeltaBase | None = None
@@ -61,6 +63,9 @@ class ManagerState:
     """Why the next call into the manager fails: a second writer was seen."""
     retention_off: bool = False
     """Set for good once a second writer was seen."""
+    placement: Placement = field(default_factory=lambda: Placement.shared(1, 0))
+    """Which ranks share this root (node-local roots: each node's ranks, see
+    :mod:`crashproof.checkpoint._placement`)."""
 
     def check_open(self) -> None:
         if self.closed:
@@ -86,76 +91,149 @@ class ManagerState:
 
 
 _SHARED_WAIT_S = 3.0
-"""How long a rank looks for rank 0's lock file before it says the root is not shared (a
-network filesystem's client may cache the directory's old listing for a moment; each look
-lists the directory, which makes it fetch the listing again)."""
+"""How long a rank looks for its root's lock before it says the root is not the one its node's
+leader locked (a network filesystem's client may cache the directory's old listing for a
+moment; each look lists the directory, which makes it fetch the listing again)."""
+
+RootScope = Literal["auto", "shared", "node"]
 
 
-def _not_shared(root: str, group: Group, held: list[Any] | None) -> CheckpointWriteError | None:
-    """Every rank must see the one root rank 0 locked (``held``: its host and pid; None: an
-    object store, one namespace for all): a root that is a local directory on each node would
-    commit checkpoints that hold only rank 0's node's shards. Returns the error every rank
-    raises, or None (a collective)."""
-    blind = False
-    if held is not None and group.rank != 0:
-        deadline = time.monotonic() + _SHARED_WAIT_S
-        while True:
-            with contextlib.suppress(OSError):
-                os.listdir(root)  # (refreshes a network filesystem's cached listing)
-            holder = read_holder(root)
-            blind = holder is None or [holder.host, holder.pid] != held
-            if not blind or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+def _blind(root: str, held: list[Any]) -> bool:
+    """Whether this rank does not see, in ``root``, the lock whose holder (host, pid) is ``held``."""
+    deadline = time.monotonic() + _SHARED_WAIT_S
+    while True:
+        with contextlib.suppress(OSError):
+            os.listdir(root)  # (refreshes a network filesystem's cached listing)
+        holder = read_holder(root)
+        if holder is not None and [holder.host, holder.pid] == held:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)
+
+
+def _apart(group: Group, blind: bool) -> list[str]:
+    """Every rank that is ``blind`` (a collective), as "rank (on host)"."""
     verdicts = group.all_gather((blind, socket.gethostname()))
-    apart = [f"{rank} (on {host})" for rank, (no, host) in enumerate(verdicts) if no]
-    if not apart:
-        return None
-    host, _ = held if held is not None else ("?", 0)
+    return [f"{rank} (on {host})" for rank, (no, host) in enumerate(verdicts) if no]
+
+
+def _not_shared(root: str, apart: list[str], host: str) -> CheckpointWriteError:
     return CheckpointWriteError(
         errno.ENOTSUP,
         f"{root}: rank(s) {', '.join(apart)} do not see the lock rank 0 (on {host}) holds in "
         "this directory: it is not one directory shared by every rank (a local disk on each "
         "node, or another path on some ranks). crashproof commits a checkpoint in one root that "
         "every rank writes into: put the root on a shared filesystem (NFS, Lustre, GPFS) or in "
-        "an object store (s3://, gs://), and give every rank the same path",
+        "an object store (s3://, gs://), and give every rank the same path; or, for a disk of "
+        "each node's own, CheckpointManager(..., root_scope='node') (docs/storage.md)",
     )
 
 
-def open_for_writing(state: ManagerState, group: Group, policies: str) -> None:
-    """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
-    left, then announces the ``policies`` in force; every rank fails if it cannot (no collective
-    left waiting)."""
+def _take_root(state: ManagerState) -> Exception | None:
+    """Take the root's lock, finish an interrupted publish and remove what failed saves left;
+    the error, if that failed. By each root's leader: rank 0, or each node's first rank."""
     root = state.root
-    error: Exception | None = None
-    if group.rank == 0:
-        try:
-            # From here on every change rank 0 makes in the root checks first that it still
-            # holds it: the background writes, publishes, removals and downloads alike.
-            state.storage.make_dirs(root)
-            storage, state.lock = hold_root(state.storage, root)
-            state.storage = storage
-            recover_interrupted(storage, root)
-            for leftover in leftover_dirs(storage, root):
-                log.info(
-                    "removing %s, left by a save that never committed", storage.describe(leftover)
-                )
-                storage.remove(leftover)
-            state.known = {s: None for s, _ in committed_steps(storage, root)}
-        except Exception as exc:
-            error = exc
+    try:
+        # From here on every change this rank makes in the root checks first that it still
+        # holds it: the background writes, publishes, removals and downloads alike.
+        state.storage.make_dirs(root)
+        storage, state.lock = hold_root(state.storage, root)
+        state.storage = storage
+        recover_interrupted(storage, root)
+        for leftover in leftover_dirs(storage, root):
+            log.info("removing %s, left by a save that never committed", storage.describe(leftover))
+            storage.remove(leftover)
+        state.known = {s: None for s, _ in committed_steps(storage, root)}
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _holder(state: ManagerState) -> list[Any] | None:
+    lock = state.lock
+    return None if lock is None else [lock.holder.host, lock.holder.pid]
+
+
+def _open_node_local(state: ManagerState, group: Group, not_shared: Exception) -> Exception | None:
+    """Some ranks do not see rank 0's root (``not_shared`` says which): where they are on other
+    nodes, each node's first rank takes the root as its node's own, and every rank checks that
+    it sees its node's root (a collective). Sets ``state.placement``; returns the error every
+    rank raises, or None."""
+    placement = Placement.from_keys(group.all_gather(node_key()), group.rank)
+    root = state.root
+    if not placement.node_local:  # one node, and its ranks see different directories
+        return not_shared
+    error = _take_root(state) if placement.leads and group.rank != 0 else None
+    said = group.all_gather(
+        (None if error is None else f"{type(error).__name__}: {error}", _holder(state))
+    )
+    failed = [f"rank {r}: {why}" for r, (why, _) in enumerate(said) if why is not None]
+    if failed:
+        return error or CheckpointWriteError(
+            errno.EBUSY,
+            f"{root}: the nodes' first ranks could not each take their node's root "
+            f"({'; '.join(failed)}). With root_scope='node' every node needs a directory of its "
+            "own: nodes that see one directory are not node-local",
+        )
+    leader = placement.leader_of(group.rank)
+    held = said[leader][1]
+    apart = _apart(group, held is not None and group.rank != leader and _blind(root, held))
+    if apart:
+        return CheckpointWriteError(
+            errno.ENOTSUP,
+            f"{root}: rank(s) {', '.join(apart)} do not see the lock their node's first rank "
+            "holds in this directory: the ranks of one node must see one directory (give every "
+            f"rank of a node the same path; {NODE_ENV} names a rank's node where the host name "
+            "does not tell)",
+        )
+    state.placement = placement
+    log.info(
+        "%s is node-local: %d nodes each write their ranks' files into their own (ranks %s)",
+        root,
+        len(placement.nodes),
+        " | ".join(",".join(map(str, ranks)) for ranks in placement.nodes),
+    )
+    return None
+
+
+def open_for_writing(
+    state: ManagerState, group: Group, policies: str, scope: RootScope = "auto"
+) -> None:
+    """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
+    left; every other rank checks it sees that root, or, where the root is a directory of each
+    node's own (``scope`` allowing), each node's first rank does the same for its node's root.
+    Then rank 0 announces the ``policies`` in force. Every rank fails if any cannot (no
+    collective left waiting)."""
+    root = state.root
+    error = _take_root(state) if group.rank == 0 else None
     if group.world_size > 1:
-        lock = state.lock
-        held = None if lock is None else [lock.holder.host, lock.holder.pid]
         said = group.broadcast(
-            {"error": None if error is None else f"{type(error).__name__}: {error}", "lock": held}
+            {
+                "error": None if error is None else f"{type(error).__name__}: {error}",
+                "lock": _holder(state),
+            }
         )
         if said["error"] is not None and error is None:
             error = CheckpointWriteError(
                 errno.EBUSY, f"rank 0 cannot write to {root}: {said['error']}"
             )
         if said["error"] is None:
-            error = error or _not_shared(root, group, said["lock"])
+            held = said["lock"]  # (None: an object store, one namespace for all)
+            apart = _apart(group, held is not None and group.rank != 0 and _blind(root, held))
+            if apart:
+                not_shared = _not_shared(root, apart, held[0])
+                if scope != "shared" and error is None:
+                    error = _open_node_local(state, group, not_shared)
+                else:
+                    error = error or not_shared
+            elif scope == "node" and len(set(group.all_gather(node_key()))) > 1:
+                error = error or CheckpointWriteError(
+                    errno.ENOTSUP,
+                    f"{root}: root_scope='node', but the ranks of every node see the one "
+                    "directory rank 0 locked: it is shared, not a disk of each node's own. "
+                    "Leave root_scope at 'auto' (or 'shared') for a shared root",
+                )
     if error is not None:
         state.release_lock()
         raise error

@@ -111,6 +111,14 @@ class ManagerOptions:
     """Under ``crashproof run``, keep snapshots in the agent's memory (the staging buffers of
     asynchronous saves live there). False: staging buffers in this process, restores from
     storage only (as ``crashproof run --no-memory`` does for every manager)."""
+    root_scope: Literal["auto", "shared", "node"] = "auto"
+    """Who shares the root. ``"shared"``: one directory every rank writes into (a shared
+    filesystem, an object store); a rank that does not see it fails the manager on every rank.
+    ``"node"``: a directory of each node's own (its local NVMe disk): each node's ranks write
+    their files into their node's root, and a checkpoint commits only once every node's part is
+    durable (see docs/storage.md); nodes that see one directory fail the manager.
+    ``"auto"``: shared where every rank sees rank 0's root, else node-local where each node's
+    ranks see their node's own."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
     prunes or rolls back, never removes or renames anything in the root (not even a save in
@@ -140,6 +148,10 @@ class ManagerOptions:
             raise ConfigError(
                 "CheckpointManager(memory_every=..., read_only=True): a read-only manager takes "
                 "no snapshots; drop memory_every"
+            )
+        if self.root_scope not in ("auto", "shared", "node"):
+            raise ConfigError(
+                f"CheckpointManager(root_scope={self.root_scope!r}): use 'auto', 'shared' or 'node'"
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointManager(timeout_s={self.timeout_s}): must be positive")

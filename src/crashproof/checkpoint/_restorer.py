@@ -36,6 +36,8 @@ from crashproof.checkpoint.restore import (
     RankPlan,
     RankRead,
     checkpoint_not_found,
+    part_here,
+    plan_node_part,
     plan_restore,
     read_manifest,
 )
@@ -117,7 +119,12 @@ class Restorer:
         tried: set[tuple[int, str | None]] = set()
         in_memory = set() if self._memory is None else self._memory.common_steps(self._group)
         for listing in range(_RELISTS + 1):
-            candidates = self._agreement.on_rank0(functools.partial(self._candidates, in_memory))
+            if self._shared.placement.node_local:  # (each rank lists its node's root)
+                candidates = self._candidates_on_nodes(in_memory)
+            else:
+                candidates = self._agreement.on_rank0(
+                    functools.partial(self._candidates, in_memory)
+                )
             if below is not None:
                 candidates = [c for c in candidates if c[0] < below]
             if step is not None:
@@ -170,7 +177,7 @@ class Restorer:
         """Restore the newest valid checkpoint of a step before ``before`` and, on rank 0, remove
         every checkpoint after it (the tiers' copies are marked abandoned first)."""
         restored = self.restore(state, None, below=before)
-        if restored is None or self._group.rank != 0:
+        if restored is None or not self._shared.placement.leads:
             return restored
         step, storage, root = restored[0], self._shared.storage, self._shared.root
         self._shared.check_lock()
@@ -208,6 +215,40 @@ class Restorer:
         return [
             (s, local.get(s) or local_storage.join(local_root, checkpoint_dir_name(s)), sources[s])
             for s in sorted(sources, reverse=True)
+        ]
+
+    def _candidates_on_nodes(self, in_memory: set[int]) -> list[Candidate]:
+        """On node-local roots (every rank calls this): the steps whose part every rank finds in
+        its own node's root under one manifest, and ``in_memory``, newest first. A step some
+        node lacks (lost with its disk, not yet published there, or held for other ranks now
+        that the ranks moved between nodes) is no candidate: no rank could read the missing
+        part."""
+        storage, root = self._shared.storage, self._shared.root
+        rank, world_size = self._group.rank, self._group.world_size
+        local = dict(committed_steps(storage, root))
+        mine = {step: part_here(storage, path, rank, world_size) for step, path in local.items()}
+        listings = self._group.all_gather(mine)
+        everywhere = {
+            step
+            for step, found in mine.items()
+            if found is not None and all(listing.get(step) == found for listing in listings)
+        }
+        lacking = sorted({s for listing in listings for s in listing} - everywhere, reverse=True)
+        if lacking and rank == 0:
+            log.warning(
+                "checkpoint steps %s are not whole on every node's own root (a node lost its "
+                "disk or has not published them, or the ranks moved between nodes): they are "
+                "not candidates",
+                lacking[:5],
+            )
+        steps = everywhere | in_memory
+        return [
+            (
+                s,
+                local.get(s) or storage.join(root, checkpoint_dir_name(s)),
+                ([MEMORY] if s in in_memory else []) + ([None] if s in everywhere else []),
+            )
+            for s in sorted(steps, reverse=True)
         ]
 
     def _try_source(
@@ -257,7 +298,20 @@ class Restorer:
                     f"step {candidate} in {source}: {fetched}"
                 )
                 return None
-        return self._try_restore(state, candidate, where, skipped, storage, vanished, refused)
+        own_plan: Callable[[], RankPlan] | None = None
+        if self._shared.placement.node_local:
+            own_plan = functools.partial(plan_node_part, storage, where, self._group.rank)
+        return self._try_restore(
+            state,
+            candidate,
+            where,
+            skipped,
+            storage,
+            vanished,
+            refused,
+            plan=own_plan,
+            on_disk=True,
+        )
 
     def _fetch(self, step: int, uri: str) -> tuple[str, bool]:
         """Download checkpoint ``step`` (and the full checkpoint it needs, if a delta) from the tier
@@ -308,6 +362,7 @@ class Restorer:
         refused: list[str],
         *,
         plan: Callable[[], RankPlan] | None = None,
+        on_disk: bool = False,
     ) -> tuple[int, str] | None:
         """Restore ``candidate`` if every rank verifies it; None (and a line in ``skipped``) if
         not, with ``candidate`` in ``vanished`` when it is no longer there on some rank and why
@@ -317,8 +372,9 @@ class Restorer:
         real values, the live tensors' values aside, before any rank writes anything live; the
         loading that follows has nothing left to refuse.
 
-        ``plan``: this rank's part, planned by itself (a snapshot in memory, which only this
-        rank holds) instead of by rank 0 from the manifest."""
+        ``plan``: this rank's part, planned by itself (a snapshot in memory, or a part on its
+        node's own root, which only this rank's node holds) instead of by rank 0 from the
+        manifest. ``on_disk``: read from the root (not memory), with a plan of its own."""
         started = time.perf_counter()
         status, reader, reason = self._load_candidate(state, candidate, path, storage, plan)
         where = storage.describe(path)
@@ -368,7 +424,7 @@ class Restorer:
         self._warn_if_inexact(candidate, state)
         shared = self._shared
         shared.last_save_step, shared.last_save_s = candidate, time.monotonic()
-        if plan is None:  # (a step in memory may not be on disk: retention goes by the disk)
+        if plan is None or on_disk:  # (a step in memory may not be on disk: retention goes by it)
             shared.newest_valid = candidate
         # Deltas are taken against what this manager committed; after a restore (or a rollback)
         # the next save is full, or it could name a base that is later than it or gone.

@@ -1,4 +1,5 @@
-"""Retention as a writing manager runs it, on rank 0: :class:`RetentionRunner`.
+"""Retention as a writing manager runs it, on rank 0 (on node-local roots, on each node's first
+rank, in its node's root): :class:`RetentionRunner`.
 
 The plan itself is :func:`~crashproof.checkpoint.root._catalog.retention_plan`'s; this module decides
 what is kept anyway (the checkpoint just saved, the newest valid one, the base of the next deltas,
@@ -127,10 +128,11 @@ class RetentionRunner:
 
     def prune(self, keep: RetentionPolicy, *, dry_run: bool) -> list[int]:
         """Apply ``keep`` now (never to the newest checkpoint that verifies); returns the steps
-        removed, or that would be with ``dry_run``."""
+        removed, or that would be with ``dry_run``. Only the rank that leads the root removes
+        (rank 0; on node-local roots, each node's first rank in its node's)."""
         self._shared.check_lock()
         doomed = prune_plan(self._shared.storage, self._shared.root, keep)
-        if not dry_run:
+        if not dry_run and self._shared.placement.leads:
             for _, path in doomed:
                 self._shared.storage.remove(path)
         return sorted(step for step, _ in doomed)

@@ -159,6 +159,13 @@ class SavePipeline:
             self._memory_off(exc)
             staging = self._stagings[free]
             snapshot = self._snapshot(step, state, staging, metadata)
+        if snapshot.sharded and self._shared.placement.node_local:
+            raise ConfigError(
+                f"checkpoint of step {step}: the model is sharded (DTensor, FSDP2) and "
+                f"{self._shared.root} is node-local: restoring sharded state reads pieces from "
+                "every rank's files, which no node holds. Put the root on shared storage "
+                "(root_scope='shared')"
+            )
         delta = self._options.delta
         # Every rank counts the same saves, so all agree on which may be deltas. Sharded state
         # is always saved whole: a delta's base must be the same rank's piece, which a restore
@@ -505,7 +512,12 @@ class SavePipeline:
         try:
             try:
                 result = persist(
-                    shared.storage, shared.root, snapshot, self._persist_group, tmp_name
+                    shared.storage,
+                    shared.root,
+                    snapshot,
+                    self._persist_group,
+                    tmp_name,
+                    shared.placement,
                 )
             except CheckpointWriteError as exc:
                 if exc.errno not in _DISK_FULL:
@@ -513,7 +525,12 @@ class SavePipeline:
                 # Every rank has this same outcome (rank 0 broadcast it): all retry, once.
                 self._make_room(snapshot, exc)
                 result = persist(
-                    shared.storage, shared.root, snapshot, self._persist_group, f"{tmp_name}-retry"
+                    shared.storage,
+                    shared.root,
+                    snapshot,
+                    self._persist_group,
+                    f"{tmp_name}-retry",
+                    shared.placement,
                 )
         except BaseException:
             if snapshot.delta is None:
@@ -541,7 +558,7 @@ class SavePipeline:
             result.persist_s,
         )
         self._tiers.notify()
-        if self._group.rank == 0:
+        if shared.placement.leads:  # (rank 0; on node-local roots each node's first rank)
             # Queued behind this save on the same thread, so a synchronous save returns as soon as
             # it is committed, and the next save starts only after the clean-up.
             self._executor.submit(self._retention.apply, keep_always=snapshot.step)
@@ -556,14 +573,19 @@ class SavePipeline:
         agreed = len(set(self._persist_group.all_gather(signature))) == 1
         if not named or not agreed:
             return {}
-        return assign_owners([(n, size) for n, size, _, _ in named], self._group.world_size)
+        # On node-local roots a rank reads only its node's root: each node's ranks write its
+        # copy of the replicated tensors among themselves.
+        node = self._shared.placement.my_node
+        owners = assign_owners([(n, size) for n, size, _, _ in named], len(node))
+        return {name: node[owner] for name, owner in owners.items()}
 
     def _make_room(self, snapshot: Snapshot, failure: CheckpointWriteError) -> None:
         """The disk is full: remove now what retention would remove once ``snapshot`` commits
         (never the newest valid checkpoint, nor a base a kept delta needs), on rank 0, while the
-        other ranks wait; the caller then retries the save once."""
+        other ranks wait; the caller then retries the save once. On node-local roots, each
+        node's first rank in its node's root (rank 0 tells what it removed in its own)."""
         removed: list[int] = []
-        if self._group.rank == 0:
+        if self._shared.placement.leads:
             try:
                 removed = self._retention.remove_early(snapshot)
             except Exception as exc:

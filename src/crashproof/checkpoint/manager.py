@@ -24,6 +24,7 @@ from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._manager_state import ManagerState, open_for_writing
 from crashproof.checkpoint._options import DEFAULT_EVERY, DEFAULT_KEEP, ManagerOptions
+from crashproof.checkpoint._placement import Placement
 from crashproof.checkpoint._restorer import Restorer
 from crashproof.checkpoint._retention_runner import RetentionRunner
 from crashproof.checkpoint._save_pipeline import SavePipeline, check_step, warn_if_never_closed
@@ -85,6 +86,7 @@ class CheckpointManager:
         restore_memory_bytes: int | None = None,
         memory_every: SavePolicy | None = None,
         memory: bool = True,
+        root_scope: Literal["auto", "shared", "node"] = "auto",
     ) -> None:
         options = ManagerOptions(
             every=every, keep=keep, async_save=async_save, on_busy=on_busy,
@@ -94,6 +96,7 @@ class CheckpointManager:
             delta=delta, dedup_replicated=dedup_replicated, remote=remote,
             remote_timeout_s=remote_timeout_s, replicate=replicate, read_only=read_only,
             restore_memory_bytes=restore_memory_bytes, memory_every=memory_every, memory=memory,
+            root_scope=root_scope,
         )  # fmt: skip
         root = os.fspath(root)
         self.root, self.storage = storage_for(root) if storage is None else (root, storage)
@@ -106,7 +109,12 @@ class CheckpointManager:
         """What this manager did: saves, skips, waits, failures, bytes, timings."""
         self._discard_save_of: int | None = None  # the step a NumericsGuard rollback abandoned
         self._group = default_group(timeout_s)  # the training thread's collectives
-        self._shared = ManagerState(self.root, self.storage, read_only=read_only)
+        self._shared = ManagerState(
+            self.root,
+            self.storage,
+            read_only=read_only,
+            placement=Placement.shared(self._group.world_size, self._group.rank),
+        )
         # Under `crashproof run`: heartbeats, phases and events for the supervisor; else no-ops.
         self._reporter = trainer_reporter(self._group.rank)
         self._preemption = PreemptionListener(options.preemption_signals())
@@ -126,10 +134,19 @@ class CheckpointManager:
         )  # fmt: skip
         if not read_only:
             open_for_writing(
-                self._shared, self._group, options.describe(self.storage.describe(root))
+                self._shared,
+                self._group,
+                options.describe(self.storage.describe(root)),
+                root_scope,
             )
             atexit.register(warn_if_never_closed, weakref.ref(self._pipeline), os.getpid())
         try:
+            if remote and self._shared.placement.node_local:
+                raise ConfigError(
+                    f"CheckpointManager({root!r}, remote=...): copying checkpoints saved on "
+                    "node-local roots to a remote tier is not supported yet (each node holds "
+                    "only its ranks' files). Put the root on shared storage, or drop remote="
+                )
             replicate = self._group.rank == 0 and replicate and not read_only
             self._tiers.open(remote, replicate=replicate, on_durable=self._pipeline.queue_retention)
         except BaseException:  # (a tier's root locked by another run, a tier that cannot open)

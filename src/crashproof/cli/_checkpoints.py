@@ -13,8 +13,10 @@ from typing import Any
 from tqdm import tqdm
 
 from crashproof.checkpoint import (
+    held_part,
     list_checkpoints,
     located,
+    part_files,
     read_manifest,
     read_rank_index,
     unreadable,
@@ -122,6 +124,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         i = r.info
         kind = f"delta (base {i.base_step})" if i.base_step is not None else i.kind
+        if i.ranks is not None:  # a node-local root: this node's part only
+            kind += f", ranks {i.ranks[0]}-{i.ranks[-1]} of {i.world_size}"
         line = f"{i.step:>10}  {iso(i.created):<25}  {human(i.size_bytes):>10}  {kind:<18}  "
         if not args.verify:
             line += "yes" if i.valid else f"NO  {i.problem}"
@@ -189,8 +193,11 @@ def _raise_refusal(storage: Storage, step: int, ckpt: str) -> None:
 
 
 def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
+    """The files of ``ckpt`` its manifest lists (on a node-local root, the node's part's)."""
     try:
-        return list(read_manifest(storage, ckpt).files.values())
+        manifest = read_manifest(storage, ckpt)
+        held = part_files(held_part(manifest, storage.list(ckpt), storage.describe(ckpt)))
+        return [e for n, e in manifest.files.items() if n in held]
     except (CrashproofError, OSError):
         return []
 
@@ -203,7 +210,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _, ckpt = chosen[0]
     try:
         manifest = read_manifest(storage, ckpt)
-        ranks = [read_rank_index(storage, ckpt, manifest, r) for r in range(manifest.world_size)]
+        held = held_part(manifest, storage.list(ckpt), storage.describe(ckpt))
+        ranks = [read_rank_index(storage, ckpt, manifest, r) for r in held]
     except (CrashproofError, OSError) as exc:
         refused = refusal(exc)
         if refused is not None:

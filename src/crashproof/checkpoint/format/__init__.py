@@ -26,6 +26,7 @@ from crashproof.checkpoint.format._names import (
     parse_step_dir,
     shard_name,
 )
+from crashproof.checkpoint.format._parts import held_part, part_files
 from crashproof.checkpoint.format._pieces import Piece, sharded_pieces
 from crashproof.checkpoint.format._rank_index import (
     DeltaEntry,
@@ -75,11 +76,13 @@ __all__ = [
     "dtype_name",
     "dumps",
     "encode_tree",
+    "held_part",
     "index_name",
     "new_hasher",
     "parse_manifest",
     "parse_rank_index",
     "parse_step_dir",
+    "part_files",
     "safetensors_code",
     "seal_manifest",
     "shard_layout",

@@ -56,7 +56,7 @@ MANIFEST_CHECKSUM = "manifest_checksum"
 _MANIFEST_FIELDS = frozenset(
     {"format", "format_version", "step", "world_size", "kind", "created_unix",
      "library_version", "torch_version", "hash_algorithm", "byte_order", "files", "metadata",
-     "environment", "base_step", "base_manifest", MANIFEST_CHECKSUM}
+     "environment", "base_step", "base_manifest", "nodes", MANIFEST_CHECKSUM}
 )  # fmt: skip
 
 
@@ -117,6 +117,9 @@ class Manifest:
     """``kind == "delta"``: the checksum of that checkpoint's ``manifest.json`` bytes, which binds
     the delta to it: a checkpoint saved again under the same step has another manifest. None in
     deltas written before it was recorded (see docs/format.md)."""
+    nodes: tuple[tuple[int, ...], ...] | None = None
+    """Saved on node-local roots: the ranks of each node, whose root holds their files and this
+    manifest (every node's copy is the same). None: one root holds every file."""
     complete: bool = field(default=True, compare=False)
     """False for a rank's part of a manifest, cut down to that rank's files by a restore's plan
     (:mod:`crashproof.checkpoint.restore._fan_out`); never written."""
@@ -125,6 +128,8 @@ class Manifest:
         extra: dict[str, Any] = {"base_step": self.base_step} if self.base_step is not None else {}
         if self.base_manifest is not None:
             extra["base_manifest"] = self.base_manifest
+        if self.nodes is not None:
+            extra["nodes"] = [list(ranks) for ranks in self.nodes]
         return extra | {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -205,6 +210,7 @@ def parse_manifest(data: bytes, where: str, *, partial: bool = False) -> Manifes
     return Manifest(
         base_step=base_step,
         base_manifest=base_manifest,
+        nodes=_nodes(obj, world_size, where) if "nodes" in obj else None,
         step=count_field(obj, "step", where),
         world_size=world_size,
         kind=kind,
@@ -217,6 +223,24 @@ def parse_manifest(data: bytes, where: str, *, partial: bool = False) -> Manifes
         environment=environment,
         complete=not partial,
     )
+
+
+def _nodes(obj: dict[str, Any], world_size: int, where: str) -> tuple[tuple[int, ...], ...]:
+    """The ``nodes`` field: every rank once, each node's ranks ascending, nodes by first rank."""
+    nodes = obj["nodes"]
+    shaped = isinstance(nodes, list) and all(isinstance(node, list) and node for node in nodes)
+    ranks = [r for node in nodes for r in node] if shaped else None
+    if (
+        ranks is None
+        or not all(type(r) is int for r in ranks)
+        or sorted(ranks) != list(range(world_size))
+        or any(node != sorted(node) for node in nodes)
+        or [node[0] for node in nodes] != sorted(node[0] for node in nodes)
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: field 'nodes' is not a partition of the {world_size} ranks into nodes"
+        )
+    return tuple(tuple(node) for node in nodes)
 
 
 def _check_one_rank(files: Mapping[str, FileEntry], world_size: int, where: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
+from crashproof.checkpoint.restore._node_part import part_here, plan_node_part
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
@@ -37,6 +38,8 @@ __all__ = [
     "dcp_failures",
     "load_rank_state",
     "load_sharded",
+    "part_here",
+    "plan_node_part",
     "plan_restore",
     "read_manifest",
     "read_manifest_bytes",

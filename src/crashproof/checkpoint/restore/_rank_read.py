@@ -26,6 +26,7 @@ from crashproof.checkpoint.format import (
     digest,
     dtype_from_name,
     dtype_name,
+    held_part,
     index_name,
     sharded_pieces,
     tensor_references,
@@ -531,7 +532,9 @@ def verify_checkpoint(
     manifest = read_manifest(storage, ckpt_dir)
     indexes: list[RankIndex] = []
     where = storage.describe(ckpt_dir)
-    for rank in range(manifest.world_size):
+    # Saved on node-local roots: this directory holds one node's ranks' files, checked whole.
+    held = held_part(manifest, storage.list(ckpt_dir), where)
+    for rank in held:
         # Only the tensors judged by value are kept (the RNG states: a few KiB); the others
         # are hashed and stand in by shape and dtype, as a restore's live destinations do.
         reader = RankRead(
@@ -544,8 +547,10 @@ def verify_checkpoint(
         finally:
             reader.close()
         indexes.append(reader.index)
-    if manifest.kind == "full" and any(
-        e.global_shape is not None for index in indexes for e in index.tensors
+    if (
+        manifest.kind == "full"
+        and manifest.nodes is None
+        and any(e.global_shape is not None for index in indexes for e in index.tensors)
     ):
         sharded_pieces(indexes, storage.describe(ckpt_dir))
     return manifest

@@ -14,7 +14,13 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from crashproof.checkpoint.format import MANIFEST_NAME, checkpoint_dir_name, parse_step_dir
+from crashproof.checkpoint.format import (
+    MANIFEST_NAME,
+    checkpoint_dir_name,
+    held_part,
+    parse_step_dir,
+    part_files,
+)
 from crashproof.checkpoint.restore import read_manifest, verify_checkpoint
 from crashproof.checkpoint.root._lock_file import LOCK_NAME
 from crashproof.checkpoint.root._rollbacks import ROLLBACKS_FILE
@@ -62,6 +68,9 @@ class CheckpointInfo:
     problem: str = ""
     base_step: int | None = None
     """A delta's base: the full checkpoint it needs."""
+    ranks: tuple[int, ...] | None = None
+    """Saved on node-local roots: the ranks whose part this directory holds (the other nodes'
+    roots hold the rest); None: every rank's files are here."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -72,6 +81,7 @@ class CheckpointInfo:
             "kind": self.kind,
             "base_step": self.base_step,
             "world_size": self.world_size,
+            "ranks": None if self.ranks is None else list(self.ranks),
             "valid": self.valid,
             "problem": self.problem,
         }
@@ -184,7 +194,12 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
                 f"{storage.describe(path)}: the manifest is for step {manifest.step}, not {step}"
             )
         present = set(storage.list(path))
+        # Saved on node-local roots: this directory holds one node's part (its ranks' files).
+        held = held_part(manifest, present, storage.describe(path))
+        mine = part_files(held)
         for name, entry in manifest.files.items():
+            if manifest.nodes is not None and name not in mine:
+                continue
             if name not in present:
                 raise CorruptCheckpointError(
                     f"{storage.describe(storage.join(path, name))}: missing"
@@ -204,11 +219,12 @@ def describe_checkpoint(storage: Storage, step: int, path: str) -> CheckpointInf
         step=step,
         path=storage.describe(path),
         created=manifest.created_unix,
-        size_bytes=sum(e.size for e in manifest.files.values()),
+        size_bytes=sum(e.size for n, e in manifest.files.items() if n in mine),
         kind=manifest.kind,
         world_size=manifest.world_size,
         valid=True,
         base_step=manifest.base_step,
+        ranks=None if manifest.nodes is None else held,
     )
 
 

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 
 from crashproof._version import __version__
 from crashproof.checkpoint._group import Group
+from crashproof.checkpoint._placement import Placement
 from crashproof.checkpoint.format import (
     HASH_ALGORITHM,
     MANIFEST_NAME,
@@ -194,9 +195,17 @@ def new_tmp_name(step: int, token: str | None = None) -> str:
 
 
 def persist(
-    storage: Storage, root: str, snapshot: Snapshot, group: Group, tmp_name: str
+    storage: Storage,
+    root: str,
+    snapshot: Snapshot,
+    group: Group,
+    tmp_name: str,
+    placement: Placement | None = None,
 ) -> CommitResult:
     """Write this rank's part of ``snapshot`` and, on the coordinator, commit the checkpoint.
+
+    ``placement``: the nodes whose ranks share a root; with several (node-local roots) each node
+    commits its part in its own root, in a two-phase commit (:func:`_commit_on_nodes`).
 
     Every rank takes part in the gather and broadcast even when its own write failed, so a failure
     anywhere becomes a :class:`CheckpointWriteError` everywhere instead of a hang.
@@ -230,10 +239,15 @@ def persist(
     with lost("gather every rank's report"):
         reports = group.gather((files, failure))
     outcome: Failure | None = None
-    if reports is not None:  # the coordinator
+    if placement is not None and placement.node_local:
+        outcome = _commit_on_nodes(
+            storage, tmp_dir, final_dir, snapshot, reports, group, placement, lost
+        )
+    elif reports is not None:  # the coordinator
         outcome = _commit(storage, tmp_dir, final_dir, snapshot, reports, group.world_size)
     try:
-        outcome = group.broadcast(outcome)
+        if placement is None or not placement.node_local:
+            outcome = group.broadcast(outcome)
     except Exception as exc:
         if reports is None:
             with lost("hear from rank 0 whether the checkpoint committed"):
@@ -395,6 +409,42 @@ def assign_owners(named_sizes: list[tuple[str, int]], world_size: int) -> dict[s
     return owners
 
 
+def _seal(
+    snapshot: Snapshot,
+    reports: list[Any],
+    world_size: int,
+    nodes: tuple[tuple[int, ...], ...] | None,
+) -> tuple[bytes | None, Failure | None]:
+    """On the coordinator: the manifest's bytes for every rank's ``reports``, or why there is
+    none (a rank failed)."""
+    failures = [failure for _, failure in reports if failure is not None]
+    if failures:
+        text = "; ".join(text for text, _, _ in failures)
+        return None, (text, failures[0][1], any(nonfinite for _, _, nonfinite in failures))
+    files: dict[str, FileEntry] = {}
+    for rank_files, _ in reports:
+        files.update(rank_files)
+    manifest = Manifest(
+        step=snapshot.step,
+        world_size=world_size,
+        kind="full" if snapshot.delta is None else "delta",
+        created_unix=time.time(),
+        library_version=__version__,
+        torch_version=str(torch.__version__),
+        hash_algorithm=HASH_ALGORITHM,
+        files=files,
+        metadata=snapshot.metadata,
+        environment=snapshot.environment,
+        base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
+        base_manifest=snapshot.delta[1].manifest if snapshot.delta is not None else None,
+        nodes=nodes,
+    )
+    try:
+        return seal_manifest(manifest.to_json()), None
+    except Exception as exc:  # (metadata that is not JSON was refused when given)
+        return None, (f"commit on rank 0: {type(exc).__name__}: {exc}", None, False)
+
+
 def _commit(
     storage: Storage,
     tmp_dir: str,
@@ -404,30 +454,11 @@ def _commit(
     world_size: int,
 ) -> Failure | None:
     """On the coordinator: write the manifest and publish; returns the failure, None on success."""
-    failures = [failure for _, failure in reports if failure is not None]
     published = publishing = False
     try:
-        if failures:
-            text = "; ".join(text for text, _, _ in failures)
-            return text, failures[0][1], any(nonfinite for _, _, nonfinite in failures)
-        files: dict[str, FileEntry] = {}
-        for rank_files, _ in reports:
-            files.update(rank_files)
-        manifest = Manifest(
-            step=snapshot.step,
-            world_size=world_size,
-            kind="full" if snapshot.delta is None else "delta",
-            created_unix=time.time(),
-            library_version=__version__,
-            torch_version=str(torch.__version__),
-            hash_algorithm=HASH_ALGORITHM,
-            files=files,
-            metadata=snapshot.metadata,
-            environment=snapshot.environment,
-            base_step=snapshot.delta[1].step if snapshot.delta is not None else None,
-            base_manifest=snapshot.delta[1].manifest if snapshot.delta is not None else None,
-        )
-        manifest_bytes = seal_manifest(manifest.to_json())
+        manifest_bytes, failure = _seal(snapshot, reports, world_size, None)
+        if manifest_bytes is None:
+            return failure
         write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
         publishing = True
         storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
@@ -440,3 +471,67 @@ def _commit(
         # A publish cut short may hold the only complete copy: start-up recovery finishes it.
         if not published and not publishing:
             storage.remove(tmp_dir)
+
+
+def _commit_on_nodes(
+    storage: Storage,
+    tmp_dir: str,
+    final_dir: str,
+    snapshot: Snapshot,
+    reports: list[Any] | None,
+    group: Group,
+    placement: Placement,
+    lost: Callable[[str], contextlib.AbstractContextManager[None]],
+) -> Failure | None:
+    """Commit a checkpoint whose files are on each node's own root (every rank takes part);
+    returns the failure, the same on every rank, or None once every node published.
+
+    A two-phase commit. Rank 0 seals the manifest from every rank's report and sends it to each
+    node's first rank, which writes it into its node's temporary directory (*prepare*); once
+    every node has, each publishes its directory (*commit*). A checkpoint counts only where
+    every node's root holds it with the same manifest (a restore checks, see
+    :mod:`crashproof.checkpoint._restorer`), so a node lost between the phases leaves a step no
+    restore takes, unless every node had prepared: then every part is durable and start-up
+    recovery publishes the rest (:func:`~crashproof.checkpoint.root.recover_interrupted`)."""
+    sealed = (
+        None if reports is None else _seal(snapshot, reports, group.world_size, placement.nodes)
+    )
+    outcome: Failure | None
+    with lost("hear the manifest from rank 0"):
+        manifest_bytes, outcome = group.broadcast(sealed)
+    here = f"node of ranks {list(placement.my_node)}"
+    vote: Failure | None = None
+    if outcome is None and placement.leads:
+        try:
+            write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
+        except Exception as exc:
+            vote = f"{here}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
+    with lost("agree that every node prepared its part"):
+        votes = group.all_gather(vote)
+    outcome = outcome or next((v for v in votes if v is not None), None)
+    published = False
+    if outcome is None and placement.leads:
+        try:
+            storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
+            published = True
+        except Exception as exc:
+            vote = f"{here}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
+    elif placement.leads:
+        with contextlib.suppress(Exception):
+            storage.remove(tmp_dir)
+    if outcome is None:
+        with lost("agree that every node published its part"):
+            votes = group.all_gather(vote)
+        outcome = next((v for v in votes if v is not None), None)
+        if outcome is not None and published:  # a part alone is no checkpoint: take it back
+            log.warning(
+                "checkpoint step %d: another node could not publish its part (%s); removing "
+                "this node's",
+                snapshot.step,
+                outcome[0],
+            )
+            with contextlib.suppress(Exception):
+                storage.remove(final_dir)
+    if outcome is None:
+        snapshot.committed_manifest = digest(manifest_bytes)
+    return outcome

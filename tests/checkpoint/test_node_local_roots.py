@@ -1,0 +1,164 @@
+"""Promise: on node-local roots (each node's own disk) a checkpoint commits only once every node
+holds its part, a restore takes only a step every node holds, and the resumed run ends bit-for-bit
+equal to the run that never stopped.
+
+Four real gloo ranks form two simulated nodes (``CRASHPROOF_NODE``), each node with a root of its
+own; the model is wrapped in DDP, so each node's ranks also share its replicated tensors among
+themselves (deduplicated within the node, never across).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SCRIPT = """
+import hashlib, os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crashproof as cp
+
+base, until, scope, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank = int(os.environ["RANK"])
+os.environ["CRASHPROOF_NODE"] = f"n{rank // 2}"
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 8), find_unused_parameters=True)  # (bit-exact: docs/exactness.md)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+state = cp.TrainState(model=model, optimizer=opt)
+root = os.path.join(base, f"node{rank // 2}" if layout == "per-node" else "one")
+try:
+    manager = cp.CheckpointManager(
+        root, every=cp.EverySteps(1), keep=cp.KeepLast(2), handle_signals=False,
+        root_scope=scope,
+    )
+except cp.CheckpointWriteError as exc:
+    print(f"rank {rank}: refused: {exc}", flush=True)
+    sys.exit(0)
+with manager:
+    start = manager.restore(state)
+    print(f"rank {rank}: resumed {start}", flush=True)
+    for step in range(start + 1, until + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        manager.maybe_save(step, state)
+momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in [*model.parameters(), *momentum]))
+sys.stdout.write(f"\\nrank {rank}: final {digest.hexdigest()}\\n")  # (one write: not interleaved)
+sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _run(warm_ranks: Any, script: Path, base: Path, until: int, scope: str = "auto",
+         layout: str = "per-node") -> str:  # fmt: skip
+    launch = warm_ranks.run(script, [str(base), str(until), scope, layout], nproc=4, timeout=180)
+    assert launch.exit_codes == [0, 0, 0, 0], launch.output
+    return launch.output
+
+
+def _finals(output: str) -> dict[int, str]:
+    return {int(r): d for r, d in re.findall(r"rank (\d): final ([0-9a-f]{64})", output)}
+
+
+def _resumed(output: str) -> set[int]:
+    return {int(s) for s in re.findall(r"rank \d: resumed (\d+)", output)}
+
+
+def _names(step_dir: Path) -> set[str]:
+    return {p.name for p in step_dir.iterdir()}
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "ranks.py"
+    path.write_text(_SCRIPT)
+    return path
+
+
+def test_each_node_commits_its_part_and_a_resume_takes_only_what_every_node_holds(
+    tmp_path: Path, warm_ranks: Any, script: Path
+) -> None:
+    reference = _finals(_run(warm_ranks, script, tmp_path / "ref", 6))
+    assert len(reference) == 4
+
+    base = tmp_path / "run"
+    _run(warm_ranks, script, base, 4)
+    node0, node1 = base / "node0", base / "node1"
+    for node, ranks in ((node0, (0, 1)), (node1, (2, 3))):
+        # Retention ran on each node's root: the same two steps on both.
+        assert sorted(p.name for p in node.glob("step_*")) == ["step_0000000003", "step_0000000004"]
+        expected = {"manifest.json"} | {
+            f"rank_{r:05d}.{ext}" for r in ranks for ext in ("json", "safetensors")
+        }
+        assert _names(node / "step_0000000004") == expected
+        for index in (node / "step_0000000004").glob("rank_*.json"):
+            for tensor in json.loads(index.read_text())["tensors"]:
+                if tensor.get("file"):  # a replicated tensor written once: by a node-mate
+                    assert (node / "step_0000000004" / tensor["file"]).exists(), tensor
+    manifest0 = (node0 / "step_0000000004" / "manifest.json").read_bytes()
+    assert manifest0 == (node1 / "step_0000000004" / "manifest.json").read_bytes()
+    assert json.loads(manifest0)["nodes"] == [[0, 1], [2, 3]]
+
+    listed = warm_ranks.python(["-m", "crashproof.cli", "ls", "--json", str(node1)])
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [(r["step"], r["valid"], r["ranks"]) for r in rows] == [
+        (4, True, [2, 3]),
+        (3, True, [2, 3]),
+    ]
+    verified = warm_ranks.python(["-m", "crashproof.cli", "verify", str(node0)])
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    # Node 1 never published step 4 (lost between the commit's two phases): no rank takes it,
+    # though node 0 holds its part whole.
+    shutil.rmtree(node1 / "step_0000000004")
+    out = _run(warm_ranks, script, base, 6)
+    assert _resumed(out) == {3}, out
+    assert "not whole on every node" in out
+    assert _finals(out) == reference
+
+    # A damaged shard on one node: every rank falls back to the step before, together.
+    shard = node0 / "step_0000000006" / "rank_00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    out = _run(warm_ranks, script, base, 6)
+    assert _resumed(out) == {5}, out
+    assert _finals(out) == reference
+
+
+def test_a_node_back_without_its_disk_starts_over_and_says_why(
+    tmp_path: Path, warm_ranks: Any, script: Path
+) -> None:
+    base = tmp_path / "run"
+    reference = _finals(_run(warm_ranks, script, base, 3))
+    shutil.rmtree(base / "node1")
+    out = _run(warm_ranks, script, base, 3)
+    assert _resumed(out) == {0}, out
+    assert "not whole on every node" in out
+    assert _finals(out) == reference
+
+
+@pytest.mark.parametrize(
+    ("scope", "layout", "says"),
+    [
+        ("shared", "per-node", "root_scope='node'"),  # the hint to the user
+        ("node", "one", "it is shared, not a disk of each node's own"),
+    ],
+)
+def test_a_root_that_is_not_what_root_scope_says_is_refused_on_every_rank(
+    tmp_path: Path, warm_ranks: Any, script: Path, scope: str, layout: str, says: str
+) -> None:
+    out = _run(warm_ranks, script, tmp_path / "run", 1, scope, layout)
+    assert out.count("refused") == 4, out
+    assert says in out, out
+    assert not list((tmp_path / "run").rglob("step_*")), "a checkpoint was committed"
