@@ -37,7 +37,8 @@ try:
         root_scope=scope,
     )
 except cp.CheckpointWriteError as exc:
-    print(f"rank {rank}: refused: {exc}", flush=True)
+    sys.stdout.write(f"\\nrank {rank}: refused: {exc}\\n")  # (one write: not interleaved)
+    sys.stdout.flush()
     sys.exit(0)
 with manager:
     start = manager.restore(state)

@@ -28,14 +28,21 @@ TRAIN = ["--steps", "60", "--workers", "0", "--batch-size", "8", "--every", "100
 
 
 def _node(
-    run_dir: Path, port: int, ckpt: Path, dump: Path, nodes: int, *options: str, step_s: float = 0.1
+    run_dir: Path,
+    port: int,
+    ckpt: Path,
+    dump: Path,
+    nodes: int,
+    *options: str,
+    step_s: float = 0.1,
+    train: list[str] = TRAIN,
 ) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nnodes", str(nodes), "--nproc-per-node", "1",
         *options,
         "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "peers-test", "--run-dir", str(run_dir), "--metrics-port", "-1",
-        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *TRAIN, "--step-s", str(step_s),
+        str(EXAMPLES / "train_tiny.py"), "--run-dir", str(ckpt), *train, "--step-s", str(step_s),
         "--dump", str(dump),
     ]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +86,11 @@ def test_a_lost_node_resumes_from_its_peers_memory(
 ) -> None:
     """Two nodes keep a whole copy of each other's snapshots; three keep XOR parity (the
     default from three nodes on), and the lost node's are rebuilt from it. The node that takes
-    the lost one's place is started after the loss, or was waiting as a hot spare."""
+    the lost one's place is started after the loss, or was waiting as a hot spare.
+
+    With the spare, each node also writes checkpoints to a disk of its own (node-local roots),
+    and the spare comes with an empty one (the lost node's disk went with it): the restore still
+    reads nothing from disk, and the checkpoints after it commit on every node's disk again."""
     # One thread per trainer in both runs (torchrun gives one only to several trainers per
     # node): the same kernels' reduction order, so the runs may be compared bit for bit.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -92,24 +103,33 @@ def test_a_lost_node_resumes_from_its_peers_memory(
                   options=["--nproc-per-node", str(nodes)])  # fmt: skip
     pool = ["--standby", "1"] if spare else []
     step_s = 0.3 if spare else 0.1  # (time for a spare to start, under a loaded test machine)
-    started = [_node(dirs[0], port, ckpt, dump, nodes, *pool, step_s=step_s)]
+    train = [*TRAIN[:-5], "10", *TRAIN[-4:]] if spare else TRAIN  # (--every 10: disk checkpoints)
+    assert TRAIN[-6] == "--every" and train[-6:-4] == ["--every", "10" if spare else "100000"]
+
+    def disk(where: Path) -> Path:  # the spare's run: one disk per node; else one shared root
+        return tmp_path / f"disk-{where.name}" if spare else ckpt
+
+    def node(where: Path, *options: str) -> subprocess.Popen[str]:
+        return _node(where, port, disk(where), dump, nodes, *options, step_s=step_s, train=train)
+
+    started = [node(dirs[0], *pool)]
     try:
         # Node 0 first: its agent hosts the rendezvous store (c10d), which must outlive node 1.
         deadline = time.monotonic() + 60
         while not _events(dirs[0]):
             assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
             time.sleep(0.1)
-        started += [_node(d, port, ckpt, dump, nodes, *pool, step_s=step_s) for d in dirs[1:]]
+        started += [node(d, *pool) for d in dirs[1:]]
         if spare:  # once the round is full (every node's trainer started), a spare waits beside
             _wait_for(lambda: all(_has(d, "rank_start") for d in dirs), started, "training")
-            started.append(_node(replacement, port, ckpt, dump, nodes, *pool, step_s=step_s))
+            started.append(node(replacement, *pool))
             _wait_for(lambda: _has(replacement, "standby"), started, "the spare to wait")
         _wait_for(lambda: _step_reached(*dirs) >= 25, started, "the nodes to train")
         assert _step_reached(*dirs) < 55, "the run nearly ended before the loss"
         os.killpg(started[1].pid, signal.SIGKILL)  # node 1: its agent and its trainer at once
         started[1].wait(30)
         if not spare:  # a new node in its place
-            started.append(_node(replacement, port, ckpt, dump, nodes, step_s=step_s))
+            started.append(node(replacement))
         for node, where in [*zip(started, dirs, strict=False), (started[-1], replacement)]:
             if node is not started[1]:
                 assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
@@ -120,8 +140,15 @@ def test_a_lost_node_resumes_from_its_peers_memory(
                 node.wait(30)
     code, _, output = finish(clean)
     assert code == 0, output[-3000:]
-    assert not any(p.name.startswith("step_") for p in (ckpt / "checkpoints").iterdir())
     survivors = [d for d in dirs if d != dirs[1]]
+    if spare:  # the newest checkpoint on every node's own disk, the new node's too
+        manifests = {
+            (disk(d) / "checkpoints" / "step_0000000060" / "manifest.json").read_bytes()
+            for d in (*survivors, replacement)
+        }
+        assert len(manifests) == 1
+    else:
+        assert not any(p.name.startswith("step_") for p in (ckpt / "checkpoints").iterdir())
     restores = [e for d in (*survivors, replacement) for e in _events(d) if e["event"] == "restore"]
     assert [e["kind"] for e in restores] == ["peer"], restores
     assert restores[0]["step"] >= 20 and restores[0]["bytes"] > 0
@@ -130,6 +157,56 @@ def test_a_lost_node_resumes_from_its_peers_memory(
         # The survivor saw the pool of spares used up (and said how many to start).
         pools = [e for e in _events(dirs[0]) if e["event"] == "standby_pool"]
         assert pools and pools[-1]["waiting"] == 0 and pools[-1]["wanted"] == 1, pools
+    expected, got = load_file(tmp_path / "a.st"), load_file(dump)
+    different = [k for k in expected if not torch.equal(expected[k], got[k])]
+    assert not different, f"differs from the uninterrupted run: {different}"
+
+
+def test_two_nodes_each_with_its_own_disk_resume_from_their_disks_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node-local roots under ``crashproof run``: each node's agent and trainer write checkpoint
+    parts into that node's own directory (found node-local, not shared, by itself). Every
+    trainer crashes at step 23 and its agent restarts it without memory snapshots: both resume
+    from step 20 (saved synchronously: committed before step 21), each read from its own node's disk (deltas on a full base there), and the run
+    ends bit for bit where the uninterrupted one does."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    train = ["--steps", "40", "--workers", "0", "--batch-size", "8", "--every", "5", "--sync",
+             "--full-every", "2", "--crash-at", "23"]  # fmt: skip
+    clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
+                  *train[:-2], "--dump", str(tmp_path / "a.st"))  # fmt: skip
+    port, dump = free_port(), tmp_path / "b.st"
+    dirs = [tmp_path / f"node{i}" for i in range(2)]
+    disks = [tmp_path / f"disk{i}" for i in range(2)]
+    started = [_node(dirs[0], port, disks[0], dump, 2, "--no-memory", step_s=0, train=train)]
+    try:
+        deadline = time.monotonic() + 60
+        while not _events(dirs[0]):
+            assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
+            time.sleep(0.1)
+        started.append(
+            _node(dirs[1], port, disks[1], dump, 2, "--no-memory", step_s=0, train=train)
+        )
+        for node, where in zip(started, dirs, strict=True):
+            assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
+    finally:
+        for node in started:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait(30)
+    code, _, output = finish(clean)
+    assert code == 0, output[-3000:]
+    restores = [e for d in dirs for e in _events(d) if e["event"] == "restore"]
+    assert [(e["kind"], e["step"]) for e in restores] == [("local", 20)], restores  # (rank 0's)
+    # Each disk holds its node's rank's files and the one manifest both share.
+    ranks = set()
+    for disk in disks:
+        newest = sorted((disk / "checkpoints").glob("step_*"))[-1]
+        assert newest.name == "step_0000000040"
+        names = sorted(p.name for p in newest.iterdir())
+        assert len(names) == 3 and "manifest.json" in names, names
+        ranks.add(names[1])  # (after manifest.json)
+    assert ranks == {"rank_00000.json", "rank_00001.json"}
     expected, got = load_file(tmp_path / "a.st"), load_file(dump)
     different = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not different, f"differs from the uninterrupted run: {different}"

@@ -371,6 +371,10 @@ def _memory_snapshots(options: ManagerOptions, root: str, group: Group) -> Memor
         )
     if options.read_only or not options.memory:
         return None
+    if group.world_size > 1:
+        # Named by rank 0's root: on node-local roots each node's path may differ, and a node
+        # that takes a lost one's place must find its snapshots under the name its peers kept.
+        root = str(group.broadcast(root))
     snapshots = MemorySnapshots.open(root, group.rank, group.world_size, options.staging_buffers)
     # Memory snapshots are agreed on at every one of them: all ranks take part, or none.
     if (
