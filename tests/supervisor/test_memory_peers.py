@@ -53,6 +53,22 @@ def _node(
     )  # fmt: skip
 
 
+def _started(first: subprocess.Popen[str], run_dir: Path) -> None:
+    """Wait for node 0's agent to start: it hosts the rendezvous store (c10d), which the other
+    nodes join and which must outlive them."""
+    deadline = time.monotonic() + 60
+    while not _events(run_dir):
+        assert time.monotonic() < deadline and first.poll() is None, "node 0 did not start"
+        time.sleep(0.1)
+
+
+def _kill(nodes: list[subprocess.Popen[str]]) -> None:
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(30)
+
+
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     return list(read_events(path)) if path.exists() else []
@@ -114,11 +130,7 @@ def test_a_lost_node_resumes_from_its_peers_memory(
 
     started = [node(dirs[0], *pool)]
     try:
-        # Node 0 first: its agent hosts the rendezvous store (c10d), which must outlive node 1.
-        deadline = time.monotonic() + 60
-        while not _events(dirs[0]):
-            assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
-            time.sleep(0.1)
+        _started(started[0], dirs[0])
         started += [node(d, *pool) for d in dirs[1:]]
         if spare:  # once the round is full (every node's trainer started), a spare waits beside
             _wait_for(lambda: all(_has(d, "rank_start") for d in dirs), started, "training")
@@ -134,10 +146,7 @@ def test_a_lost_node_resumes_from_its_peers_memory(
             if node is not started[1]:
                 assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
     finally:
-        for node in started:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait(30)
+        _kill(started)
     code, _, output = finish(clean)
     assert code == 0, output[-3000:]
     survivors = [d for d in dirs if d != dirs[1]]
@@ -180,20 +189,14 @@ def test_two_nodes_each_with_its_own_disk_resume_from_their_disks_exactly(
     disks = [tmp_path / f"disk{i}" for i in range(2)]
     started = [_node(dirs[0], port, disks[0], dump, 2, "--no-memory", step_s=0, train=train)]
     try:
-        deadline = time.monotonic() + 60
-        while not _events(dirs[0]):
-            assert time.monotonic() < deadline and started[0].poll() is None, "0 did not start"
-            time.sleep(0.1)
+        _started(started[0], dirs[0])
         started.append(
             _node(dirs[1], port, disks[1], dump, 2, "--no-memory", step_s=0, train=train)
         )
         for node, where in zip(started, dirs, strict=True):
             assert node.wait(180) == 0, (where.with_suffix(".log")).read_text()[-3000:]
     finally:
-        for node in started:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait(30)
+        _kill(started)
     code, _, output = finish(clean)
     assert code == 0, output[-3000:]
     restores = [e for d in dirs for e in _events(d) if e["event"] == "restore"]
