@@ -119,13 +119,23 @@ def test_each_node_commits_its_part_and_a_resume_takes_only_what_every_node_hold
     verified = warm_ranks.python(["-m", "crashproof.cli", "verify", str(node0)])
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
-    # Node 1 never published step 4 (lost between the commit's two phases): no rank takes it,
-    # though node 0 holds its part whole.
-    shutil.rmtree(node1 / "step_0000000004")
+    # A kill after every node prepared step 4 (its manifest written) and before node 1 published
+    # it: every part is durable, so start-up recovery publishes node 1's and the run resumes there.
+    (node1 / "step_0000000004").rename(node1 / ".tmp-step_0000000004-deadbeef-3")
     out = _run(warm_ranks, script, base, 6)
-    assert _resumed(out) == {3}, out
+    assert _resumed(out) == {4}, out
+    assert _finals(out) == reference
+
+    # A kill before node 1 prepared step 6 (no manifest in its temporary directory): node 0's
+    # part alone is no checkpoint. Every rank resumes from step 5, though node 0 holds step 6.
+    prepared = node1 / ".tmp-step_0000000006-deadbeef-5"
+    (node1 / "step_0000000006").rename(prepared)
+    (prepared / "manifest.json").unlink()
+    out = _run(warm_ranks, script, base, 6)
+    assert _resumed(out) == {5}, out
     assert "not whole on every node" in out
     assert _finals(out) == reference
+    assert not prepared.exists(), "the leftover of a save that never committed stays"
 
     # A damaged shard on one node: every rank falls back to the step before, together.
     shard = node0 / "step_0000000006" / "rank_00001.safetensors"

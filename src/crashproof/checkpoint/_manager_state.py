@@ -16,6 +16,7 @@ from typing import Any, Literal
 from crashproof._console import announce
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint._placement import NODE_ENV, Placement, node_key
+from crashproof.checkpoint.restore import read_manifest
 from crashproof.checkpoint.root import (
     RootLock,
     committed_steps,
@@ -28,7 +29,7 @@ from crashproof.checkpoint.save import DeltaBase
 from crashproof.errors import CheckpointWriteError, ConfigError
 from crashproof.storage import Storage
 
-__all__ = ["ManagerState", "RootScope", "open_for_writing"]
+__all__ = ["ManagerState", "RootScope", "open_for_reading", "open_for_writing"]
 
 log = logging.getLogger("crashproof.checkpoint")
 
@@ -195,6 +196,27 @@ def _open_node_local(state: ManagerState, group: Group, not_shared: Exception) -
         " | ".join(",".join(map(str, ranks)) for ranks in placement.nodes),
     )
     return None
+
+
+def open_for_reading(state: ManagerState, group: Group, scope: RootScope) -> None:
+    """A read-only manager takes no lock, so nothing tells it whether each node has a root of
+    its own; where the ranks are on several nodes it reads node-local parts when told
+    (``scope='node'``) or, with ``'auto'``, when the newest checkpoint rank 0 sees was saved
+    on node-local roots (a collective)."""
+    if group.world_size == 1 or scope == "shared":
+        return
+    placement = Placement.from_keys(group.all_gather(node_key()), group.rank)
+    if not placement.node_local:
+        return
+    node_local = scope == "node"
+    if group.rank == 0 and not node_local:
+        with contextlib.suppress(Exception):
+            newest = committed_steps(state.storage, state.root)[:1]
+            node_local = (
+                bool(newest) and read_manifest(state.storage, newest[0][1]).nodes is not None
+            )
+    if group.broadcast(node_local):
+        state.placement = placement
 
 
 def open_for_writing(

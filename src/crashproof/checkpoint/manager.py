@@ -22,7 +22,11 @@ from typing import Any, Literal, NoReturn
 
 from crashproof.checkpoint._agreement import RankAgreement
 from crashproof.checkpoint._group import Group, default_group
-from crashproof.checkpoint._manager_state import ManagerState, open_for_writing
+from crashproof.checkpoint._manager_state import (
+    ManagerState,
+    open_for_reading,
+    open_for_writing,
+)
 from crashproof.checkpoint._options import DEFAULT_EVERY, DEFAULT_KEEP, ManagerOptions
 from crashproof.checkpoint._placement import Placement
 from crashproof.checkpoint._restorer import Restorer
@@ -140,6 +144,8 @@ class CheckpointManager:
                 root_scope,
             )
             atexit.register(warn_if_never_closed, weakref.ref(self._pipeline), os.getpid())
+        else:
+            open_for_reading(self._shared, self._group, root_scope)
         try:
             if remote and self._shared.placement.node_local:
                 raise ConfigError(

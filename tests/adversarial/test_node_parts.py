@@ -1,0 +1,142 @@
+"""Hostile node-local checkpoints: a damaged ``nodes`` field, a node's root holding another
+node's files too, or part of its own, and ranks that moved between nodes. Each is named as what
+it is, by ``crashproof ls`` and ``verify`` and by a restore, and nothing is removed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crashproof.checkpoint.format import parse_manifest, seal_manifest
+from crashproof.errors import CorruptCheckpointError
+
+_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import crashproof as cp
+
+base, mode = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+os.environ["CRASHPROOF_NODE"] = f"n{rank}"
+dist.init_process_group("gloo")
+torch.manual_seed(rank)
+state = cp.TrainState(model=torch.nn.Linear(4, 4))
+manager = cp.CheckpointManager(
+    os.path.join(base, f"node{rank}"), async_save=False, handle_signals=False,
+    read_only=mode == "restore",
+)
+with manager:
+    if mode == "save":
+        manager.save(1, state)
+    else:
+        sys.stdout.write(f"\\\\nrank {rank}: resumed {manager.restore(state)}\\\\n")
+        sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+STEP = "step_0000000001"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, warm_ranks: Any) -> Path:
+    """A checkpoint of 2 ranks on 2 nodes, each with its own root: ``node0``, ``node1``."""
+    base = tmp_path_factory.mktemp("parts")
+    script = base / "ranks.py"
+    script.write_text(_SCRIPT)
+    launch = warm_ranks.run(script, [str(base / "run"), "save"], nproc=2, timeout=120)
+    assert launch.exit_codes == [0, 0], launch.output
+    return base
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(saved / "run", run)
+    return run
+
+
+def _ls(warm_ranks: Any, root: Path) -> dict[str, Any]:
+    listed = warm_ranks.python(["-m", "crashproof.cli", "ls", "--json", str(root)])
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    return dict(row)
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        "0,1", [0, 1], [[0], [0]], [[0]], [[1], [0]], [[0, 1], []], [[True], [1]], [[0], [2]],
+        [[0.0], [1]], [[[0]], [1]], [[0], [1], [1]], None, {"0": [0]},
+    ],
+    ids=repr,
+)  # fmt: skip
+def test_a_nodes_field_that_is_no_partition_of_the_ranks_is_corrupt(
+    saved: Path, nodes: Any
+) -> None:
+    manifest = json.loads((saved / "run" / "node0" / STEP / "manifest.json").read_bytes())
+    del manifest["manifest_checksum"]
+    manifest["nodes"] = nodes
+    with pytest.raises(CorruptCheckpointError, match="field 'nodes' is not a partition"):
+        parse_manifest(seal_manifest(manifest), "manifest.json")
+
+
+def test_each_nodes_root_lists_and_verifies_its_own_part(saved: Path, warm_ranks: Any) -> None:
+    for rank in (0, 1):
+        root = saved / "run" / f"node{rank}"
+        row = _ls(warm_ranks, root)
+        assert (row["valid"], row["ranks"], row["world_size"]) == (True, [rank], 2), row
+        verified = warm_ranks.python(["-m", "crashproof.cli", "verify", str(root)])
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        shown = warm_ranks.python(["-m", "crashproof.cli", "ls", str(root)])
+        assert f"ranks {rank}-{rank} of 2" in shown.stdout, shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("other node's files too", "files of 2 nodes"),
+        ("its shard removed", "without rank_00000.safetensors"),
+        ("its files removed", "holds no node's files"),
+        ("its shard truncated", "rank_00000.safetensors"),
+    ],
+)
+def test_a_nodes_root_holding_no_whole_part_of_its_own_is_invalid(
+    saved: Path, tmp_path: Path, warm_ranks: Any, damage: str, problem: str
+) -> None:
+    run = _copy(saved, tmp_path)
+    mine, theirs = run / "node0" / STEP, run / "node1" / STEP
+    if damage == "other node's files too":
+        for name in ("rank_00001.json", "rank_00001.safetensors"):
+            shutil.copy(theirs / name, mine / name)
+    elif damage == "its shard removed":
+        (mine / "rank_00000.safetensors").unlink()
+    elif damage == "its files removed":
+        for name in ("rank_00000.json", "rank_00000.safetensors"):
+            (mine / name).unlink()
+    else:
+        shard = mine / "rank_00000.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-1])
+    row = _ls(warm_ranks, run / "node0")
+    assert not row["valid"] and problem in row["problem"], row
+    verified = warm_ranks.python(["-m", "crashproof.cli", "verify", str(run / "node0")])
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    assert problem in verified.stdout + verified.stderr
+    assert _ls(warm_ranks, run / "node1")["valid"], "the other node's part is whole"
+
+
+def test_ranks_that_moved_between_nodes_restore_nothing_and_remove_nothing(
+    saved: Path, tmp_path: Path, warm_ranks: Any
+) -> None:
+    run = _copy(saved, tmp_path)
+    (run / "node0").rename(run / "swap")
+    (run / "node1").rename(run / "node0")
+    (run / "swap").rename(run / "node1")
+    launch = warm_ranks.run(saved / "ranks.py", [str(run), "restore"], nproc=2, timeout=120)
+    assert launch.exit_codes == [0, 0], launch.output
+    assert "rank 0: resumed 0" in launch.output and "rank 1: resumed 0" in launch.output
+    assert "not whole on every node" in launch.output
+    assert (run / "node0" / STEP / "rank_00001.json").exists()
+    assert (run / "node1" / STEP / "rank_00000.json").exists()
