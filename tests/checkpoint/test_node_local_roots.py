@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import crashproof as cp
 
 base, until, scope, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+remote = sys.argv[5] if len(sys.argv) > 5 else None
 rank = int(os.environ["RANK"])
 os.environ["CRASHPROOF_NODE"] = f"n{rank // 2}"
 dist.init_process_group("gloo")
@@ -34,7 +35,7 @@ root = os.path.join(base, f"node{rank // 2}" if layout == "per-node" else "one")
 try:
     manager = cp.CheckpointManager(
         root, every=cp.EverySteps(1), keep=cp.KeepLast(2), handle_signals=False,
-        root_scope=scope,
+        root_scope=scope, remote=remote,
     )
 except cp.CheckpointWriteError as exc:
     sys.stdout.write(f"\\nrank {rank}: refused: {exc}\\n")  # (one write: not interleaved)
@@ -60,8 +61,9 @@ dist.destroy_process_group()
 
 
 def _run(warm_ranks: Any, script: Path, base: Path, until: int, scope: str = "auto",
-         layout: str = "per-node") -> str:  # fmt: skip
-    launch = warm_ranks.run(script, [str(base), str(until), scope, layout], nproc=4, timeout=180)
+         layout: str = "per-node", *remote: str) -> str:  # fmt: skip
+    args = [str(base), str(until), scope, layout, *remote]
+    launch = warm_ranks.run(script, args, nproc=4, timeout=180)
     assert launch.exit_codes == [0, 0, 0, 0], launch.output
     return launch.output
 
@@ -147,11 +149,29 @@ def test_each_node_commits_its_part_and_a_resume_takes_only_what_every_node_hold
     assert _finals(out) == reference
 
 
-def test_a_node_back_without_its_disk_starts_over_and_says_why(
+def test_a_node_back_without_its_disk_takes_its_part_from_a_tier_or_else_starts_over(
     tmp_path: Path, warm_ranks: Any, script: Path
 ) -> None:
-    base = tmp_path / "run"
-    reference = _finals(_run(warm_ranks, script, base, 3))
+    """Each node copies its own part to its prefix of the tier (in parallel, no node copying
+    another's); a node that lost its disk downloads its part from there. Without a tier, the
+    run starts over and says why."""
+    base, tier = tmp_path / "run", tmp_path / "tier"
+    reference = _finals(_run(warm_ranks, script, base, 3, "auto", "per-node", str(tier)))
+    for prefix, ranks in (("node-00000", (0, 1)), ("node-00002", (2, 3))):
+        newest = tier / prefix / "step_0000000003"
+        expected = {"manifest.json"} | {
+            f"rank_{r:05d}.{ext}" for r in ranks for ext in ("json", "safetensors")
+        }
+        assert _names(newest) == expected, prefix
+    shutil.rmtree(base / "node1")
+    out = _run(warm_ranks, script, base, 3, "auto", "per-node", str(tier))
+    assert _resumed(out) == {3}, out
+    assert _finals(out) == reference
+    assert _names(base / "node1" / "step_0000000003") == {
+        "manifest.json", "rank_00002.json", "rank_00002.safetensors", "rank_00003.json",
+        "rank_00003.safetensors",
+    }  # fmt: skip
+
     shutil.rmtree(base / "node1")
     out = _run(warm_ranks, script, base, 3)
     assert _resumed(out) == {0}, out

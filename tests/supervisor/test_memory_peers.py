@@ -177,13 +177,17 @@ def test_two_nodes_each_with_its_own_disk_resume_from_their_disks_exactly(
     """Node-local roots under ``crashproof run``: each node's agent and trainer write checkpoint
     parts into that node's own directory (found node-local, not shared, by itself). Every
     trainer crashes at step 23 and its agent restarts it without memory snapshots: both resume
-    from step 20 (saved synchronously: committed before step 21), each read from its own node's disk (deltas on a full base there), and the run
-    ends bit for bit where the uninterrupted one does."""
+    from step 20 (saved synchronously: committed before step 21), each read from its own
+    node's disk (deltas on a full base there), and the run ends bit for bit where the
+    uninterrupted one does. Each node's agent copies its node's part to its own prefix of the
+    tier."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    train = ["--steps", "40", "--workers", "0", "--batch-size", "8", "--every", "5", "--sync",
-             "--full-every", "2", "--crash-at", "23"]  # fmt: skip
+    tier = tmp_path / "tier"
+    common = ["--steps", "40", "--workers", "0", "--batch-size", "8", "--every", "5", "--sync",
+              "--full-every", "2"]  # fmt: skip
+    train = [*common, "--crash-at", "23", "--remote", str(tier)]
     clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
-                  *train[:-2], "--dump", str(tmp_path / "a.st"))  # fmt: skip
+                  *common, "--dump", str(tmp_path / "a.st"))  # fmt: skip
     port, dump = free_port(), tmp_path / "b.st"
     dirs = [tmp_path / f"node{i}" for i in range(2)]
     disks = [tmp_path / f"disk{i}" for i in range(2)]
@@ -210,6 +214,12 @@ def test_two_nodes_each_with_its_own_disk_resume_from_their_disks_exactly(
         assert len(names) == 3 and "manifest.json" in names, names
         ranks.add(names[1])  # (after manifest.json)
     assert ranks == {"rank_00000.json", "rank_00001.json"}
+    # Each node's agent copied its own part to its prefix of the tier, the newest included.
+    for rank in (0, 1):
+        copied = tier / f"node-{rank:05d}" / "step_0000000040"
+        assert sorted(p.name for p in copied.iterdir()) == [
+            "manifest.json", f"rank_{rank:05d}.json", f"rank_{rank:05d}.safetensors"
+        ]  # fmt: skip
     expected, got = load_file(tmp_path / "a.st"), load_file(dump)
     different = [k for k in expected if not torch.equal(expected[k], got[k])]
     assert not different, f"differs from the uninterrupted run: {different}"

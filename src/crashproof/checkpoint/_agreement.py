@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for
 from typing import TypeVar, cast
 
 from crashproof.checkpoint._group import Group
@@ -111,6 +112,23 @@ class RankAgreement:
             )
             return False
         return True
+
+    def on_leaders(self, leads: bool, work: Callable[[], None]) -> None:
+        """``work()`` on every rank that ``leads`` (rank 0 of a shared root, each node's first
+        rank on node-local roots) while the others wait, however long it takes: every rank
+        answers a small all-gather every few seconds until no leader is still working."""
+        if self._group.world_size == 1:
+            work()
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="crashproof-leader") as pool:
+            future = pool.submit(work) if leads else None
+            while True:
+                if future is not None:  # the leaders pace the rounds; the others just answer
+                    wait_for([future], timeout=_KEEPALIVE_S)
+                if not any(self._group.all_gather(future is not None and not future.done())):
+                    break
+            if future is not None:
+                future.result()  # (its error, once every rank knows the leaders are done)
 
     def on_rank0(self, work: Callable[[], _T]) -> _T:
         """``work()`` on rank 0, its result on every rank, however long it takes: the other

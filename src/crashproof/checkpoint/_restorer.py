@@ -71,6 +71,10 @@ Candidate = tuple[int, str, list[str | None]]
 """A checkpoint to try: its step, its local path, and its sources (None: the local copy,
 :data:`MEMORY`: the agent's memory, else a tier's URI)."""
 
+NODE_TIERS = "node tiers"
+"""On node-local roots, the source of a step some node holds only in its prefix of a tier:
+each node's first rank downloads what its root lacks, then every rank reads its node's root."""
+
 MEMORY = "memory"
 """The source of a step every rank holds in the memory of ``crashproof run``'s agent: tried
 before any copy in storage."""
@@ -103,6 +107,8 @@ class Restorer:
         self._tiers = tiers
         self._read_only = read_only
         self._restored_environment: dict[str, Any] = {}
+        self._node_tier_digests: dict[int, str] = {}
+        """On node-local roots: the manifest checksum of each step some node must download."""
 
     def restore(
         self, state: TrainState, step: int | None, *, below: int | None = None
@@ -218,38 +224,97 @@ class Restorer:
         ]
 
     def _candidates_on_nodes(self, in_memory: set[int]) -> list[Candidate]:
-        """On node-local roots (every rank calls this): the steps whose part every rank finds in
-        its own node's root under one manifest, and ``in_memory``, newest first. A step some
-        node lacks (lost with its disk, not yet published there, or held for other ranks now
-        that the ranks moved between nodes) is no candidate: no rank could read the missing
-        part."""
+        """On node-local roots (every rank calls this): the steps whose part every rank finds
+        under one manifest, in its node's own root or its node's prefix of a tier, and
+        ``in_memory``, newest first. A step some node lacks everywhere (lost with its disk and
+        never copied, not yet published there, or held for other ranks now that the ranks moved
+        between nodes) is no candidate: no rank could read the missing part."""
         storage, root = self._shared.storage, self._shared.root
         rank, world_size = self._group.rank, self._group.world_size
         local = dict(committed_steps(storage, root))
         mine = {step: part_here(storage, path, rank, world_size) for step, path in local.items()}
-        listings = self._group.all_gather(mine)
-        everywhere = {
+        remote = self._tier_parts(rank, world_size)
+        listings = self._group.all_gather((mine, remote))
+        on_disk = {
             step
             for step, found in mine.items()
-            if found is not None and all(listing.get(step) == found for listing in listings)
+            if found is not None and all(theirs.get(step) == found for theirs, _ in listings)
         }
-        lacking = sorted({s for listing in listings for s in listing} - everywhere, reverse=True)
+        # Rank 0's copy of a step (its node's disk first) names the manifest every rank needs.
+        wanted = {s: d for s, d in {**listings[0][1], **listings[0][0]}.items() if d is not None}
+        in_tiers = {
+            step
+            for step, found in wanted.items()
+            if step not in on_disk
+            and all(found in (theirs.get(step), tiers.get(step)) for theirs, tiers in listings)
+        }
+        lacking = sorted(
+            {s for theirs, tiers in listings for s in (*theirs, *tiers)} - on_disk - in_tiers,
+            reverse=True,
+        )
         if lacking and rank == 0:
             log.warning(
-                "checkpoint steps %s are not whole on every node's own root (a node lost its "
-                "disk or has not published them, or the ranks moved between nodes): they are "
-                "not candidates",
+                "checkpoint steps %s are not whole on every node's own root or its tiers (a node "
+                "lost its disk or has not published them, or the ranks moved between nodes): "
+                "they are not candidates",
                 lacking[:5],
             )
-        steps = everywhere | in_memory
-        return [
-            (
-                s,
-                local.get(s) or storage.join(root, checkpoint_dir_name(s)),
-                ([MEMORY] if s in in_memory else []) + ([None] if s in everywhere else []),
-            )
-            for s in sorted(steps, reverse=True)
-        ]
+        if self._read_only:  # (it never writes into the root: a part stays where it is)
+            in_tiers = set()
+        self._node_tier_digests = {s: wanted[s] for s in in_tiers}
+        candidates: list[Candidate] = []
+        for step in sorted(on_disk | in_tiers | in_memory, reverse=True):
+            sources: list[str | None] = [MEMORY] if step in in_memory else []
+            if step in on_disk or step in in_tiers:
+                sources.append(None if step in on_disk else NODE_TIERS)
+            path = local.get(step) or storage.join(root, checkpoint_dir_name(step))
+            candidates.append((step, path, sources))
+        return candidates
+
+    def _tier_parts(self, rank: int, world_size: int) -> dict[int, str]:
+        """The steps whose part for ``rank`` its node's prefix of a tier holds (the first tier
+        that holds one), by manifest checksum; a tier that cannot be listed is logged and left
+        out, and a copy a rollback abandoned is none."""
+        found: dict[int, str] = {}
+        marks = read_marks(self._shared.storage, self._shared.root) if self._tiers.tiers else []
+        for tier in self._tiers.tiers:
+            try:
+                root, storage = tier.open()
+                for step, path in committed_steps(storage, root):
+                    if step in found:
+                        continue
+                    if any(step > m.after for m in marks) and abandoned(
+                        marks, step, _created_unix(storage, path)
+                    ):
+                        continue
+                    digest_here = part_here(storage, path, rank, world_size)
+                    if digest_here is not None:
+                        found[step] = digest_here
+            except Exception as exc:  # a dead tier must not stop a restore from the others
+                log.error("cannot list %s to restore from it: %s", tier.uri, exc)
+        return found
+
+    def _fetch_node_part(self, step: int) -> tuple[str, bool]:
+        """On node-local roots, on every rank: each node's first rank whose root lacks its part
+        of ``step`` (under the manifest every node agreed on) downloads it from its node's
+        prefix of the first tier holding it. Returns ("", False) when every node has its part
+        now, else why not and whether a tier refused a read (the same on every rank)."""
+        placement, rank = self._shared.placement, self._group.rank
+        storage, root = self._shared.storage, self._shared.root
+        wanted = self._node_tier_digests.get(step)
+        outcome: tuple[str, bool] = ("", False)
+        path = storage.join(root, checkpoint_dir_name(step))
+        if placement.leads and part_here(storage, path, rank, self._group.world_size) != wanted:
+            outcome = ("no tier holds this node's part", False)
+            for tier in self._tiers.tiers:
+                tier_root, tier_storage = tier.open()
+                there = tier_storage.join(tier_root, checkpoint_dir_name(step))
+                if part_here(tier_storage, there, rank, self._group.world_size) == wanted:
+                    outcome = self._fetch(step, tier.uri)
+                    break
+        outcomes = self._group.all_gather(outcome)
+        failed = [f"rank {r}: {why}" for r, (why, _) in enumerate(outcomes) if why]
+        return "; ".join(failed), any(was for why, was in outcomes if why)
 
     def _try_source(
         self,
@@ -278,7 +343,14 @@ class Restorer:
             if restored is None:  # found wanting on some rank: never offered again
                 memory.drop(candidate)
             return restored
-        if source is not None and self._read_only:  # read in place: the root stays as is
+        if source == NODE_TIERS:  # each node brings its own part from its tiers first
+            fetched, was_refused = self._fetch_node_part(candidate)
+            if fetched:
+                (refused if was_refused else skipped).append(
+                    f"step {candidate} from the tiers: {fetched}"
+                )
+                return None
+        elif source is not None and self._read_only:  # read in place: the root stays as is
             try:
                 root, storage = self._tiers.open_tier(source)
             except Exception as exc:

@@ -9,6 +9,7 @@ close and reports where each tier stands.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -59,8 +60,19 @@ class TierCoordinator:
         on_durable: Callable[[], None],
     ) -> None:
         """Open the tiers of ``remote``; with ``replicate``, start copying checkpoints to them.
-        ``on_durable`` is called (on a replication thread) whenever a tier took a checkpoint."""
+        ``on_durable`` is called (on a replication thread) whenever a tier took a checkpoint.
+
+        On node-local roots each node copies its own part, in parallel with the others, to a
+        prefix of each tier named by its first rank (``node-00002``): one writer per prefix, each
+        a node's root as it is on the node's disk, which a node that lost its disk (or took a
+        lost node's ranks) downloads its part from."""
         self.tiers = open_tiers(remote)
+        placement = self._shared.placement
+        if placement.node_local:
+            prefix = f"node-{placement.my_node[0]:05d}"
+            self.tiers = [
+                dataclasses.replace(t, uri=f"{t.uri.rstrip('/')}/{prefix}") for t in self.tiers
+            ]
         if replicate and self.tiers:
             self._replicas = self._start_replication(on_durable)
 

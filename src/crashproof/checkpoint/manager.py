@@ -13,6 +13,7 @@ import atexit
 import builtins
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -147,13 +148,8 @@ class CheckpointManager:
         else:
             open_for_reading(self._shared, self._group, root_scope)
         try:
-            if remote and self._shared.placement.node_local:
-                raise ConfigError(
-                    f"CheckpointManager({root!r}, remote=...): copying checkpoints saved on "
-                    "node-local roots to a remote tier is not supported yet (each node holds "
-                    "only its ranks' files). Put the root on shared storage, or drop remote="
-                )
-            replicate = self._group.rank == 0 and replicate and not read_only
+            # (Rank 0 copies a shared root; each node's first rank its node's own part.)
+            replicate = self._shared.placement.leads and replicate and not read_only
             self._tiers.open(remote, replicate=replicate, on_durable=self._pipeline.queue_retention)
         except BaseException:  # (a tier's root locked by another run, a tier that cannot open)
             self._shared.closed = True  # nothing was saved: no "never closed" error at exit
@@ -345,7 +341,12 @@ class CheckpointManager:
         try:
             with self._reporter.phase("save"):  # the last commit may take long: not a hang
                 self.wait()
-                self._tiers.wait_durable(durable_wait_s, on_rank0=self._agreement.on_rank0)
+                self._tiers.wait_durable(
+                    durable_wait_s,
+                    on_rank0=functools.partial(
+                        self._agreement.on_leaders, self._shared.placement.leads
+                    ),
+                )
         finally:
             self._shared.closed = True
             self._pipeline.stop()

@@ -14,7 +14,13 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, parse_manifest
+from crashproof.checkpoint.format import (
+    MANIFEST_NAME,
+    Manifest,
+    held_part,
+    parse_manifest,
+    part_files,
+)
 from crashproof.checkpoint.restore import read_manifest_bytes, verify_checkpoint
 from crashproof.checkpoint.save import new_tmp_name
 from crashproof.errors import CorruptCheckpointError
@@ -46,9 +52,9 @@ def upload_checkpoint(
     copy that fails it is removed (manifest first) and :class:`CorruptCheckpointError` raised.
     """
     manifest = parse_manifest(manifest_bytes, local.describe(local.join(local_dir, MANIFEST_NAME)))
+    names = _held(manifest, local, local_dir)  # (on a node-local root, the node's part)
     remove_checkpoint(remote, remote_dir)  # what was there stops being a checkpoint first
     remote.make_dirs(remote_dir)
-    names = sorted(n for n in manifest.files if n != MANIFEST_NAME)
     with ThreadPoolExecutor(max(1, parallel), thread_name_prefix="crashproof-upload") as pool:
         futures = [
             pool.submit(
@@ -65,7 +71,7 @@ def upload_checkpoint(
         except (CorruptCheckpointError, OSError):
             remove_checkpoint(remote, remote_dir)
             raise
-    return sum(e.size for e in manifest.files.values()) + len(manifest_bytes)
+    return sum(manifest.files[n].size for n in names) + len(manifest_bytes)
 
 
 def download_checkpoint(
@@ -88,7 +94,7 @@ def download_checkpoint(
     local.make_dirs(tmp_dir)
     try:
         with ThreadPoolExecutor(max(1, parallel), thread_name_prefix="crashproof-download") as pool:
-            for name in sorted(n for n in manifest.files if n != MANIFEST_NAME):
+            for name in _held(manifest, remote, remote_dir):
                 _copy_file(
                     remote,
                     remote.join(remote_dir, name),
@@ -103,6 +109,15 @@ def download_checkpoint(
         local.remove(tmp_dir)
         raise
     return manifest
+
+
+def _held(manifest: Manifest, storage: Storage, ckpt_dir: str) -> list[str]:
+    """The files of ``ckpt_dir`` to copy: every one its manifest lists or, for a checkpoint saved
+    on node-local roots, those of the node's part it holds (checked whole)."""
+    if manifest.nodes is None:
+        return sorted(n for n in manifest.files if n != MANIFEST_NAME)
+    held = part_files(held_part(manifest, storage.list(ckpt_dir), storage.describe(ckpt_dir)))
+    return sorted(n for n in manifest.files if n in held)
 
 
 def remove_checkpoint(storage: Storage, ckpt_dir: str) -> None:
