@@ -47,7 +47,7 @@ def _node(run_dir: Path, port: int, snapshots: bool, args: argparse.Namespace) -
         *([] if snapshots else ["--no-memory"]),
         str(REPO / "examples" / "train_tiny.py"), "--run-dir", str(run_dir / "disk"),
         "--steps", str(args.steps), "--every", "1000000", "--workers", "0", "--batch-size", "8",
-        "--hidden", str(hidden), *mode,
+        "--hidden", str(hidden), "--root-scope", "node", *mode,
     ]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 - the process keeps it

@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--staging-buffers", type=int, default=1, help="1, or 2 to double-buffer the saves"
     )
     p.add_argument(
+        "--root-scope",
+        choices=("shared", "node", "auto"),
+        default="shared",
+        help="who shares RUN_DIR/checkpoints: every rank (shared), or each node its own (node)",
+    )
+    p.add_argument(
         "--step-s", type=float, default=0.0, help="sleep this long in each step (a slower job)"
     )
     p.add_argument(
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         remote=args.remote or None,
         memory_every=cp.EverySteps(args.memory_every) if args.memory_every else None,
         staging_buffers=args.staging_buffers,
+        root_scope=args.root_scope,
     )
     # Before each update: a NaN loss rolls back to the checkpoint before it and skips that data.
     # In the state, so a resumed run judges loss spikes with the same history.

@@ -26,7 +26,7 @@ torch.manual_seed(rank)
 state = cp.TrainState(model=torch.nn.Linear(4, 4))
 manager = cp.CheckpointManager(
     os.path.join(base, f"node{rank}"), async_save=False, handle_signals=False,
-    read_only=mode == "restore",
+    read_only=mode == "restore", root_scope="node",
 )
 with manager:
     if mode == "save":

@@ -172,6 +172,14 @@ def test_a_node_back_without_its_disk_takes_its_part_from_a_tier_or_else_starts_
         "rank_00003.safetensors",
     }  # fmt: skip
 
+    # A part damaged on one node's disk: every node downloads its part of the same step again
+    # (no node can tell the damage was not its own), rather than fall back a step.
+    shard = base / "node0" / "step_0000000003" / "rank_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    out = _run(warm_ranks, script, base, 3, "auto", "per-node", str(tier))
+    assert _resumed(out) == {3}, out
+    assert _finals(out) == reference
+
     shutil.rmtree(base / "node1")
     out = _run(warm_ranks, script, base, 3)
     assert _resumed(out) == {0}, out

@@ -119,8 +119,9 @@ def test_a_lost_node_resumes_from_its_peers_memory(
                   options=["--nproc-per-node", str(nodes)])  # fmt: skip
     pool = ["--standby", "1"] if spare else []
     step_s = 0.3 if spare else 0.1  # (time for a spare to start, under a loaded test machine)
-    train = [*TRAIN[:-5], "10", *TRAIN[-4:]] if spare else TRAIN  # (--every 10: disk checkpoints)
-    assert TRAIN[-6] == "--every" and train[-6:-4] == ["--every", "10" if spare else "100000"]
+    # With the spare: --every 10 (disk checkpoints), each node on its own disk.
+    train = [*TRAIN[:-5], "10", *TRAIN[-4:], "--root-scope", "node"] if spare else TRAIN
+    assert TRAIN[-6:-4] == ["--every", "100000"]  # (the option the spare's run changes)
 
     def disk(where: Path) -> Path:  # the spare's run: one disk per node; else one shared root
         return tmp_path / f"disk-{where.name}" if spare else ckpt
@@ -185,7 +186,7 @@ def test_two_nodes_each_with_its_own_disk_resume_from_their_disks_exactly(
     tier = tmp_path / "tier"
     common = ["--steps", "40", "--workers", "0", "--batch-size", "8", "--every", "5", "--sync",
               "--full-every", "2"]  # fmt: skip
-    train = [*common, "--crash-at", "23", "--remote", str(tier)]
+    train = [*common, "--crash-at", "23", "--remote", str(tier), "--root-scope", "node"]
     clean = start("train_tiny.py", tmp_path / "clean", "--run-dir", str(tmp_path / "clean"),
                   *common, "--dump", str(tmp_path / "a.st"))  # fmt: skip
     port, dump = free_port(), tmp_path / "b.st"

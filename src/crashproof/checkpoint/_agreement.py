@@ -127,8 +127,14 @@ class RankAgreement:
                     wait_for([future], timeout=_KEEPALIVE_S)
                 if not any(self._group.all_gather(future is not None and not future.done())):
                     break
-            if future is not None:
-                future.result()  # (its error, once every rank knows the leaders are done)
+        # Every rank raises a leader's error, once all know the leaders are done.
+        error = None if future is None else future.exception()
+        said = self._group.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = next(((r, why) for r, why in enumerate(said) if why is not None), None)
+        if failed is not None:
+            raise CheckpointWriteError(f"rank {failed[0]} failed: {failed[1]}")
 
     def on_rank0(self, work: Callable[[], _T]) -> _T:
         """``work()`` on rank 0, its result on every rank, however long it takes: the other

@@ -189,12 +189,15 @@ def _open_node_local(state: ManagerState, group: Group, not_shared: Exception) -
             "does not tell)",
         )
     state.placement = placement
-    log.info(
-        "%s is node-local: %d nodes each write their ranks' files into their own (ranks %s)",
-        root,
-        len(placement.nodes),
-        " | ".join(",".join(map(str, ranks)) for ranks in placement.nodes),
-    )
+    if group.rank == 0:  # (said loudly: with 'auto', a node missing a shared mount lands here)
+        announce(
+            log,
+            f"{root} is not shared: each of the {len(placement.nodes)} nodes writes its ranks' "
+            "files into a root of its own (ranks "
+            + " | ".join(",".join(map(str, ranks)) for ranks in placement.nodes)
+            + "); if it should be shared storage, a node is missing its mount: "
+            "root_scope='shared' refuses that",
+        )
     return None
 
 
@@ -220,7 +223,7 @@ def open_for_reading(state: ManagerState, group: Group, scope: RootScope) -> Non
 
 
 def open_for_writing(
-    state: ManagerState, group: Group, policies: str, scope: RootScope = "auto"
+    state: ManagerState, group: Group, policies: str, scope: RootScope = "shared"
 ) -> None:
     """Rank 0 takes the root's lock, finishes an interrupted publish and removes what failed saves
     left; every other rank checks it sees that root, or, where the root is a directory of each

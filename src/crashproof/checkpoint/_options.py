@@ -111,14 +111,15 @@ class ManagerOptions:
     """Under ``crashproof run``, keep snapshots in the agent's memory (the staging buffers of
     asynchronous saves live there). False: staging buffers in this process, restores from
     storage only (as ``crashproof run --no-memory`` does for every manager)."""
-    root_scope: Literal["auto", "shared", "node"] = "auto"
-    """Who shares the root. ``"shared"``: one directory every rank writes into (a shared
-    filesystem, an object store); a rank that does not see it fails the manager on every rank.
-    ``"node"``: a directory of each node's own (its local NVMe disk): each node's ranks write
-    their files into their node's root, and a checkpoint commits only once every node's part is
-    durable (see docs/storage.md); nodes that see one directory fail the manager.
+    root_scope: Literal["auto", "shared", "node"] = "shared"
+    """Who shares the root. ``"shared"`` (the default): one directory every rank writes into (a
+    shared filesystem, an object store); a rank that does not see it fails the manager on every
+    rank. ``"node"``: a directory of each node's own (its local NVMe disk): each node's ranks
+    write their files into their node's root, and a checkpoint commits only once every node's
+    part is durable (see docs/storage.md); nodes that see one directory fail the manager.
     ``"auto"``: shared where every rank sees rank 0's root, else node-local where each node's
-    ranks see their node's own."""
+    ranks see their node's own (a node whose shared mount is missing then writes to its own
+    disk: say which you have where you know it)."""
     read_only: bool = False
     """Only restore and look (an evaluation job, a tool): the manager takes no lock, never saves,
     prunes or rolls back, never removes or renames anything in the root (not even a save in

@@ -108,6 +108,7 @@ class Restorer:
         self._read_only = read_only
         self._restored_environment: dict[str, Any] = {}
         self._node_tier_digests: dict[int, str] = {}
+        self._node_disk_steps: set[int] = set()
         """On node-local roots: the manifest checksum of each step some node must download."""
 
     def restore(
@@ -231,10 +232,26 @@ class Restorer:
         between nodes) is no candidate: no rank could read the missing part."""
         storage, root = self._shared.storage, self._shared.root
         rank, world_size = self._group.rank, self._group.world_size
-        local = dict(committed_steps(storage, root))
-        mine = {step: part_here(storage, path, rank, world_size) for step, path in local.items()}
+        local: dict[int, str] = {}
+        mine: dict[int, str | None] = {}
+        failure = ""
+        try:
+            local = dict(committed_steps(storage, root))
+            mine = {
+                step: part_here(storage, path, rank, world_size) for step, path in local.items()
+            }
+        except Exception as exc:  # (said to every rank, which would otherwise wait for this one)
+            failure = (
+                f"rank {rank} cannot list {storage.describe(root)}: {type(exc).__name__}: {exc}"
+            )
         remote = self._tier_parts(rank, world_size)
-        listings = self._group.all_gather((mine, remote))
+        said = self._group.all_gather((mine, remote, failure))
+        failures = [why for _, _, why in said if why]
+        if failures:
+            raise CheckpointReadError(
+                f"{failures[0]}. Nothing was changed: restore again once the storage reads it"
+            )
+        listings = [(theirs, tiers) for theirs, tiers, _ in said]
         on_disk = {
             step
             for step, found in mine.items()
@@ -245,9 +262,11 @@ class Restorer:
         in_tiers = {
             step
             for step, found in wanted.items()
-            if step not in on_disk
-            and all(found in (theirs.get(step), tiers.get(step)) for theirs, tiers in listings)
+            if all(found in (theirs.get(step), tiers.get(step)) for theirs, tiers in listings)
         }
+        # (A step on every node's disk is also offered from the tiers where every node's tier
+        # prefix holds its part: a part found damaged on one disk is then downloaded again.)
+        in_tiers = {s for s in in_tiers if s not in on_disk or _in_every_tier(s, wanted, listings)}
         lacking = sorted(
             {s for theirs, tiers in listings for s in (*theirs, *tiers)} - on_disk - in_tiers,
             reverse=True,
@@ -262,11 +281,12 @@ class Restorer:
         if self._read_only:  # (it never writes into the root: a part stays where it is)
             in_tiers = set()
         self._node_tier_digests = {s: wanted[s] for s in in_tiers}
+        self._node_disk_steps = on_disk
         candidates: list[Candidate] = []
         for step in sorted(on_disk | in_tiers | in_memory, reverse=True):
             sources: list[str | None] = [MEMORY] if step in in_memory else []
-            if step in on_disk or step in in_tiers:
-                sources.append(None if step in on_disk else NODE_TIERS)
+            sources += [None] if step in on_disk else []
+            sources += [NODE_TIERS] if step in in_tiers else []
             path = local.get(step) or storage.join(root, checkpoint_dir_name(step))
             candidates.append((step, path, sources))
         return candidates
@@ -295,24 +315,41 @@ class Restorer:
         return found
 
     def _fetch_node_part(self, step: int) -> tuple[str, bool]:
-        """On node-local roots, on every rank: each node's first rank whose root lacks its part
-        of ``step`` (under the manifest every node agreed on) downloads it from its node's
-        prefix of the first tier holding it. Returns ("", False) when every node has its part
-        now, else why not and whether a tier refused a read (the same on every rank)."""
+        """On node-local roots, on every rank: each node's first rank downloads its part of
+        ``step`` (under the manifest every node agreed on) from its node's prefix of the first
+        tier holding it, into its root, replacing what is there (missing, of another manifest,
+        or found damaged on this disk), while the other ranks wait in short collectives (a
+        download may take longer than one collective's timeout). Returns ("", False) when every
+        node has its part now, else why not and whether a tier refused a read (the same on
+        every rank)."""
         placement, rank = self._shared.placement, self._group.rank
-        storage, root = self._shared.storage, self._shared.root
         wanted = self._node_tier_digests.get(step)
-        outcome: tuple[str, bool] = ("", False)
-        path = storage.join(root, checkpoint_dir_name(step))
-        if placement.leads and part_here(storage, path, rank, self._group.world_size) != wanted:
-            outcome = ("no tier holds this node's part", False)
-            for tier in self._tiers.tiers:
-                tier_root, tier_storage = tier.open()
-                there = tier_storage.join(tier_root, checkpoint_dir_name(step))
-                if part_here(tier_storage, there, rank, self._group.world_size) == wanted:
-                    outcome = self._fetch(step, tier.uri)
-                    break
-        outcomes = self._group.all_gather(outcome)
+        outcome: list[tuple[str, bool]] = [("", False)]
+
+        storage, root = self._shared.storage, self._shared.root
+        here = storage.join(root, checkpoint_dir_name(step))
+
+        def download() -> None:
+            outcome[0] = ("no tier holds this node's part", False)
+            try:
+                # A part already here is kept, unless the step was on every disk: then one of
+                # them was found wanting, and no node can tell it was not its own.
+                if step not in self._node_disk_steps and (
+                    part_here(storage, here, rank, self._group.world_size) == wanted
+                ):
+                    outcome[0] = ("", False)
+                    return
+                for tier in self._tiers.tiers:
+                    tier_root, tier_storage = tier.open()
+                    there = tier_storage.join(tier_root, checkpoint_dir_name(step))
+                    if part_here(tier_storage, there, rank, self._group.world_size) == wanted:
+                        outcome[0] = self._fetch(step, tier.uri)
+                        return
+            except Exception as exc:  # a tier down now: said to every rank, not raised alone
+                outcome[0] = (f"{type(exc).__name__}: {exc}", unreadable(exc))
+
+        self._agreement.on_leaders(placement.leads, download)
+        outcomes = self._group.all_gather(outcome[0])
         failed = [f"rank {r}: {why}" for r, (why, _) in enumerate(outcomes) if why]
         return "; ".join(failed), any(was for why, was in outcomes if why)
 
@@ -692,6 +729,14 @@ class Restorer:
         if reader is not None:
             reader.close()
         return status, None, why
+
+
+def _in_every_tier(
+    step: int, wanted: dict[int, str], listings: list[tuple[dict[int, str | None], dict[int, str]]]
+) -> bool:
+    """Whether every rank's node's tier prefix holds its part of ``step`` under ``wanted``'s
+    manifest."""
+    return all(tiers.get(step) == wanted[step] for _, tiers in listings)
 
 
 def _portable(exc: Exception) -> Exception:

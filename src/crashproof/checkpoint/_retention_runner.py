@@ -32,6 +32,8 @@ from crashproof.storage import deferring_removals
 
 __all__ = ["RetentionRunner"]
 
+from crashproof.errors import ConfigError
+
 log = logging.getLogger("crashproof.checkpoint")
 
 
@@ -130,8 +132,17 @@ class RetentionRunner:
         """Apply ``keep`` now (never to the newest checkpoint that verifies); returns the steps
         removed, or that would be with ``dry_run``. Only the rank that leads the root removes
         (rank 0; on node-local roots, each node's first rank in its node's)."""
-        self._shared.check_lock()
-        doomed = prune_plan(self._shared.storage, self._shared.root, keep)
+        shared = self._shared
+        shared.check_lock()
+        if shared.placement.node_local and shared.newest_valid is None:
+            # Each node sees its own root only: the newest step whose part verifies there may be
+            # one no other node holds, and keeping it would remove the last step all hold.
+            raise ConfigError(
+                f"prune on the node-local root {shared.storage.describe(shared.root)}: restore "
+                "or save first, so the manager knows the newest checkpoint every node holds "
+                "(prune keeps it)"
+            )
+        doomed = prune_plan(shared.storage, shared.root, keep, keep_always=shared.newest_valid)
         if not dry_run and self._shared.placement.leads:
             for _, path in doomed:
                 self._shared.storage.remove(path)
@@ -180,6 +191,14 @@ class RetentionRunner:
         if shared.retention_off:
             return []
         keep = self.kept_anyway(snapshot.step)
+        if shared.newest_valid is None and shared.placement.node_local:
+            log.warning(
+                "disk full in %s before any checkpoint was restored or saved: retention removes "
+                "nothing early (on a node-local root only each node's own part is seen, which "
+                "cannot tell the newest checkpoint every node holds)",
+                shared.storage.describe(shared.root),
+            )
+            return []
         if shared.newest_valid is None:  # nothing restored nor saved yet: find it, by checksums
             newest = newest_verified(shared.storage, shared.root)
             if newest is not None:

@@ -91,7 +91,7 @@ class CheckpointManager:
         restore_memory_bytes: int | None = None,
         memory_every: SavePolicy | None = None,
         memory: bool = True,
-        root_scope: Literal["auto", "shared", "node"] = "auto",
+        root_scope: Literal["auto", "shared", "node"] = "shared",
     ) -> None:
         options = ManagerOptions(
             every=every, keep=keep, async_save=async_save, on_busy=on_busy,

@@ -298,13 +298,14 @@ def retention_plan(
     ]
 
 
-def prune_plan(storage: Storage, root: str, keep: RetentionPolicy) -> list[tuple[int, str]]:
-    """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies."""
+def prune_plan(
+    storage: Storage, root: str, keep: RetentionPolicy, *, keep_always: int | None = None
+) -> list[tuple[int, str]]:
+    """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies and
+    ``keep_always`` (a step known good beyond this root: on node-local roots, every node's)."""
     found = published_steps(storage, root)
-    newest_valid = newest_verified(storage, root)
-    return retention_plan(
-        storage, found, keep, keep_always=set() if newest_valid is None else {newest_valid}
-    )
+    spared = {newest_verified(storage, root), keep_always} - {None}
+    return retention_plan(storage, found, keep, keep_always={s for s in spared if s is not None})
 
 
 def published_steps(storage: Storage, root: str) -> list[tuple[int, str]]:

@@ -493,9 +493,12 @@ def _commit_on_nodes(
     :mod:`crashproof.checkpoint._restorer`), so a node lost between the phases leaves a step no
     restore takes, unless every node had prepared: then every part is durable and start-up
     recovery publishes the rest (:func:`~crashproof.checkpoint.root.recover_interrupted`)."""
-    sealed = (
-        None if reports is None else _seal(snapshot, reports, group.world_size, placement.nodes)
-    )
+    sealed: tuple[bytes | None, Failure | None] | None = None
+    if reports is not None:
+        try:
+            sealed = _seal(snapshot, reports, group.world_size, placement.nodes)
+        except Exception as exc:  # (told to every rank, which waits for the manifest)
+            sealed = None, (f"commit on rank 0: {type(exc).__name__}: {exc}", None, False)
     outcome: Failure | None
     with lost("hear the manifest from rank 0"):
         manifest_bytes, outcome = group.broadcast(sealed)
