@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import posixpath
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -512,9 +513,11 @@ def _commit_on_nodes(
     with lost("agree that every node prepared its part"):
         votes = group.all_gather(vote)
     outcome = outcome or next((v for v in votes if v is not None), None)
-    published = False
+    published = replaced = False
     if outcome is None and placement.leads:
         try:
+            parent, name = posixpath.split(final_dir.rstrip("/"))
+            replaced = name in storage.list(parent)  # (a step saved again: its copy goes now)
             storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
             published = True
         except Exception as exc:
@@ -526,7 +529,10 @@ def _commit_on_nodes(
         with lost("agree that every node published its part"):
             votes = group.all_gather(vote)
         outcome = next((v for v in votes if v is not None), None)
-        if outcome is not None and published:  # a part alone is no checkpoint: take it back
+        # A part alone is no checkpoint: taken back, unless it replaced the step's earlier copy
+        # (then it is all this node has of the step; a restore takes it only where every node
+        # holds the same manifest, and retention keeps the newest step they all hold).
+        if outcome is not None and published and not replaced:
             log.warning(
                 "checkpoint step %d: another node could not publish its part (%s); removing "
                 "this node's",
