@@ -201,3 +201,71 @@ def test_a_root_that_is_not_what_root_scope_says_is_refused_on_every_rank(
     assert out.count("refused") == 4, out
     assert says in out, out
     assert not list((tmp_path / "run").rglob("step_*")), "a checkpoint was committed"
+
+
+_REFUSING = """
+import os, sys, torch, torch.distributed as dist
+import crashproof as cp
+from crashproof.storage import LocalStorage
+
+base, phase = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+os.environ["CRASHPROOF_NODE"] = f"n{rank // 2}"
+
+
+class Refusing(LocalStorage):
+    # Node 1's disk refuses the second save's commit: writing its manifest (prepare) or
+    # renaming its directory (commit), as a full or failing disk would.
+    def create(self, path):
+        if phase == "prepare" and "step_0000000002" in path and path.endswith("manifest.json"):
+            raise OSError(5, "Input/output error (refused by the test)", path)
+        return super().create(path)
+
+    def publish(self, tmp_dir, final_dir, *, commit_marker=None):
+        if phase == "publish" and final_dir.endswith("step_0000000002"):
+            raise OSError(5, "Input/output error (refused by the test)", final_dir)
+        return super().publish(tmp_dir, final_dir, commit_marker=commit_marker)
+
+
+dist.init_process_group("gloo")
+state = cp.TrainState(model=torch.nn.Linear(4, 4))
+root = os.path.join(base, f"node{rank // 2}")
+storage = Refusing() if rank // 2 == 1 and phase != "restore" else None
+with cp.CheckpointManager(root, async_save=False, handle_signals=False, root_scope="node",
+                          storage=storage) as manager:
+    if phase == "restore":
+        sys.stdout.write(f"\\nrank {rank}: resumed {manager.restore(state)}\\n")
+    else:
+        manager.save(1, state)
+        try:
+            manager.save(2, state)
+            sys.stdout.write(f"\\nrank {rank}: committed\\n")
+        except cp.CheckpointWriteError as exc:
+            sys.stdout.write(f"\\nrank {rank}: not committed: {exc}\\n")
+    sys.stdout.flush()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("phase", ["prepare", "publish"])
+def test_a_node_failing_either_phase_fails_the_save_everywhere_and_leaves_no_part(
+    tmp_path: Path, warm_ranks: Any, phase: str
+) -> None:
+    """Node 1 cannot write its manifest (prepare), or cannot rename its directory once every
+    node prepared (commit; node 0 has published by then): the save fails on every rank, no
+    node keeps a part of step 2, step 1 stays, and a restart resumes from it."""
+    script = tmp_path / "refusing.py"
+    script.write_text(_REFUSING)
+    base = tmp_path / "run"
+    launch = warm_ranks.run(script, [str(base), phase], nproc=4, timeout=180)
+    assert launch.exit_codes == [0, 0, 0, 0], launch.output
+    assert len(re.findall(r"rank \d: not committed", launch.output)) == 4, launch.output
+    assert "refused by the test" in launch.output
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (base / node).iterdir() if p.name.startswith(("step_", ".tmp"))) == [
+            "step_0000000001"
+        ], (node, launch.output)  # fmt: skip
+    launch = warm_ranks.run(script, [str(base), "restore"], nproc=4, timeout=180)
+    assert launch.exit_codes == [0, 0, 0, 0], launch.output
+    assert _resumed(launch.output) == {1}, launch.output

@@ -532,6 +532,12 @@ def _commit_on_nodes(
         # A part alone is no checkpoint: taken back, unless it replaced the step's earlier copy
         # (then it is all this node has of the step; a restore takes it only where every node
         # holds the same manifest, and retention keeps the newest step they all hold).
+        if outcome is not None and placement.leads and not published:
+            # The step is abandoned everywhere: this node's prepared part goes too (were the
+            # rename cut short while replacing an earlier copy, start-up recovery then puts
+            # back that copy, set aside as ``.replaced-*``, not the abandoned one).
+            with contextlib.suppress(Exception):
+                storage.remove(tmp_dir)
         if outcome is not None and published and not replaced:
             log.warning(
                 "checkpoint step %d: another node could not publish its part (%s); removing "
