@@ -55,11 +55,11 @@ typecheck: $(STAMP)
 export MKL_CBWR ?= AUTO,STRICT
 export MKL_DYNAMIC ?= FALSE
 
-# Most tests in parallel, four workers on two cores (they spend much of their time waiting on
+# Most tests in parallel, three workers on two cores (they spend much of their time waiting on
 # processes they start; worksteal: a worker that runs out takes tests queued for another, so the
 # last long ones do not run one after another on one worker), then the timing-sensitive ones
 # alone, so that no other test skews the times they judge.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 3
 PARALLEL_TESTS = $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not serial" --durations=15
 SERIAL_TESTS = $(VENV)/bin/pytest -q -m serial
 
