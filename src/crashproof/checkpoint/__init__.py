@@ -12,9 +12,10 @@ from __future__ import annotations
 from crashproof.checkpoint._group import Group, default_group
 from crashproof.checkpoint._options import ManagerOptions
 from crashproof.checkpoint.export import check_target, export_dcp, export_safetensors
-from crashproof.checkpoint.format import RankIndex, held_part, parse_step_dir, part_files
+from crashproof.checkpoint.format import RankIndex, held_part, parse_step_dir
 from crashproof.checkpoint.manager import CheckpointManager
 from crashproof.checkpoint.restore import (
+    held_files,
     load_rank_state,
     read_manifest,
     read_rank_index,
@@ -53,6 +54,7 @@ __all__ = [
     "describe_checkpoint",
     "export_dcp",
     "export_safetensors",
+    "held_files",
     "held_part",
     "hold_root",
     "list_checkpoints",
@@ -60,7 +62,6 @@ __all__ = [
     "located",
     "lock_root",
     "parse_step_dir",
-    "part_files",
     "prune_plan",
     "published_steps",
     "read_manifest",

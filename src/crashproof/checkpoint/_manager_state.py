@@ -151,6 +151,11 @@ def _take_root(state: ManagerState) -> Exception | None:
     return None
 
 
+def _gather_placement(group: Group) -> Placement:
+    """Every rank's node, as each tells it (a collective)."""
+    return Placement.from_keys(group.all_gather(node_key()), group.rank)
+
+
 def _holder(state: ManagerState) -> list[Any] | None:
     lock = state.lock
     return None if lock is None else [lock.holder.host, lock.holder.pid]
@@ -161,7 +166,7 @@ def _open_node_local(state: ManagerState, group: Group, not_shared: Exception) -
     nodes, each node's first rank takes the root as its node's own, and every rank checks that
     it sees its node's root (a collective). Sets ``state.placement``; returns the error every
     rank raises, or None."""
-    placement = Placement.from_keys(group.all_gather(node_key()), group.rank)
+    placement = _gather_placement(group)
     root = state.root
     if not placement.node_local:  # one node, and its ranks see different directories
         return not_shared
@@ -208,7 +213,7 @@ def open_for_reading(state: ManagerState, group: Group, scope: RootScope) -> Non
     on node-local roots (a collective)."""
     if group.world_size == 1 or scope == "shared":
         return
-    placement = Placement.from_keys(group.all_gather(node_key()), group.rank)
+    placement = _gather_placement(group)
     if not placement.node_local:
         return
     node_local = scope == "node"
@@ -252,7 +257,7 @@ def open_for_writing(
                     error = _open_node_local(state, group, not_shared)
                 else:
                     error = error or not_shared
-            elif scope == "node" and len(set(group.all_gather(node_key()))) > 1:
+            elif scope == "node" and _gather_placement(group).node_local:
                 error = error or CheckpointWriteError(
                     errno.ENOTSUP,
                     f"{root}: root_scope='node', but the ranks of every node see the one "

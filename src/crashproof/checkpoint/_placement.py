@@ -64,7 +64,3 @@ class Placement:
     def leads(self) -> bool:
         """Whether this rank changes its root: commits, removes, holds the lock."""
         return self.leader_of(self.rank) == self.rank
-
-    @property
-    def leaders(self) -> list[int]:
-        return [ranks[0] for ranks in self.nodes]

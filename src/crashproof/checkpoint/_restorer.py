@@ -42,6 +42,7 @@ from crashproof.checkpoint.restore import (
     read_manifest,
 )
 from crashproof.checkpoint.root import (
+    RollbackMark,
     abandoned,
     committed_steps,
     read_marks,
@@ -108,8 +109,9 @@ class Restorer:
         self._read_only = read_only
         self._restored_environment: dict[str, Any] = {}
         self._node_tier_digests: dict[int, str] = {}
+        """On node-local roots: the manifest checksum of each step offered from the tiers."""
         self._node_disk_steps: set[int] = set()
-        """On node-local roots: the manifest checksum of each step some node must download."""
+        """On node-local roots: the steps every node holds on its disk (last listed)."""
 
     def restore(
         self, state: TrainState, step: int | None, *, below: int | None = None
@@ -210,11 +212,8 @@ class Restorer:
             try:
                 root, storage = tier.open()
                 for remote_step, remote_path in committed_steps(storage, root):
-                    if any(remote_step > m.after for m in marks):
-                        created = _created_unix(storage, remote_path)
-                        if abandoned(marks, remote_step, created):
-                            continue
-                    sources.setdefault(remote_step, []).append(tier.uri)
+                    if not _abandoned_copy(marks, storage, remote_step, remote_path):
+                        sources.setdefault(remote_step, []).append(tier.uri)
             except Exception as exc:  # a dead tier must not stop a restore from the others
                 log.error("cannot list %s to restore from it: %s", tier.uri, exc)
         for step in in_memory:
@@ -259,14 +258,17 @@ class Restorer:
         }
         # Rank 0's copy of a step (its node's disk first) names the manifest every rank needs.
         wanted = {s: d for s, d in {**listings[0][1], **listings[0][0]}.items() if d is not None}
+        # Offered from the tiers: a step each node has on its disk or in its tier prefix, and a
+        # step on every disk where every node's tier prefix holds its part too (a part found
+        # damaged on one disk is then downloaded again).
         in_tiers = {
             step
             for step, found in wanted.items()
-            if all(found in (theirs.get(step), tiers.get(step)) for theirs, tiers in listings)
+            if all(
+                tiers.get(step) == found or (step not in on_disk and theirs.get(step) == found)
+                for theirs, tiers in listings
+            )
         }
-        # (A step on every node's disk is also offered from the tiers where every node's tier
-        # prefix holds its part: a part found damaged on one disk is then downloaded again.)
-        in_tiers = {s for s in in_tiers if s not in on_disk or _in_every_tier(s, wanted, listings)}
         lacking = sorted(
             {s for theirs, tiers in listings for s in (*theirs, *tiers)} - on_disk - in_tiers,
             reverse=True,
@@ -301,11 +303,7 @@ class Restorer:
             try:
                 root, storage = tier.open()
                 for step, path in committed_steps(storage, root):
-                    if step in found:
-                        continue
-                    if any(step > m.after for m in marks) and abandoned(
-                        marks, step, _created_unix(storage, path)
-                    ):
+                    if step in found or _abandoned_copy(marks, storage, step, path):
                         continue
                     digest_here = part_here(storage, path, rank, world_size)
                     if digest_here is not None:
@@ -731,14 +729,6 @@ class Restorer:
         return status, None, why
 
 
-def _in_every_tier(
-    step: int, wanted: dict[int, str], listings: list[tuple[dict[int, str | None], dict[int, str]]]
-) -> bool:
-    """Whether every rank's node's tier prefix holds its part of ``step`` under ``wanted``'s
-    manifest."""
-    return all(tiers.get(step) == wanted[step] for _, tiers in listings)
-
-
 def _portable(exc: Exception) -> Exception:
     """``exc``, raised on rank 0 while planning a restore, as every rank can receive it: of the
     kind that decides what restore does with it (a mismatch, a refused read, corruption), with
@@ -827,6 +817,14 @@ def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for tensor, copy in kept:
             tensor.copy_(copy)
+
+
+def _abandoned_copy(marks: list[RollbackMark], storage: Storage, step: int, ckpt_dir: str) -> bool:
+    """Whether a tier's copy ``ckpt_dir`` of ``step`` is one a rollback abandoned (its commit
+    time is read only where a mark could concern it)."""
+    return any(step > m.after for m in marks) and abandoned(
+        marks, step, _created_unix(storage, ckpt_dir)
+    )
 
 
 def _created_unix(storage: Storage, ckpt_dir: str) -> float | None:

@@ -143,7 +143,7 @@ class RetentionRunner:
                 "(prune keeps it)"
             )
         doomed = prune_plan(shared.storage, shared.root, keep, keep_always=shared.newest_valid)
-        if not dry_run and self._shared.placement.leads:
+        if not dry_run and shared.placement.leads:
             for _, path in doomed:
                 self._shared.storage.remove(path)
         return sorted(step for step, _ in doomed)

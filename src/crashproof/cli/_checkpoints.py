@@ -13,10 +13,10 @@ from typing import Any
 from tqdm import tqdm
 
 from crashproof.checkpoint import (
+    held_files,
     held_part,
     list_checkpoints,
     located,
-    part_files,
     read_manifest,
     read_rank_index,
     unreadable,
@@ -196,7 +196,7 @@ def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
     """The files of ``ckpt`` its manifest lists (on a node-local root, the node's part's)."""
     try:
         manifest = read_manifest(storage, ckpt)
-        held = part_files(held_part(manifest, storage.list(ckpt), storage.describe(ckpt)))
+        held = held_files(storage, ckpt, manifest)
         return [e for n, e in manifest.files.items() if n in held]
     except (CrashproofError, OSError):
         return []

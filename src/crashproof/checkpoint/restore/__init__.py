@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
-from crashproof.checkpoint.restore._node_part import part_here, plan_node_part
+from crashproof.checkpoint.restore._node_part import held_files, part_here, plan_node_part
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
@@ -36,6 +36,7 @@ __all__ = [
     "RankRead",
     "checkpoint_not_found",
     "dcp_failures",
+    "held_files",
     "load_rank_state",
     "load_sharded",
     "part_here",

@@ -15,7 +15,7 @@ from crashproof.checkpoint.restore._read_manifest import read_manifest, read_man
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import Storage
 
-__all__ = ["part_here", "plan_node_part"]
+__all__ = ["held_files", "part_here", "plan_node_part"]
 
 
 def part_here(storage: Storage, ckpt_dir: str, rank: int, world_size: int) -> str | None:
@@ -33,6 +33,15 @@ def part_here(storage: Storage, ckpt_dir: str, rank: int, world_size: int) -> st
     if rank not in held or not part_files(held) <= names:
         return None
     return digest(data)
+
+
+def held_files(storage: Storage, ckpt_dir: str, manifest: Manifest) -> set[str]:
+    """The files of ``manifest`` that ``ckpt_dir`` holds: every one, or for a checkpoint saved on
+    node-local roots, those of the node's part it holds (checked whole: raises
+    :class:`CorruptCheckpointError` for no part, or parts of several nodes)."""
+    if manifest.nodes is None:
+        return set(manifest.files)
+    return part_files(held_part(manifest, storage.list(ckpt_dir), storage.describe(ckpt_dir)))
 
 
 def plan_node_part(storage: Storage, ckpt_dir: str, rank: int) -> RankPlan:

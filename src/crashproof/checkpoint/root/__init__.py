@@ -19,6 +19,7 @@ from crashproof.checkpoint.root._catalog import (
 from crashproof.checkpoint.root._listing import list_checkpoints, located, unreadable
 from crashproof.checkpoint.root._lock import RootLock, hold_root, lock_root, read_holder
 from crashproof.checkpoint.root._rollbacks import (
+    RollbackMark,
     abandoned,
     abandoned_steps,
     read_marks,
@@ -27,6 +28,7 @@ from crashproof.checkpoint.root._rollbacks import (
 
 __all__ = [
     "CheckpointInfo",
+    "RollbackMark",
     "RootLock",
     "abandoned",
     "abandoned_steps",

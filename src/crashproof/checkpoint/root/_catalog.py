@@ -304,8 +304,8 @@ def prune_plan(
     """The checkpoints ``keep`` would remove, sparing the newest one that fully verifies and
     ``keep_always`` (a step known good beyond this root: on node-local roots, every node's)."""
     found = published_steps(storage, root)
-    spared = {newest_verified(storage, root), keep_always} - {None}
-    return retention_plan(storage, found, keep, keep_always={s for s in spared if s is not None})
+    spared = {s for s in (newest_verified(storage, root), keep_always) if s is not None}
+    return retention_plan(storage, found, keep, keep_always=spared)
 
 
 def published_steps(storage: Storage, root: str) -> list[tuple[int, str]]:

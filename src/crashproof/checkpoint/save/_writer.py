@@ -224,7 +224,7 @@ def persist(
         storage.make_dirs(tmp_dir)
         shard = _write_shard(storage, tmp_dir, snapshot, group.rank)
     except Exception as exc:
-        failure = _failure(group.rank, exc)
+        failure = _failure(f"rank {group.rank}", exc)
     # Replicated tensors: every rank learns where their owners wrote them (even a rank whose own
     # write failed takes part, or the others would wait for it).
     shared: list[dict[str, TensorEntry] | None] = []
@@ -236,7 +236,7 @@ def persist(
         try:
             files, checksums = _write_index(storage, tmp_dir, snapshot, group.rank, shard, shared)
         except Exception as exc:
-            failure = _failure(group.rank, exc)
+            failure = _failure(f"rank {group.rank}", exc)
     with lost("gather every rank's report"):
         reports = group.gather((files, failure))
     outcome: Failure | None = None
@@ -298,9 +298,10 @@ def _lost_a_rank(step: int, root: str, what: str) -> Iterator[None]:
         ) from exc
 
 
-def _failure(rank: int, exc: Exception) -> Failure:
+def _failure(who: str, exc: Exception) -> Failure:
+    """What ``exc`` on ``who`` (``rank 3``, a node) means for the save."""
     return (
-        f"rank {rank}: {type(exc).__name__}: {exc}",
+        f"{who}: {type(exc).__name__}: {exc}",
         getattr(exc, "errno", None),
         isinstance(exc, NonFiniteStateError),
     )
@@ -417,7 +418,8 @@ def _seal(
     nodes: tuple[tuple[int, ...], ...] | None,
 ) -> tuple[bytes | None, Failure | None]:
     """On the coordinator: the manifest's bytes for every rank's ``reports``, or why there is
-    none (a rank failed)."""
+    none (a rank failed). Raises what building or sealing it raises (its callers tell every
+    rank)."""
     failures = [failure for _, failure in reports if failure is not None]
     if failures:
         text = "; ".join(text for text, _, _ in failures)
@@ -440,10 +442,7 @@ def _seal(
         base_manifest=snapshot.delta[1].manifest if snapshot.delta is not None else None,
         nodes=nodes,
     )
-    try:
-        return seal_manifest(manifest.to_json()), None
-    except Exception as exc:  # (metadata that is not JSON was refused when given)
-        return None, (f"commit on rank 0: {type(exc).__name__}: {exc}", None, False)
+    return seal_manifest(manifest.to_json()), None
 
 
 def _commit(
@@ -467,7 +466,7 @@ def _commit(
         snapshot.committed_manifest = digest(manifest_bytes)
         return None
     except Exception as exc:
-        return f"commit on rank 0: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
+        return _failure("commit on rank 0", exc)
     finally:
         # A publish cut short may hold the only complete copy: start-up recovery finishes it.
         if not published and not publishing:
@@ -499,7 +498,7 @@ def _commit_on_nodes(
         try:
             sealed = _seal(snapshot, reports, group.world_size, placement.nodes)
         except Exception as exc:  # (told to every rank, which waits for the manifest)
-            sealed = None, (f"commit on rank 0: {type(exc).__name__}: {exc}", None, False)
+            sealed = None, _failure("commit on rank 0", exc)
     outcome: Failure | None
     with lost("hear the manifest from rank 0"):
         manifest_bytes, outcome = group.broadcast(sealed)
@@ -509,7 +508,7 @@ def _commit_on_nodes(
         try:
             write_all(storage, storage.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
         except Exception as exc:
-            vote = f"{here}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
+            vote = _failure(here, exc)
     with lost("agree that every node prepared its part"):
         votes = group.all_gather(vote)
     outcome = outcome or next((v for v in votes if v is not None), None)
@@ -521,7 +520,7 @@ def _commit_on_nodes(
             storage.publish(tmp_dir, final_dir, commit_marker=MANIFEST_NAME)
             published = True
         except Exception as exc:
-            vote = f"{here}: {type(exc).__name__}: {exc}", getattr(exc, "errno", None), False
+            vote = _failure(here, exc)
     elif placement.leads:
         with contextlib.suppress(Exception):
             storage.remove(tmp_dir)
@@ -529,15 +528,15 @@ def _commit_on_nodes(
         with lost("agree that every node published its part"):
             votes = group.all_gather(vote)
         outcome = next((v for v in votes if v is not None), None)
-        # A part alone is no checkpoint: taken back, unless it replaced the step's earlier copy
-        # (then it is all this node has of the step; a restore takes it only where every node
-        # holds the same manifest, and retention keeps the newest step they all hold).
         if outcome is not None and placement.leads and not published:
             # The step is abandoned everywhere: this node's prepared part goes too (were the
             # rename cut short while replacing an earlier copy, start-up recovery then puts
             # back that copy, set aside as ``.replaced-*``, not the abandoned one).
             with contextlib.suppress(Exception):
                 storage.remove(tmp_dir)
+        # A part alone is no checkpoint: taken back, unless it replaced the step's earlier copy
+        # (then it is all this node has of the step; a restore takes it only where every node
+        # holds the same manifest, and retention keeps the newest step they all hold).
         if outcome is not None and published and not replaced:
             log.warning(
                 "checkpoint step %d: another node could not publish its part (%s); removing "

@@ -14,14 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from crashproof.checkpoint.format import (
-    MANIFEST_NAME,
-    Manifest,
-    held_part,
-    parse_manifest,
-    part_files,
-)
-from crashproof.checkpoint.restore import read_manifest_bytes, verify_checkpoint
+from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, parse_manifest
+from crashproof.checkpoint.restore import held_files, read_manifest_bytes, verify_checkpoint
 from crashproof.checkpoint.save import new_tmp_name
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import ReadStream, Storage, local_backend, write_all
@@ -52,7 +46,7 @@ def upload_checkpoint(
     copy that fails it is removed (manifest first) and :class:`CorruptCheckpointError` raised.
     """
     manifest = parse_manifest(manifest_bytes, local.describe(local.join(local_dir, MANIFEST_NAME)))
-    names = _held(manifest, local, local_dir)  # (on a node-local root, the node's part)
+    names = _held(manifest, local, local_dir)
     remove_checkpoint(remote, remote_dir)  # what was there stops being a checkpoint first
     remote.make_dirs(remote_dir)
     with ThreadPoolExecutor(max(1, parallel), thread_name_prefix="crashproof-upload") as pool:
@@ -112,12 +106,8 @@ def download_checkpoint(
 
 
 def _held(manifest: Manifest, storage: Storage, ckpt_dir: str) -> list[str]:
-    """The files of ``ckpt_dir`` to copy: every one its manifest lists or, for a checkpoint saved
-    on node-local roots, those of the node's part it holds (checked whole)."""
-    if manifest.nodes is None:
-        return sorted(n for n in manifest.files if n != MANIFEST_NAME)
-    held = part_files(held_part(manifest, storage.list(ckpt_dir), storage.describe(ckpt_dir)))
-    return sorted(n for n in manifest.files if n in held)
+    """The files of ``ckpt_dir`` to copy, in order: on a node-local root, its node's part's."""
+    return sorted(held_files(storage, ckpt_dir, manifest))
 
 
 def remove_checkpoint(storage: Storage, ckpt_dir: str) -> None:
