@@ -94,3 +94,44 @@ def test_a_kill_anywhere_in_a_snapshot_restores_a_whole_step_or_none(
             assert slots == 1 and values == {-1.0}  # killed overwriting the only slot
     if slots == 2:
         assert from_memory == TRIALS  # the slot not being written always holds a whole step
+
+
+def test_a_save_after_a_restore_from_memory_alone_keeps_that_snapshot_until_it_commits(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    """The state a trainer resumed from, held in the agent's memory alone (no disk or tier has
+    its step), is the one thing a kill during the next save would fall back to. With one
+    staging slot, that save must not copy over it: it writes from the live tensors, and returns
+    once committed, so at no moment is the newest whole state older than the one resumed from."""
+    root = str(tmp_path / "ck")
+    state = _state()
+    _fill(state, 14.0)
+    every = cp.EverySteps(10**9)
+    with cp.CheckpointManager(
+        root, every=every, memory_every=cp.EverySteps(1), handle_signals=False
+    ) as ckpt:
+        ckpt.maybe_save(14, state)
+        ckpt.wait()
+        assert ckpt.stats.memory_snapshots == 1 and not ckpt.list()
+
+    _fill(state, -1.0)
+    with cp.CheckpointManager(root, every=every, handle_signals=False) as ckpt:
+        assert ckpt.restore(state) == 14 and ckpt._restorer.last_kind == "memory"
+        _fill(state, 21.0)
+        assert ckpt.save(21, state)
+        # save() has returned: step 21 is on disk already (what a kill now would restore).
+        assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_0000000021"]
+
+    # The agent never stopped offering step 14 whole ...
+    _fill(state, -1.0)
+    with cp.CheckpointManager(root, every=every, handle_signals=False) as ckpt:
+        assert ckpt.restore(state, 14) == 14 and ckpt._restorer.last_kind == "memory"
+        assert state.model is not None
+        values = {float(v) for p in state.model.parameters() for v in (p.min(), p.max())}
+        assert values == {14.0}
+        # ... and after a restore of a step the disk holds, saves stage into the slot again.
+        assert ckpt.restore(state) == 21 and ckpt._restorer.last_kind == "local"
+        _fill(state, 28.0)
+        ckpt.save(28, state)
+    with cp.CheckpointManager(root, every=every, handle_signals=False) as ckpt:
+        assert ckpt.restore(state) == 28 and ckpt._restorer.last_kind == "memory"

@@ -101,6 +101,9 @@ class Restorer:
         """Where the last restore read from: ``memory`` (this node's agent), ``peer`` (some
         rank's part copied from another node's agent), ``local`` or ``tier``."""
         self.last_bytes = 0
+        self.held_in_memory_only: int | None = None
+        """The step last restored from the agent's memory when no disk or tier held it (else
+        None): its staging slot is then the only copy of the state training resumed from."""
         """How many bytes this rank read and verified in the last restore."""
         self._memory_bytes = memory_bytes  # ManagerOptions.restore_memory_bytes
         self._group = group
@@ -153,6 +156,8 @@ class Restorer:
                     if restored is not None:
                         if self._memory is not None:  # (those after it were abandoned)
                             self._memory.drop(newer_than=restored[0])
+                        only_memory = source == MEMORY and set(sources) == {MEMORY}
+                        self.held_in_memory_only = candidate if only_memory else None
                         return restored
                     if vanished:  # the listing is out of date: newer ones may be there now
                         tried.discard((candidate, source))  # (and this one back, re-saved)

@@ -116,6 +116,9 @@ class SavePipeline:
         self.last_memory_s: float | None = None
         self._tmp_token: str | None = None  # in every save's temporary name, the same on all ranks
         self.last_commit: CommitResult | None = None
+        self._sole_copy: int | None = None
+        """A step restored from the agent's memory that no disk or tier holds: until a disk save
+        commits, the staging slot holding it is written through, never overwritten."""
 
     def unfinished(self) -> str:
         """What became of the saves not yet collected (for a manager never closed): " (...)"."""
@@ -152,6 +155,12 @@ class SavePipeline:
         if free is None:
             return False
         staging = self._stagings[free] if self._stagings else None
+        # Copying into the slot that holds the only copy of the state training resumed from
+        # would leave, until this save commits, nothing newer than the disk's newest checkpoint
+        # for a kill to fall back to: this one save writes from the live tensors and waits.
+        write_through = staging is not None and self._holds_sole_copy(free)
+        if write_through:
+            staging = None
         self._wait_memory(free)
         try:
             snapshot = self._snapshot(step, state, staging, metadata)
@@ -196,10 +205,25 @@ class SavePipeline:
             self._commit_to_memory(snapshot, free, staging, alone=False)
         self._stats.saves_started += 1
         self._shared.last_save_step, self._shared.last_save_s = step, time.monotonic()
-        if not self._options.async_save:
+        if not self._options.async_save or write_through:
             self.wait_commit()
+        if write_through and self.last_commit is not None and self.last_commit.step >= step:
+            self._sole_copy = None
         self._stats.last_blocking_s = time.perf_counter() - started
         return True
+
+    def protect(self, step: int | None) -> None:
+        """After a restore: ``step`` when it came from the agent's memory alone (see
+        ``_sole_copy``), else None."""
+        self._sole_copy = step
+
+    def _holds_sole_copy(self, slot: int) -> bool:
+        return (
+            self._sole_copy is not None
+            and self._memory is not None
+            and slot < len(self._memory.slots)
+            and self._memory.slots[slot].step == self._sole_copy
+        )
 
     def _snapshot(
         self,

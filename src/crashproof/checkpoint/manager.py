@@ -313,6 +313,7 @@ class CheckpointManager:
         return restored[0]
 
     def _report_restore(self, restored: tuple[int, str], started: float) -> None:
+        self._pipeline.protect(self._restorer.held_in_memory_only)
         self._reporter.restored(
             restored[0], restored[1], time.perf_counter() - started,
             kind=self._restorer.last_kind, nbytes=self._restorer.last_bytes,
