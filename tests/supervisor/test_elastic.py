@@ -77,10 +77,13 @@ def test_survivors_go_on_without_a_lost_node_and_take_back_a_new_one(tmp_path: P
     a, b, b2 = tmp_path / "node_a", tmp_path / "node_b", tmp_path / "node_b2"
     for d in (a, b, b2):
         d.mkdir()
-    with agent(a, ckpt, port):
+    # Keep-alives every 10 s: torch's rendezvous would see node B gone after 30 s; node A's
+    # agent sees at once that B's agent is gone, and takes B out of the rendezvous itself.
+    slow = ("--rdzv-conf", "keep_alive_interval=10")
+    with agent(a, ckpt, port, *slow):
         _wait_for(lambda: (a / "events.jsonl").exists(), 60, "node A to start")
         time.sleep(1)  # node A binds the rendezvous store first: it hosts it
-        with agent(b, ckpt, port) as node_b:
+        with agent(b, ckpt, port, *slow) as node_b:
             _wait_for(lambda: 2 in _world_sizes(a), 90, "a world of two nodes")
             _wait_for(lambda: (ckpt / "world_2").exists(), 90, "training with two nodes")
             trainers_b = [e["pid"] for e in _events(b) if e["event"] == "rank_start"]
@@ -96,9 +99,11 @@ def test_survivors_go_on_without_a_lost_node_and_take_back_a_new_one(tmp_path: P
         _wait_for(lambda: _world_sizes(a)[-1:] == [1], 90, "node A alone, world size 1")
         _wait_for(lambda: _progress_after(a, left), 90, "node A training alone")
         alone = [e for e in _events(a) if e["event"] == "rank_start"][-1]
-        assert alone["ts"] - left < 30, "the survivor should not wait out torch's 40 s defaults"
+        assert alone["ts"] - left < 20, "the survivor should not wait out B's keep-alives (30 s)"
+        [fenced] = [e for e in _events(a) if e["event"] == "node_fenced"]
+        assert len(fenced["nodes"]) == 1 and f"_{node_b.pid}_" in fenced["nodes"][0], fenced
         joined = time.time()
-        with agent(b2, ckpt, port):
+        with agent(b2, ckpt, port, *slow):
             _wait_for(lambda: _world_sizes(a)[-1:] == [2], 120, "node A back in a world of two")
             regrown = [e for e in _events(a) if e["event"] == "rank_start"][-1]["ts"]
             assert regrown > joined

@@ -59,6 +59,7 @@ from crashproof.supervisor._config import DEFAULT_MAX_RESTARTS, SupervisorConfig
 from crashproof.supervisor._crashloop import Failure
 from crashproof.supervisor._done import AfterDone, all_finished
 from crashproof.supervisor._exits import ExitWatcher, failure_order
+from crashproof.supervisor._fence import Fence
 from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
@@ -106,6 +107,7 @@ class CrashproofAgent(LocalElasticAgent):
         keeper: Keeper | None = None,
         memory_peers: Peers | None = None,
         standby: int = 0,
+        fence: Fence | None = None,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -121,6 +123,7 @@ class CrashproofAgent(LocalElasticAgent):
         self.events = events
         self._keeper = keeper
         self._memory_peers = memory_peers
+        self._fence = fence
         self._standby = Standby(events, standby)
         self._warmed = start_method != "forkserver"
         self._sessions: dict[int, int | None] = {}  # the trainers' sessions, by leader
@@ -186,6 +189,11 @@ class CrashproofAgent(LocalElasticAgent):
             raise
         self._standby.end(handler)
         group_rank, nodes = worker_group.group_rank, worker_group.group_world_size
+        if self._fence is not None and group_rank is not None and nodes is not None:
+            try:  # (a lost node is then out of the next round at once: see _fence)
+                self._fence.join_round(handler, worker_group.store, group_rank, nodes)
+            except Exception as exc:
+                log.warning("a lost node will be known by its keep-alives only: %s", exc)
         if self._memory_peers is not None and group_rank is not None and nodes is not None:
             # The agents learn each other's address, to copy snapshots between them.
             try:
@@ -253,6 +261,9 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         membership_change = worker_group.state == WorkerState.HEALTHY
+        if self._fence is not None and not membership_change:
+            # First, so that a spare is taken in while this node stops its trainers.
+            self._fence.fence_lost(worker_group.spec.rdzv_handler)
         budget = self.config.budget
         stop_started = time.monotonic()
         self._stop_workers(worker_group)

@@ -61,6 +61,7 @@ from crashproof.supervisor._agent import (
 )
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
+from crashproof.supervisor._fence import Fence
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
 from crashproof.supervisor._memory_host import MemoryHost
@@ -403,6 +404,12 @@ def _supervise(
                 parity=args.peer_parity,
                 bandwidth=args.peer_bandwidth,
             )
+    # Several nodes: a lost one is out of the rendezvous as soon as its neighbours see it gone.
+    fence = (
+        Fence(events, _advertised_address(config))
+        if config.max_nodes > 1 and config.rdzv_backend in ("c10d", "etcd-v2")
+        else None
+    )
     agent = CrashproofAgent(
         spec,
         config.logs_specs,
@@ -413,6 +420,7 @@ def _supervise(
         keeper=keeper,
         memory_peers=peers,
         standby=args.standby,
+        fence=fence,
     )
     notices = _watch_for_notices(agent, args.preemption, supervisor.run_dir)
     # Trainers hand their uploads to durable tiers to this agent, which outlives their crashes.
@@ -483,6 +491,8 @@ def _supervise(
             notices.close()
         if memory is not None:
             memory.close()
+        if fence is not None:
+            fence.close()
         preempted = code == EXIT_PREEMPTED
         replication.close(
             min(args.replication_timeout, supervisor.preemption_grace_s)

@@ -1,0 +1,176 @@
+"""A lost node out of the rendezvous as soon as its neighbours see that its agent is gone.
+
+torch's dynamic rendezvous (c10d, etcd-v2) learns that a node is lost only when its keep-alives
+stop: ``keep_alive_interval`` x ``keep_alive_max_attempt`` seconds (3 s with crashproof's
+defaults) during which the survivors wait, and a hot spare waits too, since it is taken in only
+once the lost node's place is free. Seconds of every node's time, at each loss.
+
+Each agent therefore listens on a port of its own and, after each rendezvous, publishes it in the
+round's store beside its name in the rendezvous. When its trainers fail, before it meets the
+others again, an agent knocks on the ports of its neighbours in the ring (the nodes of group
+rank +-1 and +-2): a connection *refused* means the host is up and no agent listens there any
+more (the agent was killed, or crashed, with its trainers). Such a node is expired from the
+rendezvous at once, as its missing keep-alives would have expired it later, and the survivors
+and any spare go on without waiting. A port that does not answer (a host that is gone) decides
+nothing: the keep-alives do, as before. A live agent always accepts, so a node that is merely
+slow is never fenced.
+
+The expiry writes torch's rendezvous state through a state holder of its own (compare-and-set
+on the backend, as torch's own nodes do); it uses torch's private names, and where they are
+missing (another kind of rendezvous, another torch) it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+from crashproof.telemetry import EventLog
+
+__all__ = ["Fence", "expire_nodes"]
+
+log = logging.getLogger("crashproof.supervisor")
+
+_STORE_PREFIX = "crashproof/fence"
+_NEIGHBOURS = 2
+"""Nodes probed on each side of the ring: a lost node is seen by up to four others."""
+_PROBE_S = 0.5
+_LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_CAS_TRIES = 5
+
+NodeKey = tuple[str, int, int]
+"""A node's name in torch's rendezvous: its address, its agent's pid, its local id."""
+
+
+class Fence:
+    """This agent's port, its neighbours of the last round, and the expiry of the lost ones."""
+
+    def __init__(self, events: EventLog, advertise: str) -> None:
+        self._events = events
+        self._advertise = advertise
+        self._listener = socket.create_server(("", 0), backlog=128)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._round_store: Any = None
+        self._neighbour_keys: list[str] = []
+        threading.Thread(target=self._accept, name="crashproof-fence", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            connection.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # (shutdown wakes the accepting thread: the port is free)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def join_round(self, handler: Any, store: Any, group_rank: int, nodes: int) -> None:
+        """Publish this agent in the store of the round just completed, and remember where its
+        neighbours publish theirs (read only when needed: no wait on a node lost meanwhile)."""
+        me = getattr(handler, "_this_node", None)
+        with self._lock:
+            self._round_store, self._neighbour_keys = None, []
+        if me is None or nodes < 2:
+            return
+        published = {"host": self._advertise, "port": self.port, "addr": me.addr,
+                     "pid": me.pid, "local_id": me.local_id}  # fmt: skip
+        store.set(f"{_STORE_PREFIX}/{group_rank}", json.dumps(published))
+        offsets = range(1, min(_NEIGHBOURS, nodes // 2) + 1)
+        ranks = sorted({(group_rank + s * d) % nodes for d in offsets for s in (1, -1)})
+        with self._lock:
+            self._round_store = store
+            self._neighbour_keys = [f"{_STORE_PREFIX}/{r}" for r in ranks if r != group_rank]
+
+    def _neighbours(self) -> list[dict[str, Any]]:
+        """The neighbours of the last round that published themselves (a store call each)."""
+        with self._lock:
+            store, keys = self._round_store, self._neighbour_keys
+            self._round_store, self._neighbour_keys = None, []
+        if store is None:
+            return []
+        found = []
+        for key in keys:
+            try:
+                if store.check([key]):  # (never waits)
+                    found.append(json.loads(store.get(key)))
+            except Exception as exc:  # (the store is gone with its node: the run restarts)
+                log.debug("neighbour %s of the last round not known: %s", key, exc)
+        return found
+
+    def fence_lost(self, handler: Any) -> list[str]:
+        """Expire from the rendezvous each neighbour whose agent is gone; returns their names.
+        Called when this node's trainers failed, before it meets the others again."""
+        neighbours = self._neighbours()
+        if not neighbours:
+            return []
+        with ThreadPoolExecutor(len(neighbours)) as pool:
+            refused = list(pool.map(_refused, neighbours))
+        gone = [n for n, no in zip(neighbours, refused, strict=True) if no]
+        if not gone:
+            return []
+        keys = {(str(n["addr"]), int(n["pid"]), int(n["local_id"])) for n in gone}
+        try:
+            expired = expire_nodes(handler, keys)
+        except Exception as exc:  # (the keep-alives expire them all the same, later)
+            log.warning("could not take the lost node(s) out of the rendezvous: %s", exc)
+            return []
+        if expired:
+            self._events.emit("node_fenced", nodes=expired)
+            log.warning(
+                "node(s) %s lost (their agent no longer answers): taken out of the rendezvous "
+                "now, not after their keep-alives time out",
+                ", ".join(expired),
+            )
+        return expired
+
+
+def _refused(neighbour: dict[str, Any]) -> bool:
+    """Whether the neighbour's host refuses a connection to its agent's port (no agent there)."""
+    try:
+        with socket.create_connection((str(neighbour["host"]), int(neighbour["port"])), _PROBE_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, KeyError):
+        return False  # unreachable, or a timeout: undecided
+
+
+def expire_nodes(handler: Any, keys: set[NodeKey]) -> list[str]:
+    """Mark the nodes ``keys`` as long silent in the rendezvous state of ``handler`` (a torch
+    ``DynamicRendezvousHandler``), so that every node drops them at its next look; returns the
+    names of those marked (none: not such a handler, or already gone)."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            _BackendRendezvousStateHolder,
+        )
+    except ImportError:
+        return []
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    settings = getattr(handler, "_settings", None)
+    if backend is None or settings is None:
+        return []
+    # A holder of our own: the handler's is used by its keep-alive thread meanwhile.
+    holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    for _ in range(_CAS_TRIES):
+        holder.sync()
+        heartbeats = holder.state.last_heartbeats
+        victims = [n for n in heartbeats if (n.addr, n.pid, n.local_id) in keys]
+        if not victims:
+            return []
+        for node in victims:
+            heartbeats[node] = _LONG_AGO
+        holder.mark_dirty()
+        if holder.sync():  # (compare-and-set: False when another node wrote first)
+            return [repr(n) for n in victims]
+    return []
