@@ -40,6 +40,15 @@ sys.path.insert(0, str(REPO / "src"))
 
 from crashproof.telemetry import read_events  # noqa: E402
 
+SPARE_WARM_S = 5.0
+TIMELINE = {
+    "survivor_restart_s": "survivor restarts",
+    "fenced_s": "lost node fenced",
+    "trainers_started_s": "survivor's trainers started",
+    "restored_s": "restored",
+}
+"""The recovery's steps, as the survivor's and the new node's events time them."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -98,6 +107,9 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
             nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
             waiting = lambda: any(e["event"] == "standby" for e in _events(b2))  # noqa: E731
             _wait(waiting, 120, "the spare")
+            # A spare waits minutes in practice: its trainers' forkserver has finished importing
+            # torch (on this loaded machine that takes seconds after the spare says it waits).
+            time.sleep(SPARE_WARM_S)
         killed = time.time()
         os.killpg(nodes[1].pid, signal.SIGKILL)
         nodes[1].wait(30)
@@ -123,8 +135,20 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
         # (A spare's agent started long before: it counts from when it was taken in.)
         begun = "standby_promoted" if variant == "spare" else "run_start"
         started = min(e["ts"] for e in events if e["event"] == begun)
+
+        def after_kill(event: str, where: Path) -> float | None:
+            times = [e["ts"] for e in _events(where) if e["event"] == event and e["ts"] > killed]
+            return round(min(times) - killed, 3) if times else None
+
         return {
             "variant": variant,
+            # The timeline, from the kill: the survivor's restart (it saw its trainer fail), its
+            # agent's taking the lost node out of the rendezvous, the new round's trainers
+            # started, the restore done.
+            "survivor_restart_s": after_kill("restart", a),
+            "fenced_s": after_kill("node_fenced", a),
+            "trainers_started_s": after_kill("rank_start", a),
+            "restored_s": round(restore["ts"] - killed, 3),
             "kill_to_first_step_s": first_step - killed,
             "replacement_start_to_first_step_s": first_step - started,
             "restore_s": restore["seconds"],
@@ -158,6 +182,9 @@ def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
             key: statistics.median(r[key] for r in mine)
             for key in ("kill_to_first_step_s", "replacement_start_to_first_step_s", "restore_s")
         }
+        for key in TIMELINE:  # (None: not seen, e.g. no node fenced)
+            seen = [r[key] for r in mine if r[key] is not None]
+            summary[variant][key] = statistics.median(seen) if seen else None
     return summary
 
 
@@ -174,6 +201,13 @@ def markdown(result: dict[str, Any]) -> str:
         rows.append(
             f"| {name} | {r['kill_to_first_step_s']:.2f} s | "
             f"{r['replacement_start_to_first_step_s']:.2f} s | {r['restore_s']:.3f} s |"
+        )
+    rows += ["", "| from the kill, medians | " + " | ".join(TIMELINE.values()) + " |",
+             "|---|" + "---:|" * len(TIMELINE)]  # fmt: skip
+    for variant, name in variants:
+        cells = [result[variant][key] for key in TIMELINE]
+        rows.append(
+            f"| {name} | " + " | ".join("-" if c is None else f"{c:.2f} s" for c in cells) + " |"
         )
     kinds = sorted({str(r["restore_kind"]) for r in result["results"]})
     rows += ["", f"Medians of {result['runs']} losses each (restores seen: {', '.join(kinds)})."]

@@ -61,7 +61,7 @@ from crashproof.supervisor._agent import (
 )
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
-from crashproof.supervisor._fence import Fence
+from crashproof.supervisor._fence import Fence, poll_faster
 from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
 from crashproof.supervisor._memory_host import MemoryHost
@@ -405,11 +405,10 @@ def _supervise(
                 bandwidth=args.peer_bandwidth,
             )
     # Several nodes: a lost one is out of the rendezvous as soon as its neighbours see it gone.
-    fence = (
-        Fence(events, _advertised_address(config))
-        if config.max_nodes > 1 and config.rdzv_backend in ("c10d", "etcd-v2")
-        else None
-    )
+    fence = None
+    if config.max_nodes > 1 and config.rdzv_backend in ("c10d", "etcd-v2"):
+        fence = Fence(events, _advertised_address(config))
+        poll_faster(config.max_nodes)
     agent = CrashproofAgent(
         spec,
         config.logs_specs,
