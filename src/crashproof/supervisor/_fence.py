@@ -73,7 +73,9 @@ class Fence:
             connection.close()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):  # (shutdown wakes the accepting thread: the port is free)
+        with contextlib.suppress(
+            OSError
+        ):  # (shutdown wakes the accepting thread: the port is free)
             self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
@@ -204,4 +206,3 @@ def poll_faster(max_nodes: int) -> bool:
     delay.crashproof_poll = True  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
     return True
-
