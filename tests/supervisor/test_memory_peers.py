@@ -371,3 +371,39 @@ def test_copies_being_received_count_against_the_limit(tmp_path: Path) -> None:
         assert host.held_bytes == 600 << 10  # the one kept; nothing counted twice or left over
     finally:
         host.close()
+
+
+def test_a_trainer_failure_beside_a_waiting_spare_restarts_once_and_finishes(
+    tmp_path: Path,
+) -> None:
+    """A trainer fails while a hot spare waits: the two nodes and the spare race into the next
+    round, and one of the three is left waiting. torch's rendezvous can leave it in the round's
+    wait list rather than among the spares, and the nodes in the round, seeing a node waiting,
+    restart to take it in, which leaves out another: a run that restarted forever. The node left
+    out waits as a spare instead, and the run goes on to its end."""
+    port = free_port()
+    dirs = [tmp_path / f"node{i}" for i in range(3)]
+    train = ["--steps", "40", "--workers", "0", "--batch-size", "8", "--every", "10"]
+
+    def node(where: Path, *options: str) -> subprocess.Popen[str]:
+        return _node(where, port, tmp_path / "ckpt", tmp_path / "d.st", 2, *options, train=train)
+
+    started = [node(dirs[0], "--standby", "1")]
+    try:
+        _started(started[0], dirs[0])
+        started.append(node(dirs[1], "--standby", "1"))
+        _wait_for(lambda: all(_has(d, "rank_start") for d in dirs[:2]), started, "training")
+        started.append(node(dirs[2], "--standby", "1"))
+        _wait_for(lambda: _has(dirs[2], "standby"), started, "the spare to wait")
+        _wait_for(lambda: _step_reached(*dirs) >= 10, started, "the nodes to train")
+        trainer = [e["pid"] for e in _events(dirs[1]) if e["event"] == "rank_start"][-1]
+        os.kill(trainer, signal.SIGKILL)
+        # Every node ends well, the one left waiting as a spare at the end too (node 0's agent,
+        # which hosts the rendezvous, may be gone before it sees the rendezvous closed).
+        for proc, where in zip(started, dirs, strict=True):
+            assert proc.wait(120) == 0, where.with_suffix(".log").read_text()[-3000:]
+    finally:
+        _kill(started)
+    restarts = [e for d in dirs for e in _events(d) if e["event"] == "restart"]
+    changes = [e for e in restarts if e["reason"] == "membership change"]
+    assert len(changes) <= 4, f"the nodes restarted {len(changes)} times for the spare"

@@ -44,6 +44,10 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+)
 
 from crashproof._rundir import ENV_RUN_DIR, RunDir
 from crashproof._runfiles import make_new_dir
@@ -64,7 +68,7 @@ from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
 from crashproof.supervisor._memory_peers import Peers
-from crashproof.supervisor._standby import Standby, warm_forkserver
+from crashproof.supervisor._standby import Standby, count_only_nodes_with_room, warm_forkserver
 from crashproof.supervisor._straggler import StragglerDetector
 from crashproof.supervisor._trainers import (
     dump_stacks,
@@ -125,6 +129,7 @@ class CrashproofAgent(LocalElasticAgent):
         self._memory_peers = memory_peers
         self._fence = fence
         self._standby = Standby(events, standby)
+        count_only_nodes_with_room(spec.rdzv_handler)  # (a full round never restarts for a spare)
         self._warmed = start_method != "forkserver"
         self._sessions: dict[int, int | None] = {}  # the trainers' sessions, by leader
         self.layout = RunDir(config.run_dir)
@@ -184,6 +189,15 @@ class CrashproofAgent(LocalElasticAgent):
         self._standby.begin(handler)
         try:
             super()._rendezvous(worker_group)
+        except RendezvousConnectionError as exc:
+            self._standby.stop()
+            if not self._standby.waiting:
+                raise
+            # A spare left waiting when the run ends: node 0's agent, which hosts the
+            # rendezvous, may exit before the spare sees the rendezvous closed.
+            log.warning("the run's rendezvous is gone (the run ended, or node 0 was lost): "
+                        "this spare was not needed; it stops")  # fmt: skip
+            raise RendezvousGracefulExitError(str(exc)) from exc
         except BaseException:
             self._standby.stop()
             raise

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
+from crashproof.supervisor._rendezvous_state import update_state
 from crashproof.telemetry import EventLog
 
 __all__ = ["Fence", "expire_nodes", "poll_faster"]
@@ -42,7 +43,6 @@ _NEIGHBOURS = 2
 """Nodes probed on each side of the ring: a lost node is seen by up to four others."""
 _PROBE_S = 0.5
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_CAS_TRIES = 5
 _POLL_S = 0.2
 _FAST_POLLS_UP_TO = 64
 """Nodes up to which the rendezvous looks at its state every ``_POLL_S``, not every second."""
@@ -155,30 +155,17 @@ def expire_nodes(handler: Any, keys: set[NodeKey]) -> list[str]:
     """Mark the nodes ``keys`` as long silent in the rendezvous state of ``handler`` (a torch
     ``DynamicRendezvousHandler``), so that every node drops them at its next look; returns the
     names of those marked (none: not such a handler, or already gone)."""
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-            _BackendRendezvousStateHolder,
-        )
-    except ImportError:
-        return []
-    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
-    settings = getattr(handler, "_settings", None)
-    if backend is None or settings is None:
-        return []
-    # A holder of our own: the handler's is used by its keep-alive thread meanwhile.
-    holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
-    for _ in range(_CAS_TRIES):
-        holder.sync()
-        heartbeats = holder.state.last_heartbeats
+    marked: list[str] = []
+
+    def mark(state: Any) -> bool:
+        heartbeats = state.last_heartbeats
         victims = [n for n in heartbeats if (n.addr, n.pid, n.local_id) in keys]
-        if not victims:
-            return []
         for node in victims:
             heartbeats[node] = _LONG_AGO
-        holder.mark_dirty()
-        if holder.sync():  # (compare-and-set: False when another node wrote first)
-            return [repr(n) for n in victims]
-    return []
+        marked[:] = [repr(n) for n in victims]
+        return bool(victims)
+
+    return marked if update_state(handler, mark) else []
 
 
 def poll_faster(max_nodes: int) -> bool:

@@ -10,6 +10,12 @@ useful and visible:
 * a spare says so (``standby`` event) and says when it is taken in (``standby_promoted``, with
   how long it waited); its memory host then fetches or rebuilds the lost node's snapshots from
   the peers' memory, as a new node's would;
+* a node left in the round's *wait list* once the round is full (it arrived, or came back from
+  a restart, while another node was leaving) moves itself to the redundancy list: torch's
+  rendezvous would leave it there, and the nodes in the round, seeing a node waiting, would
+  restart to take it in, again and again, one node always left out. For the same reason the
+  agents count a node waiting only while the round has room for it
+  (:func:`count_only_nodes_with_room`);
 * ``--standby N`` declares the pool of spares the run should keep: after each round, the active
   agents count the spares waiting, and a pool that fell short (a spare was used) is reported
   (``standby_pool`` event, and a warning naming how many to start).
@@ -22,9 +28,10 @@ import threading
 import time
 from typing import Any
 
+from crashproof.supervisor._rendezvous_state import full_round, state_of, update_state
 from crashproof.telemetry import EventLog
 
-__all__ = ["Standby", "warm_forkserver"]
+__all__ = ["Standby", "count_only_nodes_with_room", "warm_forkserver"]
 
 log = logging.getLogger("crashproof.supervisor")
 
@@ -45,16 +52,6 @@ def warm_forkserver() -> None:
             log.debug("could not start the forkserver ahead of time: %s", exc)
 
     threading.Thread(target=start, name="crashproof-warm", daemon=True).start()
-
-
-def _rendezvous_state(handler: Any) -> tuple[Any, Any] | None:
-    """The dynamic rendezvous' last known state and this node's name in it (None: another
-    kind of rendezvous; these are torch's private fields, read only)."""
-    holder, node = getattr(handler, "_state_holder", None), getattr(handler, "_this_node", None)
-    state = getattr(holder, "state", None)
-    if state is None or node is None or not hasattr(state, "redundancy_list"):
-        return None
-    return state, node
 
 
 class Standby:
@@ -78,10 +75,12 @@ class Standby:
 
     def _watch(self, handler: Any) -> None:
         while not self._stop.wait(_POLL_S):
-            found = _rendezvous_state(handler)
+            found = state_of(handler)
             if found is None:
                 return
             state, node = found
+            if node in state.wait_list and full_round(handler, state):
+                _wait_as_spare(handler, node)
             if node in state.redundancy_list and self._spare_since is None:
                 self._spare_since = time.monotonic()
                 self._events.emit("standby", participants=len(state.participants))
@@ -90,6 +89,11 @@ class Standby:
                     "place of the first one lost",
                     len(state.participants),
                 )
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this node waits as a spare in the rendezvous now."""
+        return self._spare_since is not None
 
     def stop(self) -> None:
         """Stop watching (the rendezvous failed)."""
@@ -112,7 +116,7 @@ class Standby:
             timer.start()
 
     def _check_pool(self, handler: Any) -> None:
-        found = _rendezvous_state(handler)
+        found = state_of(handler)
         if found is None:
             return
         waiting = len(found[0].redundancy_list)
@@ -125,3 +129,38 @@ class Standby:
                 self._wanted,
                 self._wanted - waiting,
             )
+
+
+def _wait_as_spare(handler: Any, node: Any) -> None:
+    """Move ``node`` from the wait list of a full round to its redundancy list."""
+
+    def move(state: Any) -> bool:
+        if node not in state.wait_list or not full_round(handler, state):
+            return False
+        state.wait_list.discard(node)
+        state.redundancy_list.add(node)
+        return True
+
+    try:
+        if update_state(handler, move):
+            log.info("the round is full: this node waits as a spare")
+    except Exception as exc:  # (the agents' own count ignores it meanwhile)
+        log.debug("could not wait as a spare: %s", exc)
+
+
+def count_only_nodes_with_room(handler: Any) -> None:
+    """Make ``handler.num_nodes_waiting()`` (which torch's agent checks between looks at its
+    trainers, restarting them to take waiting nodes in) 0 while the round is full: a node
+    waiting then cannot be taken in, and restarting for it would only leave out another."""
+    count = getattr(handler, "num_nodes_waiting", None)
+    if count is None or state_of(handler) is None:
+        return
+
+    def num_nodes_waiting() -> int:
+        waiting = int(count())  # (syncs the state first)
+        found = state_of(handler)
+        if waiting and found is not None and full_round(handler, found[0]):
+            return 0
+        return waiting
+
+    handler.num_nodes_waiting = num_nodes_waiting
