@@ -9,10 +9,18 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from crashproof.storage import LocalStorage, ReadStream
 
-__all__ = ["CountingStorage", "CountingStream", "draw_kills", "free_port", "start_moto_server"]
+__all__ = [
+    "CountingStorage",
+    "CountingStream",
+    "draw_kills",
+    "free_port",
+    "start_moto_server",
+    "wait_until",
+]
 
 
 def free_port() -> int:
@@ -20,6 +28,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` every 50 ms until it holds; RuntimeError naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def start_moto_server() -> subprocess.Popen[bytes]:

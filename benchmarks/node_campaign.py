@@ -40,7 +40,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from _support import free_port
+from _support import free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -128,10 +128,10 @@ def one_run(directory: Path, args: argparse.Namespace, faults: bool) -> dict[str
     started = time.time()
     try:
         cluster.start(spare=False)
-        _wait(lambda: bool(cluster.events()), 60, "node 0's agent")
+        wait_until(lambda: bool(cluster.events()), 60, "node 0's agent")
         cluster.start(spare=False)
         if faults:
-            _wait(lambda: len(cluster.active()) == 2, 120, "both nodes training")
+            wait_until(lambda: len(cluster.active()) == 2, 120, "both nodes training")
             cluster.start(spare=True)
         next_kill = time.time() + rng.expovariate(1.0 / args.mtbf)
         while cluster.agents[0][0].poll() is None:
@@ -168,14 +168,6 @@ def one_run(directory: Path, args: argparse.Namespace, faults: bool) -> dict[str
         cluster.stop()
     return {"dir": str(directory), "exitcode": code, "wall_s": wall, "kills": kills,
             "events": events}  # fmt: skip
-
-
-def _wait(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def step_s(run: dict[str, Any]) -> float:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from _support import free_port, wait_until  # noqa: E402
 from crashproof.telemetry import read_events  # noqa: E402
 
 SPARE_WARM_S = 5.0
@@ -48,12 +48,6 @@ TIMELINE = {
     "restored_s": "restored",
 }
 """The recovery's steps, as the survivor's and the new node's events time them."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _node(run_dir: Path, port: int, ckpt: Path, variant: str, hidden: int, step_s: float) -> Any:
@@ -86,27 +80,19 @@ def _events(*run_dirs: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: e["ts"])
 
 
-def _wait(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     ckpt, a, b, b2 = work / "ckpt", work / "a", work / "b", work / "b2"
     nodes = [_node(a, port, ckpt, variant, hidden, step_s)]
     try:
-        _wait(lambda: bool(_events(a)), 60, "node A")
+        wait_until(lambda: bool(_events(a)), 60, "node A")
         nodes.append(_node(b, port, ckpt, variant, hidden, step_s))
         steps = lambda: [e["step"] for e in _events(a, b) if e["event"] == "progress"]  # noqa: E731
-        _wait(lambda: max(steps(), default=0) >= 22, 120, "training")
+        wait_until(lambda: max(steps(), default=0) >= 22, 120, "training")
         if variant == "spare":  # started ahead, waiting warm
             nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
             waiting = lambda: any(e["event"] == "standby" for e in _events(b2))  # noqa: E731
-            _wait(waiting, 120, "the spare")
+            wait_until(waiting, 120, "the spare")
             # A spare waits minutes in practice: its trainers' forkserver has finished importing
             # torch (on this loaded machine that takes seconds after the spare says it waits).
             time.sleep(SPARE_WARM_S)
@@ -125,7 +111,7 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
                 e["event"] == "progress" and e["ts"] > done[0]["ts"] for e in _events(a, b2)
             )
 
-        _wait(resumed, 180, "the first step after the recovery")
+        wait_until(resumed, 180, "the first step after the recovery")
         events = [e for e in _events(a, b2) if e["ts"] > killed]
         restore = restored()[0]
         first_step = min(
