@@ -91,28 +91,28 @@ class Cluster:
                 found += [{**e, "agent": run_dir.name} for e in read_events(path)]
         return sorted(found, key=lambda e: e["ts"])
 
-    def active(self) -> list[int]:
-        """The agents in the round now (alive, and not a spare still waiting)."""
+    def _states(self) -> list[str | None]:
+        """Each agent's last word on its place: ``rank_start`` or ``standby_promoted`` (in the
+        round), ``standby`` (waiting as a spare), None (not yet, or its process ended)."""
         events = self.events()
-        found = []
-        for i, (proc, run_dir) in enumerate(self.agents):
-            mine = {e["event"] for e in events if e["agent"] == run_dir.name}
-            if proc.poll() is None and "rank_start" in mine:
-                found.append(i)
-        return found
+        states: list[str | None] = []
+        for proc, run_dir in self.agents:
+            said = [e["event"] for e in events if e["agent"] == run_dir.name and e["event"] in
+                    ("rank_start", "standby", "standby_promoted")]  # fmt: skip
+            states.append(said[-1] if said and proc.poll() is None else None)
+        return states
+
+    def active(self) -> list[int]:
+        """The agents in the round now (alive, and not waiting as a spare)."""
+        return [i for i, s in enumerate(self._states()) if s in ("rank_start", "standby_promoted")]
+
+    def spare_waiting(self) -> bool:
+        return "standby" in self._states()
 
     def trainer_pid(self, agent: int) -> int | None:
         name = self.agents[agent][1].name
         starts = [e for e in self.events() if e["agent"] == name and e["event"] == "rank_start"]
         return int(starts[-1]["pid"]) if starts else None
-
-    def spare_waiting(self) -> bool:
-        events = self.events()
-        for proc, run_dir in self.agents:
-            mine = [e["event"] for e in events if e["agent"] == run_dir.name]
-            if proc.poll() is None and "standby" in mine and "standby_promoted" not in mine:
-                return True
-        return False
 
     def stop(self) -> None:
         for proc, _ in self.agents:

@@ -68,6 +68,7 @@ from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
 from crashproof.supervisor._memory_peers import Peers
+from crashproof.supervisor._rendezvous_state import state_of
 from crashproof.supervisor._standby import Standby, count_only_nodes_with_room, warm_forkserver
 from crashproof.supervisor._straggler import StragglerDetector
 from crashproof.supervisor._trainers import (
@@ -212,7 +213,11 @@ class CrashproofAgent(LocalElasticAgent):
             # The agents learn each other's address, to copy snapshots between them.
             try:
                 ranks = [w.global_rank for w in worker_group.workers]
-                self._memory_peers.join_round(worker_group.store, group_rank, nodes, ranks)
+                found = state_of(handler)
+                round_number = getattr(found[0], "round", None) if found is not None else None
+                self._memory_peers.join_round(
+                    worker_group.store, group_rank, nodes, ranks, round_number
+                )
             except Exception as exc:  # copies are a bonus: the run goes on without them
                 log.warning("memory snapshots will not be copied to other nodes: %s", exc)
 

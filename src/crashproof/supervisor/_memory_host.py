@@ -222,9 +222,15 @@ class MemoryHost:
         else the copies it holds of another node's (the rank moved here), else copies fetched
         from a peer (this node replaces a lost one)."""
         peers = self.peers
-        if peers is not None and not self._mine(key, rank) and not self._adopt_replicas(key, rank):
+        if peers is not None:
+            # A node back in the round after it waited as a spare holds this rank's snapshots
+            # of then: a peer's newer copies replace them (else every rank restores from disk).
+            newest = self._newest(key, rank)
             try:
-                peers.fetch(key, rank, world_size)
+                if newest is not None and peers.missed_rounds:
+                    peers.fetch(key, rank, world_size, newer_than=newest)
+                elif not self._mine(key, rank) and not self._adopt_replicas(key, rank):
+                    peers.fetch(key, rank, world_size)
             except Exception as exc:  # the trainer restores from storage instead
                 log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
         slots, fds = [], []
@@ -242,6 +248,13 @@ class MemoryHost:
                 )  # fmt: skip
                 fds.append(segment.fd)
         return {"ok": True, "slots": slots}, fds
+
+    def _newest(self, key: str, rank: int) -> int | None:
+        """The newest step this node holds of (key, rank) as its own, or None."""
+        with self._lock:
+            steps = [seg.step for (k, r, _), seg in self._segments.items()
+                     if k == key and r == rank and seg.step is not None]  # fmt: skip
+        return max(steps, default=None)
 
     def _mine(self, key: str, rank: int) -> bool:
         with self._lock:

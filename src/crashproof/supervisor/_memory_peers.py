@@ -153,6 +153,9 @@ class Peers:
         self._acked: dict[tuple[str, int], set[int]] = {}  # copies: ranks copied, per step
         self._reports: dict[str, dict[int, set[str]]] = {}  # covered: who said so, per step
         self._newest_covered: dict[str, int] = {}
+        self._last_round: int | None = None
+        self.missed_rounds = False
+        """Whether this node was out of the rounds before the one it joined last."""
         self._closed = False
         self._server = socket.create_server(("", 0), backlog=64)
         self.port = self._server.getsockname()[1]
@@ -163,11 +166,24 @@ class Peers:
     # -- membership --------------------------------------------------------------------------
 
     def join_round(
-        self, store: Any, group_rank: int, group_world_size: int, ranks: list[int] | None = None
+        self,
+        store: Any,
+        group_rank: int,
+        group_world_size: int,
+        ranks: list[int] | None = None,
+        round_number: int | None = None,
     ) -> None:
         """Publish this host in the rendezvous ``store`` of the round just completed and learn
         the others' (a collective of the agents: each sets its key, then reads everyone's);
-        ``ranks``: this node's global ranks in the round."""
+        ``ranks``: this node's global ranks in the round; ``round_number``: the rendezvous'."""
+        # Rounds without this node (it waited as a spare): its snapshots are of then, and a
+        # peer may hold newer copies of its ranks' (MemoryHost asks when a trainer starts).
+        self.missed_rounds = (
+            round_number is not None
+            and self._last_round is not None
+            and round_number > self._last_round + 1
+        )
+        self._last_round = round_number
         # Each agent brings a random token; the secret is all of them together, so no store
         # operation beyond set and get is needed (etcd's store has no compare-and-set).
         me = {"host": self._advertise, "port": self.port, "node": self._node,
@@ -456,10 +472,13 @@ class Peers:
 
     # -- fetching copies ---------------------------------------------------------------------
 
-    def fetch(self, key: str, rank: int, world_size: int) -> list[str]:
+    def fetch(
+        self, key: str, rank: int, world_size: int, *, newer_than: int | None = None
+    ) -> list[str]:
         """Copy the newest snapshots of (key, rank) a peer holds into this host, or rebuild them
         from parity (a trainer of that rank is starting here and this host has none); returns
-        the origins stored."""
+        the origins stored. With ``newer_than`` (the newest step this host holds), only a peer's
+        newer copies are taken, and nothing is rebuilt."""
         with self._lock:
             others = [self._peers[r] for r in self._others()]
         best: tuple[int, dict[str, Any]] | None = None
@@ -468,6 +487,8 @@ class Peers:
             newest = max((int(s["step"]) for s in reply.get("slots", [])), default=-1)
             if newest >= 0 and (best is None or newest > best[0]):
                 best = (newest, peer)
+        if newer_than is not None and (best is None or best[0] <= newer_than):
+            return []
         started = time.monotonic()
         if best is not None:
             peer = best[1]
