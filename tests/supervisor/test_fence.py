@@ -9,6 +9,7 @@ minute) would have kept it for a minute. A node whose agent still listens is nev
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -85,12 +86,15 @@ def test_a_neighbour_whose_agent_is_gone_is_out_of_the_rendezvous_at_once(
 
         # Nobody is gone: nothing is fenced (a live agent always answers).
         survivor = 0
+        _reached(fences[survivor], 2)
         assert fences[survivor].fence_lost(handlers[survivor]) == []
         assert _participants(handlers[0]) == set(nodes.values())
 
-        # Node 1's agent goes: its port now refuses connections.
-        fences[1].close()
+        # The next round: every neighbour reached again; then node 1's agent goes, and its port
+        # refuses connections.
         fences[survivor].join_round(handlers[survivor], infos[0].store, infos[0].rank, 3)
+        _reached(fences[survivor], 2)
+        fences[1].close()
         fenced = fences[survivor].fence_lost(handlers[survivor])
         assert fenced == [repr(handlers[1]._this_node)]
         assert _participants(handlers[2]) == {nodes[infos[0].rank], nodes[infos[2].rank]}
@@ -111,6 +115,33 @@ def test_a_neighbour_whose_agent_is_gone_is_out_of_the_rendezvous_at_once(
             fence.close()
         for handler in handlers:
             handler.shutdown()
+
+
+def test_a_neighbour_never_reached_is_never_fenced(store: TCPStore, tmp_path: Path) -> None:
+    """A port that refused from the start (a firewall, an address that leads elsewhere) says
+    nothing about the node: it is left to its keep-alives."""
+    handlers = _handlers(store, 2)
+    infos = _meet(handlers)
+    fences = [Fence(EventLog(str(tmp_path / f"events{i}.jsonl")), "127.0.0.1") for i in range(2)]
+    try:
+        fences[1].close()  # before anyone reached it
+        for fence, handler, info in zip(fences, handlers, infos, strict=True):
+            fence.join_round(handler, info.store, info.rank, info.world_size)
+        time.sleep(1.0)  # (time for the neighbour to be looked for, and refuse)
+        assert fences[0].fence_lost(handlers[0]) == []
+        assert len(_participants(handlers[0])) == 2
+    finally:
+        for fence in fences:
+            fence.close()
+        for handler in handlers:
+            handler.shutdown()
+
+
+def _reached(fence: Fence, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(fence._reached) < count:
+        assert time.monotonic() < deadline, f"{count} neighbour(s) not reached in 30 s"
+        time.sleep(0.02)
 
 
 def test_no_dynamic_rendezvous_no_fencing() -> None:

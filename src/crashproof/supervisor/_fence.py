@@ -13,7 +13,8 @@ more (the agent was killed, or crashed, with its trainers). Such a node is expir
 rendezvous at once, as its missing keep-alives would have expired it later, and the survivors
 and any spare go on without waiting. A port that does not answer (a host that is gone) decides
 nothing: the keep-alives do, as before. A live agent always accepts, so a node that is merely
-slow is never fenced.
+slow is never fenced; and only a neighbour this agent once reached is ever fenced, so a port a
+firewall rejects, or an address that leads elsewhere, never makes a live node look lost.
 
 The expiry writes torch's rendezvous state through a state holder of its own (compare-and-set
 on the backend, as torch's own nodes do); it uses torch's private names, and where they are
@@ -27,6 +28,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
@@ -42,6 +44,8 @@ _STORE_PREFIX = "crashproof/fence"
 _NEIGHBOURS = 2
 """Nodes probed on each side of the ring: a lost node is seen by up to four others."""
 _PROBE_S = 0.5
+_LEARN_S = 60.0
+"""How long after a round its neighbours' addresses are looked for in the store."""
 _LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _POLL_S = 0.2
 _FAST_POLLS_UP_TO = 64
@@ -60,8 +64,8 @@ class Fence:
         self._listener = socket.create_server(("", 0), backlog=128)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._round_store: Any = None
-        self._neighbour_keys: list[str] = []
+        self._round = 0
+        self._reached: list[dict[str, Any]] = []
         threading.Thread(target=self._accept, name="crashproof-fence", daemon=True).start()
 
     def _accept(self) -> None:
@@ -73,19 +77,20 @@ class Fence:
             connection.close()
 
     def close(self) -> None:
-        with contextlib.suppress(
-            OSError
-        ):  # (shutdown wakes the accepting thread: the port is free)
+        # (shutdown wakes the accepting thread, and the port is free at once)
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
 
     def join_round(self, handler: Any, store: Any, group_rank: int, nodes: int) -> None:
-        """Publish this agent in the store of the round just completed, and remember where its
-        neighbours publish theirs (read only when needed: no wait on a node lost meanwhile)."""
+        """Publish this agent in the store of the round just completed; in the background, learn
+        its neighbours' and reach each once."""
         me = getattr(handler, "_this_node", None)
         with self._lock:
-            self._round_store, self._neighbour_keys = None, []
+            self._round += 1
+            self._reached = []
+            this_round = self._round
         if me is None or nodes < 2:
             return
         published = {"host": self._advertise, "port": self.port, "addr": me.addr,
@@ -93,25 +98,42 @@ class Fence:
         store.set(f"{_STORE_PREFIX}/{group_rank}", json.dumps(published))
         offsets = range(1, min(_NEIGHBOURS, nodes // 2) + 1)
         ranks = sorted({(group_rank + s * d) % nodes for d in offsets for s in (1, -1)})
-        with self._lock:
-            self._round_store = store
-            self._neighbour_keys = [f"{_STORE_PREFIX}/{r}" for r in ranks if r != group_rank]
+        keys = [f"{_STORE_PREFIX}/{r}" for r in ranks if r != group_rank]
+        threading.Thread(
+            target=self._reach, args=(store, keys, this_round), name="crashproof-fence-reach",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _reach(self, store: Any, keys: list[str], this_round: int) -> None:
+        """Read each neighbour's address as it is published (never a blocking wait on the store,
+        which the agent's thread shares) and connect to it once. Only a neighbour reached once
+        may be fenced: a port that was never reachable (a firewall, a wrong address) says
+        nothing when it refuses later."""
+        deadline = time.monotonic() + _LEARN_S
+        waiting = list(keys)
+        while waiting and time.monotonic() < deadline:
+            for key in list(waiting):
+                try:
+                    if not store.check([key]):
+                        continue
+                    neighbour = json.loads(store.get(key))
+                except Exception as exc:  # (a newer round began, or the store is gone)
+                    log.debug("neighbour %s not learned: %s", key, exc)
+                    return
+                waiting.remove(key)
+                if _answers(neighbour) is True:
+                    with self._lock:
+                        if self._round != this_round:
+                            return
+                        self._reached.append(neighbour)
+            time.sleep(0.2 if waiting else 0)
 
     def _neighbours(self) -> list[dict[str, Any]]:
-        """The neighbours of the last round that published themselves (a store call each)."""
+        """The neighbours of the last round reached once (none again until the next round)."""
         with self._lock:
-            store, keys = self._round_store, self._neighbour_keys
-            self._round_store, self._neighbour_keys = None, []
-        if store is None:
-            return []
-        found = []
-        for key in keys:
-            try:
-                if store.check([key]):  # (never waits)
-                    found.append(json.loads(store.get(key)))
-            except Exception as exc:  # (the store is gone with its node: the run restarts)
-                log.debug("neighbour %s of the last round not known: %s", key, exc)
-        return found
+            reached, self._reached = self._reached, []
+            self._round += 1  # (a late _reach of that round adds nothing more)
+        return reached
 
     def fence_lost(self, handler: Any) -> list[str]:
         """Expire from the rendezvous each neighbour whose agent is gone; returns their names.
@@ -120,8 +142,8 @@ class Fence:
         if not neighbours:
             return []
         with ThreadPoolExecutor(len(neighbours)) as pool:
-            refused = list(pool.map(_refused, neighbours))
-        gone = [n for n, no in zip(neighbours, refused, strict=True) if no]
+            answers = list(pool.map(_answers, neighbours))
+        gone = [n for n, answer in zip(neighbours, answers, strict=True) if answer is False]
         if not gone:
             return []
         keys = {(str(n["addr"]), int(n["pid"]), int(n["local_id"])) for n in gone}
@@ -140,15 +162,16 @@ class Fence:
         return expired
 
 
-def _refused(neighbour: dict[str, Any]) -> bool:
-    """Whether the neighbour's host refuses a connection to its agent's port (no agent there)."""
+def _answers(neighbour: dict[str, Any]) -> bool | None:
+    """Whether the neighbour's agent accepts a connection: True; False when its host refuses
+    it (up, and no agent there); None when undecided (no answer in time, no route)."""
     try:
         with socket.create_connection((str(neighbour["host"]), int(neighbour["port"])), _PROBE_S):
-            return False
+            return True
     except ConnectionRefusedError:
-        return True
+        return False
     except (OSError, ValueError, KeyError):
-        return False  # unreachable, or a timeout: undecided
+        return None
 
 
 def expire_nodes(handler: Any, keys: set[NodeKey]) -> list[str]:
