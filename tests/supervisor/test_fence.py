@@ -111,10 +111,7 @@ def test_a_neighbour_whose_agent_is_gone_is_out_of_the_rendezvous_at_once(
         )
         assert expire_nodes(handlers[0], {key}) == []
     finally:
-        for fence in fences:
-            fence.close()
-        for handler in handlers:
-            handler.shutdown()
+        _close(fences, handlers)
 
 
 def test_a_neighbour_never_reached_is_never_fenced(store: TCPStore, tmp_path: Path) -> None:
@@ -131,10 +128,14 @@ def test_a_neighbour_never_reached_is_never_fenced(store: TCPStore, tmp_path: Pa
         assert fences[0].fence_lost(handlers[0]) == []
         assert len(_participants(handlers[0])) == 2
     finally:
-        for fence in fences:
-            fence.close()
-        for handler in handlers:
-            handler.shutdown()
+        _close(fences, handlers)
+
+
+def _close(fences: list[Fence], handlers: list[Any]) -> None:
+    for fence in fences:
+        fence.close()
+    for handler in handlers:
+        handler.shutdown()
 
 
 def _reached(fence: Fence, count: int) -> None:

@@ -101,10 +101,10 @@ class Restorer:
         """Where the last restore read from: ``memory`` (this node's agent), ``peer`` (some
         rank's part copied from another node's agent), ``local`` or ``tier``."""
         self.last_bytes = 0
+        """How many bytes this rank read and verified in the last restore."""
         self.held_in_memory_only: int | None = None
         """The step last restored from the agent's memory when no disk or tier held it (else
         None): its staging slot is then the only copy of the state training resumed from."""
-        """How many bytes this rank read and verified in the last restore."""
         self._memory_bytes = memory_bytes  # ManagerOptions.restore_memory_bytes
         self._group = group
         self._agreement = agreement
