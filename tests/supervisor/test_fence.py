@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _BackendRendezvousStateHolder,
     create_handler,
 )
 
-from crashproof.supervisor._fence import Fence, expire_nodes
+from crashproof.supervisor._fence import Fence, expire_nodes, poll_faster
+from crashproof.supervisor._rendezvous_state import update_state
 from crashproof.telemetry import EventLog, read_events
 
 
@@ -147,3 +148,30 @@ def _reached(fence: Fence, count: int) -> None:
 
 def test_no_dynamic_rendezvous_no_fencing() -> None:
     assert expire_nodes(object(), {("host", 1, 0)}) == []
+    assert not poll_faster(object(), 2)
+
+
+def test_a_node_polling_faster_sees_a_change_of_the_round_within_its_poll(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch serves a node's looks at the rendezvous from the state it read last for a second,
+    whatever their pace: a node waiting on a round saw the others' moves up to a second late.
+    Here a node added to the wait list is seen by the other node's next look 0.25 s later."""
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # (put back)
+    handlers = _handlers(store, 2)
+    try:
+        infos = _meet(handlers)
+        assert poll_faster(handlers[0], max_nodes=2)
+        time.sleep(1.05)  # (torch's own cache of the state read in the round is stale now)
+        assert handlers[0].num_nodes_waiting() == 0  # read now: the next look's cache starts
+        newcomer = next(iter(_participants(handlers[1])))
+        assert update_state(handlers[1], lambda state: state.wait_list.add(newcomer) is None)
+        time.sleep(0.25)
+        assert handlers[0].num_nodes_waiting() == 1
+        started = time.monotonic()
+        dynamic_rendezvous._delay(seconds=1)  # a look's pause
+        assert time.monotonic() - started < 0.9
+        assert not poll_faster(handlers[0], max_nodes=65)  # beyond 64 nodes torch's pace stays
+        assert all(info.world_size == 2 for info in infos)
+    finally:
+        _close([], handlers)

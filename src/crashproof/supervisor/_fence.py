@@ -191,24 +191,30 @@ def expire_nodes(handler: Any, keys: set[NodeKey]) -> list[str]:
     return marked if update_state(handler, mark) else []
 
 
-def poll_faster(max_nodes: int) -> bool:
+def poll_faster(handler: Any, max_nodes: int) -> bool:
     """Make torch's rendezvous look at a round it waits on every 0.2 s instead of every second;
     returns whether it did.
 
     Once a lost node is fenced, what is left of a node's recovery in the rendezvous is waiting:
     the survivors and a spare each take a few steps (leave the old round, join the next, see it
-    complete), and torch sleeps a second before each look. Each look is one read of the state
-    from the store: at 64 nodes or fewer, five a second are nothing for it; beyond, torch's
-    pace is kept."""
+    complete), and torch sleeps a second before each look. It also serves each look from the
+    state it read last for a second (``handler``'s state holder caches it): a node waiting on a
+    round then sees a change up to a second late, whatever the pace of its looks, so both are
+    shortened. Each look is one read of the state from the store: at 64 nodes or fewer, five a
+    second are nothing for it; beyond, torch's pace is kept."""
     if max_nodes > _FAST_POLLS_UP_TO:
         return False
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     except ImportError:
         return False
+    holder = getattr(handler, "_state_holder", None)
     torch_delay = getattr(dynamic_rendezvous, "_delay", None)
-    if torch_delay is None or getattr(torch_delay, "crashproof_poll", False):
+    if torch_delay is None or not isinstance(getattr(holder, "_cache_duration", None), int | float):
         return False
+    holder._cache_duration = _POLL_S  # type: ignore[union-attr]
+    if getattr(torch_delay, "crashproof_poll", False):
+        return True  # (the pace is the module's: set once)
 
     def delay(seconds: float | tuple[float, float]) -> None:
         torch_delay(seconds=_POLL_S if seconds == 1 else seconds)  # (only the poll's second)

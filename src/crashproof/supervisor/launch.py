@@ -408,7 +408,7 @@ def _supervise(
     fence = None
     if config.max_nodes > 1 and config.rdzv_backend in ("c10d", "etcd-v2"):
         fence = Fence(events, _advertised_address(config))
-        poll_faster(config.max_nodes)
+        poll_faster(spec.rdzv_handler, config.max_nodes)
     agent = CrashproofAgent(
         spec,
         config.logs_specs,
