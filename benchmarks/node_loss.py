@@ -4,14 +4,16 @@ snapshots, against the same recovery from checkpoints on disk?
 Two ``crashproof run`` agents on this machine play two nodes (c10d rendezvous on loopback, one
 trainer each: ``examples/train_tiny.py`` with ``--hidden`` sized for ``--mb`` MB of state, gloo
 DDP, steps paced to ``--step-s``). Once both train, node B (its agent and trainer) is SIGKILLed
-and a new agent is started in its place, as a scheduler would. Two variants, in turns, ``--runs``
+and a new agent is started in its place, as a scheduler would. The variants, in turns, ``--runs``
 times each:
 
 * **peers**: memory snapshots every 5 steps and ``--peer-replicas 1``; no checkpoint on disk;
 * **spare**: as *peers*, the node in B's place started before the loss with ``--standby 1``,
   waiting warm in the rendezvous (a hot spare);
 * **disk**: the same with ``--no-memory`` and a checkpoint every 5 steps on the local disk (the
-  recovery every other launcher offers).
+  recovery every other launcher offers);
+* **trainer**: as *peers*, but only node B's trainer is SIGKILLed (its agent lives on): the
+  failure a run meets most, for comparison; both nodes meet in the rendezvous again all the same.
 
 From the event logs: kill -> the new agent's start (the scheduler's part: here at once) -> the
 first step after the restore; the restore's own time, the bytes it read, and what was fetched
@@ -41,6 +43,7 @@ from _support import free_port, wait_until  # noqa: E402
 from crashproof.telemetry import read_events  # noqa: E402
 
 SPARE_WARM_S = 5.0
+VARIANTS = ("peers", "spare", "disk", "trainer")
 TIMELINE = {
     "survivor_restart_s": "survivor restarts",
     "fenced_s": "lost node fenced",
@@ -96,10 +99,15 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
             # A spare waits minutes in practice: its trainers' forkserver has finished importing
             # torch (on this loaded machine that takes seconds after the spare says it waits).
             time.sleep(SPARE_WARM_S)
+        trainer = [e["pid"] for e in _events(b) if e["event"] == "rank_start"][-1]
         killed = time.time()
-        os.killpg(nodes[1].pid, signal.SIGKILL)
-        nodes[1].wait(30)
-        if variant != "spare":
+        if variant == "trainer":
+            os.kill(trainer, signal.SIGKILL)
+            b2 = b  # (the same node trains on)
+        else:
+            os.killpg(nodes[1].pid, signal.SIGKILL)
+            nodes[1].wait(30)
+        if variant in ("peers", "disk"):
             nodes.append(_node(b2, port, ckpt, variant, hidden, step_s))
 
         def restored() -> list[dict[str, Any]]:
@@ -119,7 +127,7 @@ def one_loss(work: Path, variant: str, hidden: int, step_s: float) -> dict[str, 
         )
         fetched = [e for e in events if e["event"] == "memory_fetched"]
         # (A spare's agent started long before: it counts from when it was taken in.)
-        begun = "standby_promoted" if variant == "spare" else "run_start"
+        begun = {"spare": "standby_promoted", "trainer": "rank_start"}.get(variant, "run_start")
         started = min(e["ts"] for e in events if e["event"] == begun)
 
         def after_kill(event: str, where: Path) -> float | None:
@@ -155,14 +163,17 @@ def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
     hidden = max(64, int((mb * 1e6 / 16) ** 0.5))
     results: list[dict[str, Any]] = []
     for i in range(runs):
-        order = ("peers", "spare", "disk")
+        order = VARIANTS
         for variant in order if i % 2 == 0 else order[::-1]:
-            with tempfile.TemporaryDirectory(prefix="node-loss-", dir=REPO) as work:
+            # (a killed agent's trainers, in sessions of their own, die a moment after it)
+            with tempfile.TemporaryDirectory(
+                prefix="node-loss-", dir=REPO, ignore_cleanup_errors=True
+            ) as work:
                 result = one_loss(Path(work), variant, hidden, step_s)
             print(json.dumps(result), file=sys.stderr)
             results.append(result)
     summary: dict[str, Any] = {"runs": runs, "hidden": hidden, "step_s": step_s, "results": results}
-    for variant in ("peers", "spare", "disk"):
+    for variant in VARIANTS:
         mine = [r for r in results if r["variant"] == variant]
         summary[variant] = {
             key: statistics.median(r[key] for r in mine)
@@ -175,12 +186,13 @@ def measure(runs: int, mb: float, step_s: float) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rows = ["| recovery of a lost node | kill -> first step | new agent's start (spare: taken in) -> first step | restore |",
+    rows = ["| recovery of a lost node | kill -> first step | new agent's start (spare: taken in; trainer: restarted) -> first step | restore |",
             "|---|---|---|---|"]  # fmt: skip
     variants = (
         ("spare", "**a hot spare, from the peers' copies**"),
         ("peers", "a new node, from the peers' copies"),
         ("disk", "a new node, from the local disk"),
+        ("trainer", "(a trainer lost, its node kept: from its agent's memory)"),
     )
     for variant, name in variants:
         r = result[variant]
