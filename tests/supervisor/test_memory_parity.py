@@ -283,3 +283,35 @@ def test_a_bandwidth_cap_paces_the_copies_and_a_slot_being_sent_is_left_alone(
             trainer.close()
         for host in hosts:
             host.close()
+
+
+def test_a_spare_taken_in_for_a_rank_it_holds_old_copies_of_takes_a_peers_newer_ones(
+    tmp_path: Path,
+) -> None:
+    """A node keeps the copies it held while it waits as a spare; the round that takes it in
+    may give it the rank those copies are of, which trained on meanwhile. A peer's newer copies
+    must replace them: offered the old step, the rank has no step in common with the others,
+    and every rank restores from storage."""
+    store, hosts = _hosts(tmp_path, 3, replicas=1)  # (a round of all three, then of two)
+    a, b, c = hosts
+    try:
+        _round(store, [a, b], 1)  # rank 0 on A, rank 1 on B: each holds the other's copy
+        old = [_Trainer(a, 0, 2), _Trainer(b, 1, 2)]
+        for r, trainer in enumerate(old):
+            trainer.commit(0, 10, _data(r, 10, 30_000))
+        _wait_covered([a, b], 10)
+        _round(store, [a, c], 2)  # B waits as a spare; C takes rank 1
+        new = [_Trainer(a, 0, 2), _Trainer(c, 1, 2)]
+        for r, trainer in enumerate(new):
+            trainer.commit(1, 20, _data(r, 20, 30_000))
+        _wait_covered([a, c], 20)
+        _round(store, [b, c], 3)  # A's trainer failed, and the spare B is taken in as rank 0
+        offered = _held(b, 0, 2)
+        newest = max(offered.values())  # (the old step is offered too: a restore takes the
+        assert newest[:2] == (20, _data(0, 20, 30_000))  # newest every rank holds)
+        assert newest[2].startswith("peer:")
+        for trainer in old + new:
+            trainer.close()
+    finally:
+        for host in hosts:
+            host.close()

@@ -223,14 +223,17 @@ class MemoryHost:
         from a peer (this node replaces a lost one)."""
         peers = self.peers
         if peers is not None:
-            # A node back in the round after it waited as a spare holds this rank's snapshots
-            # of then: a peer's newer copies replace them (else every rank restores from disk).
+            # What this node holds of the rank may be of an earlier round: its own snapshots or
+            # its copies of another node's, kept while it waited as a spare (and a spare may be
+            # taken in for any rank). A peer's newer copies then replace them; else the ranks
+            # hold no step in common and every rank restores from disk.
+            adopted = not self._mine(key, rank) and self._adopt_replicas(key, rank)
             newest = self._newest(key, rank)
             try:
-                if newest is not None and peers.missed_rounds:
-                    peers.fetch(key, rank, world_size, newer_than=newest)
-                elif not self._mine(key, rank) and not self._adopt_replicas(key, rank):
+                if newest is None:
                     peers.fetch(key, rank, world_size)
+                elif peers.missed_rounds or adopted:
+                    peers.fetch(key, rank, world_size, newer_than=newest)
             except Exception as exc:  # the trainer restores from storage instead
                 log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
         slots, fds = [], []
