@@ -316,6 +316,11 @@ class CrashproofAgent(LocalElasticAgent):
         self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
         codes = self._exit_codes(worker_group)
+        exited = self._exits.exited_s if self._exits is not None else {}
+        if any(codes[w.local_rank] is None and w.id in exited for w in workers):
+            # Seen to end, but its parent (the forkserver, on a busy machine) has not reaped it
+            # yet: the next look comes at once rather than a monitor interval later.
+            self._wake.set()
         settle_clean_exits(self._pcontext, codes)
         if self._done.ended and not self._done.torch_may_look(
             workers, codes, self.heartbeats.read(workers)
