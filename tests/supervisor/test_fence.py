@@ -160,7 +160,7 @@ def test_a_node_polling_faster_sees_a_change_of_the_round_within_its_poll(
     monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # (put back)
     handlers = _handlers(store, 2)
     try:
-        infos = _meet(handlers)
+        _meet(handlers)
         assert poll_faster(handlers[0], max_nodes=2)
         time.sleep(1.05)  # (torch's own cache of the state read in the round is stale now)
         assert handlers[0].num_nodes_waiting() == 0  # read now: the next look's cache starts
@@ -172,6 +172,5 @@ def test_a_node_polling_faster_sees_a_change_of_the_round_within_its_poll(
         dynamic_rendezvous._delay(seconds=1)  # a look's pause
         assert time.monotonic() - started < 0.9
         assert not poll_faster(handlers[0], max_nodes=65)  # beyond 64 nodes torch's pace stays
-        assert all(info.world_size == 2 for info in infos)
     finally:
         _close([], handlers)

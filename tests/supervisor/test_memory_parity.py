@@ -307,8 +307,9 @@ def test_a_spare_taken_in_for_a_rank_it_holds_old_copies_of_takes_a_peers_newer_
         _wait_covered([a, c], 20)
         _round(store, [b, c], 3)  # A's trainer failed, and the spare B is taken in as rank 0
         offered = _held(b, 0, 2)
-        newest = max(offered.values())  # (the old step is offered too: a restore takes the
-        assert newest[:2] == (20, _data(0, 20, 30_000))  # newest every rank holds)
+        # (the old step is offered too: a restore takes the newest every rank holds)
+        newest = max(offered.values())
+        assert newest[:2] == (20, _data(0, 20, 30_000))
         assert newest[2].startswith("peer:")
         for trainer in old + new:
             trainer.close()

@@ -316,7 +316,7 @@ class CrashproofAgent(LocalElasticAgent):
         self._stop_doomed_peers(worker_group)
         self._send_pending_notice()
         codes = self._exit_codes(worker_group)
-        exited = self._exits.exited_s if self._exits is not None else {}
+        exited = self._exited_s()
         if any(codes[w.local_rank] is None and w.id in exited for w in workers):
             # Seen to end, but its parent (the forkserver, on a busy machine) has not reaped it
             # yet: the next look comes at once rather than a monitor interval later.
@@ -409,8 +409,12 @@ class CrashproofAgent(LocalElasticAgent):
         signal_trainers(running, signal.SIGKILL)
 
     def _exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
-        exited = self._exits.exited_s if self._exits is not None else {}
-        return exit_codes(self._pcontext, worker_group.workers, exited)
+        return exit_codes(self._pcontext, worker_group.workers, self._exited_s())
+
+    def _exited_s(self) -> dict[int, float]:
+        """When each trainer of this attempt was seen to end, by pid (its exit code may come a
+        moment later)."""
+        return self._exits.exited_s if self._exits is not None else {}
 
     def _watch_stragglers(self, worker_group: WorkerGroup) -> None:
         for worker, report in self.heartbeats.straggling(worker_group.workers):
