@@ -85,8 +85,14 @@ def test_sigkill_during_startup_while_the_forkserver_imports(
 ) -> None:
     run = start_run(tmp_path / "run", [], ["--steps", "100000"])
     runs.append(run)
-    # The forkserver spends seconds importing torch before any code of crashproof runs in it.
-    _wait_until(lambda: _of_kind(run, "multiprocessing.forkserver"), 60, "the forkserver")
+    # The forkserver spends a second or more on the trainers' imports before the rendezvous ends.
+    # It is forked from the agent (its command line is the agent's), or, where it cannot be,
+    # started as multiprocessing starts it.
+    _wait_until(
+        lambda: _of_kind(run, "crashproof.cli run") or _of_kind(run, "multiprocessing.forkserver"),
+        60,
+        "the forkserver",
+    )
     assert not run.events("rank_start")
     _kill_and_check(run)
 

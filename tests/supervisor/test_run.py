@@ -284,9 +284,14 @@ def test_cold_start_and_module_mode_run_like_torchrun(tmp_path: Path, mode: str)
 
 
 FACTS = """
-import json, multiprocessing, os, signal, sys, torch
+import json, logging, multiprocessing, os, signal, sys, torch
 import numpy as np
 print("FACTS " + json.dumps({
+    "threads": torch.get_num_threads(),
+    "omp": os.environ.get("OMP_NUM_THREADS"),
+    "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "log_handlers": len(logging.getLogger().handlers),
+    "cwd": os.getcwd(),
     "rank": int(os.environ["RANK"]),
     "name": __name__,
     "argv": sys.argv,
@@ -332,6 +337,11 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
     ]
     assert sorted(f["rank"] for f in facts) == [0, 1]
     for f in facts:
+        # what a fresh interpreter takes from its start: OpenMP's threads as torchrun sets them
+        # (the warm forkserver is forked from the agent, which loaded torch before they were
+        # set), Python's own Ctrl-C, no logging set up, the working directory it was started in
+        assert (f["omp"], f["threads"]) == ("1", 1)
+        assert f["sigint_default"] and f["log_handlers"] == 0 and f["cwd"] == os.getcwd()
         assert f["name"] == "__main__"
         assert f["argv"] == [str(script), "--flag", "value"]
         assert f["path0"] == str(tmp_path)

@@ -66,6 +66,7 @@ from crashproof.supervisor._hang import HangConfig
 from crashproof.supervisor._keeper import Keeper
 from crashproof.supervisor._memory_host import MemoryHost
 from crashproof.supervisor._narrator import Narrator
+from crashproof.supervisor._seed import plant_forkserver_seed
 from crashproof.supervisor._straggler import StragglerConfig
 from crashproof.supervisor._summary import summary
 from crashproof.telemetry import EventLog
@@ -195,7 +196,7 @@ def _entrypoint(
     args: argparse.Namespace, cmd: Callable[..., Any] | str, cmd_args: list[str]
 ) -> tuple[Callable[..., Any] | str, list[str], str]:
     """What each trainer runs, and the start method: warm forks unless asked otherwise."""
-    if args.cold_start or args.no_python or args.run_path or not isinstance(cmd, str):
+    if not _warm_start_wanted(args) or not isinstance(cmd, str):
         return cmd, cmd_args, args.start_method
     # not _entry's (torch._dynamo and more): the agent only names it, the trainers run it
     from crashproof.supervisor._warm_start import run_script
@@ -208,6 +209,11 @@ def _entrypoint(
         kind = "module"
         rest.pop(0)
     return run_script, [kind, *rest], "forkserver"
+
+
+def _warm_start_wanted(args: argparse.Namespace) -> bool:
+    """Whether the options leave the trainers to be forked from a warm forkserver."""
+    return not (args.cold_start or args.no_python or args.run_path)
 
 
 def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
@@ -226,6 +232,8 @@ def launch(args: argparse.Namespace) -> int:
     supervisor refuses is one line on stderr and exit 2, before anything starts."""
     # Before any trainer (or the warm process they fork from) loads MKL: bit-reproducible CPU math.
     set_reproducible_defaults()
+    if _warm_start_wanted(args):  # before any thread starts: the forkserver's torch is ours
+        plant_forkserver_seed()
     level = "warning" if args.quiet and args.log_level in ("debug", "info") else args.log_level
     logging.basicConfig(
         level=getattr(logging, level.upper()), format="[crashproof run] %(levelname)s %(message)s"

@@ -1,0 +1,107 @@
+"""The trainers' forkserver forked from the agent (:mod:`crashproof.supervisor._seed`) starts as
+a fresh one would have at the moment it is needed.
+
+Each case is a real program (an agent's stand-in) that plants the seed, then changes what a
+forkserver started later would have seen (environment, working directory, OpenMP's threads as
+torchrun sets them), with a file open at the fork, then starts a real process through multiprocessing's
+forkserver. That process reports what it found. The warm start of a whole ``crashproof run`` is
+checked against a cold one in ``test_run.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tests.warm_ranks import python
+
+PROBE = """
+import os, torch
+
+def probe(queue):
+    fds = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")}
+    queue.put({"parent": os.getppid(), "late": os.environ.get("LATE"), "cwd": os.getcwd(),
+               "threads": torch.get_num_threads(), "fds": sorted(fds)})
+"""
+
+AGENT = """
+import atexit, json, multiprocessing, multiprocessing.forkserver, os, sys
+sys.path.insert(0, sys.argv[1])
+atexit.register(print, "the agent's exit handler")
+from crashproof.supervisor._seed import plant_forkserver_seed
+
+kept_open = open(os.path.join(sys.argv[1], "agent-file"), "w")  # open when the seed forks
+seed = plant_forkserver_seed()
+assert seed is not None
+os.environ["LATE"] = "set after the fork"
+os.environ["OMP_NUM_THREADS"] = "1"
+os.chdir(sys.argv[2])
+multiprocessing.set_forkserver_preload(["json"])
+context = multiprocessing.get_context("forkserver")
+queue = context.Queue()
+import probe
+child = context.Process(target=probe.probe, args=(queue,))
+child.start()
+found = queue.get(timeout=60)
+child.join(60)
+found["seed"] = seed
+found["forkserver"] = multiprocessing.forkserver._forkserver._forkserver_pid
+print(json.dumps(found))
+"""
+
+
+def test_the_forkserver_grown_from_the_seed_sees_the_agent_as_it_is_when_the_trainers_start(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "probe.py").write_text(PROBE)
+    later = tmp_path / "later"
+    later.mkdir()
+    done = python(["-c", AGENT, str(tmp_path), str(later)], env={**os.environ}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    found = json.loads(lines[0])
+    # the forkserver is the seed, and the process came from it
+    assert found["forkserver"] == found["seed"] == found["parent"]
+    # what changed after the fork reached it: environment, directory, OpenMP's threads
+    assert found["late"] == "set after the fork" and found["cwd"] == str(later)
+    assert found["threads"] == 1
+    # a file the agent had open at the fork is closed, as it is in a fresh forkserver
+    assert str(tmp_path / "agent-file") not in found["fds"]
+    # the agent's exit handlers ran once: in the agent, never in the seed or the forkserver
+    assert lines[1:] == ["the agent's exit handler"]
+
+
+SPARE_SEED = """
+import os, sys, threading, time
+from crashproof.supervisor._seed import plant_forkserver_seed
+
+seed = plant_forkserver_seed()
+print(seed, flush=True)
+stop = threading.Event()
+threading.Thread(target=stop.wait).start()
+print(plant_forkserver_seed(), flush=True)  # a thread runs: forking now could copy a held lock
+stop.set()
+"""
+
+
+def test_a_seed_never_handed_a_start_ends_with_the_agent_and_none_is_planted_beside_a_thread() -> (
+    None
+):
+    done = python(["-c", SPARE_SEED], timeout=120)
+    assert done.returncode == 0, done.stderr
+    seed, beside_a_thread = done.stdout.split()
+    assert beside_a_thread == "None"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{seed}").exists() and _state(int(seed)) != "Z":
+        assert time.monotonic() < deadline, f"the seed {seed} outlived its agent by 10 s"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
