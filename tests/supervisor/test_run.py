@@ -302,6 +302,16 @@ print("FACTS " + json.dumps({
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "sigusr1_default": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
 }), flush=True)
+
+
+import atexit, functools
+# says when it is destroyed; nothing of it refers back to these globals (no cycle to wait for
+# the garbage collector): it goes the moment they do
+destroyed = staticmethod(functools.partial(print, "PROBE destroyed", flush=True))
+probe = type("Probe", (), {"__del__": destroyed})()
+atexit.register(print, "PROBE exit handlers", flush=True)
+if os.environ["RANK"] == "1":
+    sys.exit(0)
 """
 
 
@@ -348,6 +358,14 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
         assert f["start_method"] == "fork"  # the platform default, not the warm forkserver's
         # the forkserver ignores these (so a signal to the group cannot kill it): not the script
         assert f["sigterm_default"] and f["sigusr1_default"]
+    # The script's globals outlive its exit handlers, as python keeps them until it finalizes
+    # (torn down earlier, a DDP model's gloo process group could hang the trainer), whether the
+    # script ends (rank 0) or calls sys.exit(0) (rank 1).
+    for rank in (0, 1):
+        said = [
+            line for line in proc.stdout.splitlines() if line.startswith(f"[rank {rank}] PROBE")
+        ]
+        assert said[:1] == [f"[rank {rank}] PROBE exit handlers"], proc.stdout
     # unseeded generators differ between ranks, as in separate fresh interpreters
     assert facts[0]["torch_seed"] != facts[1]["torch_seed"]
     assert facts[0]["numpy"] != facts[1]["numpy"]

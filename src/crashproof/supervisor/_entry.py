@@ -37,6 +37,15 @@ FORKSERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIG
 """Ignored by the warm forkserver (:mod:`crashproof.supervisor._forkserver`), restored here."""
 
 
+_SCRIPT_LEFT: list[object] = []
+"""What the script leaves: its globals (or the traceback of how it ended, whose frames hold them),
+kept until the process ends. python tears ``__main__``'s globals down only after the exit handlers,
+as it finalizes, when no other thread can take the GIL any more. Torn down earlier, while the
+interpreter runs, a DDP model's gloo process group is destroyed by a thread holding the GIL and
+joins gloo's own threads, one of which may be waiting for the GIL to drop a Python object: the
+trainer hung after its script had finished."""
+
+
 def run_script(kind: str, target: str, *argv: str) -> None:
     """Run ``target`` (``kind`` "script": a path; "module": a module name) as ``__main__``.
 
@@ -60,10 +69,11 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     try:
         try:
             if is_module:
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
+                _SCRIPT_LEFT.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
             else:
-                runpy.run_path(target, run_name="__main__")
+                _SCRIPT_LEFT.append(runpy.run_path(target, run_name="__main__"))
         except SystemExit as exc:
+            _SCRIPT_LEFT.append(exc.__traceback__)  # (its frames hold the script's globals)
             if os.getpid() != trainer:
                 _end_forked_child(exc.code)
             if exc.code not in (None, 0):
@@ -73,7 +83,8 @@ def run_script(kind: str, target: str, *argv: str) -> None:
             # run then waited for ever); python dies of SIGINT, and so does this trainer.
             traceback.print_exc()
             _exit_as_python(signal.SIGINT)
-        except BaseException:
+        except BaseException as exc:
+            _SCRIPT_LEFT.append(exc.__traceback__)
             if os.getpid() != trainer:  # a forked child's error: python prints it, exits 1
                 traceback.print_exc()
                 _exit_as_python(None, 1)
