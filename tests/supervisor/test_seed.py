@@ -24,7 +24,8 @@ def probe(queue):
     fds = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
            if os.path.exists(f"/proc/self/fd/{fd}")}
     queue.put({"parent": os.getppid(), "late": os.environ.get("LATE"), "cwd": os.getcwd(),
-               "threads": torch.get_num_threads(), "fds": sorted(fds)})
+               "threads": torch.get_num_threads(), "fds": sorted(fds),
+               "big": sum(len(v) for k, v in os.environ.items() if k.startswith("BIG"))})
 """
 
 AGENT = """
@@ -37,6 +38,8 @@ kept_open = open(os.path.join(sys.argv[1], "agent-file"), "w")  # open when the 
 seed = plant_forkserver_seed()
 assert seed is not None
 os.environ["LATE"] = "set after the fork"
+for i in range(4):  # larger than one read: the seed takes the hand-over in several parts
+    os.environ[f"BIG{i}"] = "x" * 100_000
 os.environ["OMP_NUM_THREADS"] = "1"
 os.chdir(sys.argv[2])
 multiprocessing.set_forkserver_preload(["json"])
@@ -67,7 +70,7 @@ def test_the_forkserver_grown_from_the_seed_sees_the_agent_as_it_is_when_the_tra
     assert found["forkserver"] == found["seed"] == found["parent"]
     # what changed after the fork reached it: environment, directory, OpenMP's threads
     assert found["late"] == "set after the fork" and found["cwd"] == str(later)
-    assert found["threads"] == 1
+    assert found["threads"] == 1 and found["big"] == 400_000
     # a file the agent had open at the fork is closed, as it is in a fresh forkserver
     assert str(tmp_path / "agent-file") not in found["fds"]
     # the agent's exit handlers ran once: in the agent, never in the seed or the forkserver
@@ -105,3 +108,27 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "gone"
+
+
+DEAD_SEED = """
+import json, multiprocessing, multiprocessing.forkserver, os, signal, sys
+from crashproof.supervisor._seed import plant_forkserver_seed
+
+seed = plant_forkserver_seed()
+os.kill(seed, signal.SIGKILL)
+os.waitpid(seed, 0)
+multiprocessing.set_forkserver_preload(["json"])
+context = multiprocessing.get_context("forkserver")
+child = context.Process(target=os.getpid)
+child.start()
+child.join(60)
+print(json.dumps({"seed": seed, "exitcode": child.exitcode,
+                  "forkserver": multiprocessing.forkserver._forkserver._forkserver_pid}))
+"""
+
+
+def test_a_seed_gone_before_its_hand_over_leaves_the_forkserver_to_start_fresh() -> None:
+    done = python(["-c", DEAD_SEED], timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["exitcode"] == 0 and found["forkserver"] not in (None, found["seed"])

@@ -85,11 +85,13 @@ class _Seed:
         sock, self._sock = self._sock, None
         if sock is None:
             return False
-        payload = json.dumps(what).encode()
         try:
-            with sock:
-                socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], fds)
-        except OSError as exc:
+            payload = json.dumps(what).encode()
+            message = _HEADER.pack(len(payload)) + payload
+            with sock:  # (the descriptors go with the first part)
+                sent = socket.send_fds(sock, [message], fds)
+                sock.sendall(message[sent:])
+        except (OSError, TypeError, ValueError) as exc:  # (a path JSON cannot hold: started fresh)
             log.debug("the forkserver seed could not be handed its start: %s", exc)
             return False
         return True
