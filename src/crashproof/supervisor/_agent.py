@@ -425,25 +425,31 @@ class CrashproofAgent(LocalElasticAgent):
         self._failed_at_s = time.monotonic()
         exits = self._exits
         wait_for_exit_codes(self._pcontext, worker_group.workers, self._stopped_by_us, 2.0)
-        workers = failure_order(worker_group.workers, self._stopped_by_us, exits, failures)
+        codes: dict[int, int] = {}
+        errors: dict[int | None, str | None] = {}
+        for worker in worker_group.workers:
+            failure = failures.get(worker.global_rank)
+            code = failure.exitcode if failure is not None else None
+            code = exit_code(self._pcontext, worker.local_rank) if code is None else code
+            if code is None:
+                continue  # still running: torch stops it next
+            codes[worker.local_rank] = code
+            # A rank stopped because of its peer has no error of its own to show.
+            if worker.id not in self._stopped_by_us:
+                errors[worker.id] = last_error(self._pcontext, worker.local_rank, failure)
+        workers = failure_order(worker_group.workers, self._stopped_by_us, exits, failures, errors)
         first: Failure | None = None
         furthest = self.heartbeats.furthest_step(worker_group.workers)
         for worker in workers:
-            failure = failures.get(worker.global_rank)
-            exitcode = (
-                failure.exitcode
-                if failure is not None
-                else exit_code(self._pcontext, worker.local_rank)
-            )
-            if exitcode is None:
-                continue  # still running: torch stops it next
+            if worker.local_rank not in codes:
+                continue
+            exitcode = codes[worker.local_rank]
             signame = signal_name(-exitcode) if exitcode < 0 else None
             exited = exits.exited_s.get(worker.id) if exits and worker.id is not None else None
             seen_after = round(self._failed_at_s - exited, 4) if exited is not None else None
             how = f"killed by {signame}" if signame else f"exit code {exitcode}"
             stopped = worker.id in self._stopped_by_us
-            # A rank stopped because of its peer has no error of its own to show.
-            error = None if stopped else last_error(self._pcontext, worker.local_rank, failure)
+            error = errors.get(worker.id)
             finished = exitcode == 0 or worker.id in self._done.ended
             announce_exit(
                 self.events, worker, exitcode, signame=signame, error=error,

@@ -12,6 +12,7 @@ records nothing and the agent falls back to torch's own timestamps and its polli
 from __future__ import annotations
 
 import os
+import re
 import select
 import threading
 import time
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import Worker
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-__all__ = ["ExitWatcher", "failure_order"]
+__all__ = ["ExitWatcher", "failure_order", "lost_a_peer"]
 
 
 class ExitWatcher:
@@ -69,22 +70,37 @@ class ExitWatcher:
         self._fds.clear()
 
 
+_PEER_LOST = re.compile(r"reset by peer|closed by peer|broken pipe|remote process exited", re.I)
+"""What gloo and NCCL say when a collective's connection to a peer breaks under it."""
+
+
+def lost_a_peer(error: str | None) -> bool:
+    """Whether a trainer's error is the mark of a peer gone (a collective's connection broken):
+    the consequence of another rank's failure, not a cause of its own."""
+    return error is not None and _PEER_LOST.search(error) is not None
+
+
 def failure_order(
     workers: Sequence[Worker],
     stopped: Collection[int | None],
     watcher: ExitWatcher | None,
     failures: Mapping[int, ProcessFailure],
+    errors: Mapping[int | None, str | None] | None = None,
 ) -> list[Worker]:
     """``workers`` in the order they failed, the root cause first.
 
     torch reports one failure (or all, with the survivors it killed as failures too); the
     watcher saw the order in which the processes really ended. Ranks the agent ``stopped``
     because a peer had failed come after every other: a watcher woken late sees both exits in
-    one poll, in no particular order."""
+    one poll, in no particular order. So do ranks whose error (``errors``, by pid) says a
+    peer's connection broke: a process's sockets close as it exits, before its end can be seen,
+    so the peer it left may fail of it and be seen to end first."""
+    errors = errors or {}
     return sorted(
         workers,
         key=lambda w: (
             w.id in stopped,
+            lost_a_peer(errors.get(w.id)),
             watcher.order(w.id) if watcher is not None and w.id is not None else 0.0,
             failures[w.global_rank].timestamp if w.global_rank in failures else 2**62,
         ),
