@@ -1,9 +1,9 @@
 """The trainers' forkserver forked from the agent (:mod:`crashproof.supervisor._seed`) starts as
 a fresh one would have at the moment it is needed.
 
-Each case is a real program (an agent's stand-in) that plants the seed, then changes what a
-forkserver started later would have seen (environment, working directory, OpenMP's threads as
-torchrun sets them), with a file open at the fork, then starts a real process through multiprocessing's
+Each case is a real program (an agent's stand-in) that plants the seed with a file open, then
+changes what a forkserver started later would have seen (environment, working directory,
+OpenMP's threads as torchrun sets them), then starts a real process through multiprocessing's
 forkserver. That process reports what it found. The warm start of a whole ``crashproof run`` is
 checked against a cold one in ``test_run.py``.
 """

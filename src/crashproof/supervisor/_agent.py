@@ -429,8 +429,11 @@ class CrashproofAgent(LocalElasticAgent):
         errors: dict[int | None, str | None] = {}
         for worker in worker_group.workers:
             failure = failures.get(worker.global_rank)
-            code = failure.exitcode if failure is not None else None
-            code = exit_code(self._pcontext, worker.local_rank) if code is None else code
+            code = (
+                failure.exitcode
+                if failure is not None
+                else exit_code(self._pcontext, worker.local_rank)
+            )
             if code is None:
                 continue  # still running: torch stops it next
             codes[worker.local_rank] = code
