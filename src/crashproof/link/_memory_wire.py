@@ -67,8 +67,8 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int
     payload = json.dumps(message, separators=(",", ":")).encode()
     header = _HEADER.pack(len(payload), len(fds))
     if fds:
-        socket.send_fds(sock, [header], list(fds))
-        sock.sendall(payload)
+        sent = socket.send_fds(sock, [header], list(fds))  # (the descriptors go with it)
+        sock.sendall(header[sent:] + payload)  # (never empty: a JSON object is 2 bytes at least)
     else:  # (also over TCP, between agents: no ancillary data there)
         sock.sendall(header + payload)
 

@@ -31,6 +31,7 @@ import socket
 import struct
 import sys
 import threading
+import traceback
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ def plant_forkserver_seed() -> int | None:
         try:
             agent_side.close()
             code = _grow(seed_side, env_at_fork)
+        except KeyboardInterrupt:  # (a Ctrl-C to the agent's process group, while it waits)
+            pass
+        except BaseException:  # a failure of its own, on the agent's stderr; started fresh
+            traceback.print_exc()
         finally:
             os._exit(code)  # never the agent's exit handlers
     seed_side.close()
@@ -90,7 +95,10 @@ class _Seed:
             message = _HEADER.pack(len(payload)) + payload
             with sock:  # (the descriptors go with the first part)
                 sent = socket.send_fds(sock, [message], fds)
-                sock.sendall(message[sent:])
+                if sent < len(message):
+                    # (Never ``sendall(b"")``: it still sends, and fails with EPIPE if the seed
+                    # took the whole hand-over and closed its end meanwhile.)
+                    sock.sendall(message[sent:])
         except (OSError, TypeError, ValueError) as exc:  # (a path JSON cannot hold: started fresh)
             log.debug("the forkserver seed could not be handed its start: %s", exc)
             return False
