@@ -30,7 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from node_loss import REPO, _events, _free_port, _wait
+from _support import free_port, wait_until
+from node_loss import REPO, _events
 from training_overhead import bootstrap_ci
 
 WARMUP_STEPS = 20
@@ -59,11 +60,11 @@ def _node(run_dir: Path, port: int, snapshots: bool, args: argparse.Namespace) -
 
 def one_run(work: Path, snapshots: bool, args: argparse.Namespace) -> dict[str, Any]:
     """One two-node run; its steps per second after the warm-up and what was copied."""
-    port = _free_port()
+    port = free_port()
     a, b = work / "a", work / "b"
     nodes = [_node(a, port, snapshots, args)]
     try:
-        _wait(lambda: bool(_events(a)), 60, "node A")
+        wait_until(lambda: bool(_events(a)), 60, "node A")
         nodes.append(_node(b, port, snapshots, args))
         for node, where in zip(nodes, (a, b), strict=True):
             if node.wait(600) != 0:
