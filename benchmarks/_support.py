@@ -10,17 +10,26 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from crashproof.storage import LocalStorage, ReadStream
 
 __all__ = [
     "CountingStorage",
     "CountingStream",
+    "busy_cpu_s",
     "draw_kills",
     "free_port",
     "start_moto_server",
     "wait_until",
 ]
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy since boot (user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

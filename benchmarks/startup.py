@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _support import busy_cpu_s
 
 LAUNCHERS = ("torchrun", "crashproof", "crashproof-cold")
 
@@ -66,13 +67,6 @@ def command(launcher: str, script: Path, out: Path) -> list[str]:
     if launcher == "crashproof-cold":
         run.append("--cold-start")
     return [*run, str(script), str(out)]
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has been busy since boot (user, nice, system, irq, softirq)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def one_run(launcher: str, script: Path, scratch: Path) -> dict[str, float]:

@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"simulated crash after step {step + 1}", flush=True)
             os._exit(17)
     ckpt.close()
+    if args.memory_every:
+        taken, skipped = ckpt.stats.memory_snapshots, ckpt.stats.memory_skipped_busy
+        print(f"memory snapshots: {taken} taken, {skipped} skipped (buffers busy)", flush=True)
     if log_file:
         log_file.close()
     if args.dump and rank == 0:

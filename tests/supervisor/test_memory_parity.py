@@ -150,6 +150,10 @@ def test_of_three_nodes_the_lost_ones_snapshots_are_rebuilt_from_parity(tmp_path
     finally:
         for host in hosts:
             host.close()
+    # host 0 sent its payload as two pieces (one to each other member), half of it each
+    sent = [e for e in read_events(hosts[0]._events.path) if e["event"] == "memory_copies"]
+    assert [(e["copies"], e["pieces"], e["bytes"], e["covered"], e["newest_covered"])
+            for e in sent] == [(0, 2, sizes[0], 1, 10)]  # fmt: skip
 
 
 def test_two_ranks_a_node_and_a_newer_step_the_lost_node_never_finished(tmp_path: Path) -> None:
@@ -234,6 +238,10 @@ def test_full_copies_cover_and_pin_too(tmp_path: Path, nodes: int) -> None:
     finally:
         for host in hosts:
             host.close()
+    # what host 0 sent, over both rounds: one copy of its rank's snapshot, covered everywhere
+    sent = [e for e in read_events(hosts[0]._events.path) if e["event"] == "memory_copies"]
+    assert [(e["copies"], e["pieces"], e["bytes"], e["covered"], e["newest_covered"])
+            for e in sent] == [(1, 0, 30_000, 1, 10)]  # fmt: skip
 
 
 def test_a_holder_keeps_a_bounded_number_of_parities_and_drops_older_than_covered() -> None:

@@ -153,6 +153,10 @@ class Peers:
         self._acked: dict[tuple[str, int], set[int]] = {}  # copies: ranks copied, per step
         self._reports: dict[str, dict[int, set[str]]] = {}  # covered: who said so, per step
         self._newest_covered: dict[str, int] = {}
+        self._tally = {"copies": 0, "pieces": 0, "bytes": 0, "covered": 0}
+        """What this agent sent (whole copies, parity pieces, their bytes) and how many steps
+        every node covered, over the run: the ``memory_copies`` event at the end."""
+        self._newest_ever: int | None = None  # (of those steps, over every round)
         self._last_round: int | None = None
         self.missed_rounds = False
         """Whether this node was out of the rounds before the one it joined last."""
@@ -311,7 +315,9 @@ class Peers:
             reply, _ = recv_message(connection)
             if "error" in reply:
                 log.warning("a peer refused rank %d's snapshot: %s", key[1], reply["error"])
-            return "error" not in reply
+                return False
+            self._count(copies=1, bytes=int(copy["nbytes"]))
+            return True
         finally:
             if "fd" in copy:
                 os.close(copy.pop("fd"))
@@ -354,6 +360,8 @@ class Peers:
                     reply, _ = recv_message(connection)
                     if "error" in reply:
                         log.warning("a peer refused this node's parity piece: %s", reply["error"])
+                    else:
+                        self._count(pieces=1, bytes=size)
                 except OSError as exc:
                     log.warning("sending a parity piece to a peer failed: %s", exc)
                     self._drop_connection(target)
@@ -424,6 +432,8 @@ class Peers:
             for old in [s for s in reports if s <= step]:
                 del reports[old]
             self._newest_covered[key] = step
+            self._tally["covered"] += 1
+            self._newest_ever = max(step, self._newest_ever or step)
         self._host.pin(key, step)
         self.holder.covered(key, step)
 
@@ -748,7 +758,17 @@ class Peers:
         finally:
             os.close(copy.pop("fd"))
 
+    def _count(self, **sent: int) -> None:
+        with self._lock:
+            for what, n in sent.items():
+                self._tally[what] += n
+
     def close(self) -> None:
+        """Stop serving and sending; the run's ``memory_copies`` event, if anything was."""
+        with self._lock:
+            tally, newest = dict(self._tally), self._newest_ever
+        if self.scheme is not None or any(tally.values()):
+            self._events.emit("memory_copies", **tally, newest_covered=newest)
         with self._lock:
             self._closed = True
             self._wake.notify_all()
