@@ -33,6 +33,7 @@ PIECE = {"op": "piece", "key": "k" * 16, "step": 10, "world_size": 2, "agent": "
          "expected": ["a"], "record": {"size": 64}}  # fmt: skip
 PIECE_FETCH = {"op": "piece_fetch", "key": "k" * 16, "step": 10, "world_size": 2,
                "segments": [{"rank": 1, "slot": 0}], "offset": 0, "size": 64}  # fmt: skip
+HELD = {"op": "held", "ranks": [0, 1], "world_size": 2}
 
 HOSTILE = [
     ({"op": "drop_everything", "key": "k"}, "unknown request 'drop_everything'"),
@@ -62,6 +63,13 @@ HOSTILE = [
     ({"op": "have", "key": "k", "rank": 0, "world_size": -3}, "world_size -3 is outside"),
     ({"op": "covered", "key": "k", "step": "latest", "agent": "a"}, "step must be an integer"),
     ({"op": "parity_fetch", "key": "k", "step": -5}, "step -5 is outside"),
+    ({**HELD, "ranks": []}, "ranks must be a list of ranks"),
+    ({**HELD, "ranks": "0,1"}, "ranks must be a list of ranks"),
+    ({**HELD, "ranks": list(range(MAX_SLOTS * 16 + 1))}, "ranks must be a list of ranks"),
+    ({**HELD, "ranks": [0, 2]}, "rank 2 of a world of 2"),
+    ({**HELD, "ranks": [-1]}, "ranks[0] -1 is outside"),
+    ({**HELD, "ranks": [True]}, "ranks[0] must be an integer, not bool"),
+    ({**HELD, "world_size": None}, "world_size must be an integer, not NoneType"),
 ]
 
 
@@ -177,7 +185,7 @@ def test_an_unauthenticated_connection_is_never_answered(host: Any) -> None:
 
 
 def test_every_request_the_agents_send_passes_the_checks() -> None:
-    for message in (PUSH, PIECE, PIECE_FETCH):
+    for message in (PUSH, PIECE, PIECE_FETCH, HELD):
         assert checked(dict(message)) == message
     with pytest.raises(Malformed):
         checked(json.loads('{"op": "push"}'))

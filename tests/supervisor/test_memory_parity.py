@@ -156,6 +156,47 @@ def test_of_three_nodes_the_lost_ones_snapshots_are_rebuilt_from_parity(tmp_path
             for e in sent] == [(0, 2, sizes[0], 1, 10)]  # fmt: skip
 
 
+@pytest.mark.parametrize("nodes", [2, 3], ids=["copies", "parity"])
+def test_a_new_node_fetches_its_ranks_snapshots_as_the_round_forms(
+    tmp_path: Path, nodes: int
+) -> None:
+    """The agent in a lost node's place fetches (or rebuilds) its ranks' snapshots as soon as
+    the round forms, before any trainer asks; the trainer's hello then finds them there."""
+    store, hosts = _hosts(tmp_path, nodes)
+    trainers = [_Trainer(hosts[r], r, nodes) for r in range(nodes)]
+    try:
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 50_000))
+        _wait_covered(hosts, 10)
+        for trainer in trainers:
+            trainer.close()
+        hosts[1].close()
+        hosts[1] = _host(tmp_path, 1)
+        _round(store, hosts, 1, 1, prefetch=True)
+        deadline = time.monotonic() + 20
+        while hosts[1]._newest(KEY, 1) != 10:  # (no trainer has said hello)
+            assert time.monotonic() < deadline, "the new node did not fetch ahead of its trainer"
+            time.sleep(0.02)
+        assert [(s, d) for s, d, _ in _held(hosts[1], 1, nodes).values()] == [
+            (10, _data(1, 10, 50_000))
+        ]
+        fetched = [e for e in read_events(hosts[1]._events.path) if e["event"] == "memory_fetched"]
+        assert len(fetched) == 1, fetched  # (the hello fetched nothing more)
+        # A prefetch that comes after the trainer's hello leaves the trainer's segments alone,
+        # even one it has just made again and holds no step yet.
+        trainer = _Trainer(hosts[1], 1, nodes)
+        reply, fds = trainer.client.request({"op": "allocate", **trainer._ids(0), "nbytes": 60_000})
+        assert "error" not in reply, reply
+        os.close(fds[0])
+        hosts[1].prepare(KEY, 1, nodes, ahead_of_round=hosts[1].peers.round_serial)
+        segment = hosts[1]._segments[(KEY, 1, 0)]
+        assert (segment.step, segment.nbytes) == (None, 60_000), "the trainer's segment replaced"
+        trainer.close()
+    finally:
+        for host in hosts:
+            host.close()
+
+
 def test_two_ranks_a_node_and_a_newer_step_the_lost_node_never_finished(tmp_path: Path) -> None:
     """Four nodes, two ranks each, two slots: every node commits step 10 (covered), then the
     survivors step 20 while node 2 dies before its own: it is rebuilt at step 10, which the

@@ -246,9 +246,12 @@ def _hosts(tmp_path: Path, n: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any
     return store, hosts
 
 
-def _round(store: Any, hosts: list[Any], number: int, ranks: int | None = None) -> None:
+def _round(
+    store: Any, hosts: list[Any], number: int, ranks: int | None = None, *, prefetch: bool = False
+) -> None:
     """A rendezvous round: every host joins at once, each through a store client of its own
-    (as each agent has); with ``ranks`` per node, node i's global ranks follow from it."""
+    (as each agent has); with ``ranks`` per node, node i's global ranks follow from it, and with
+    ``prefetch`` the world size too, as the agent gives it (the hosts then fetch ahead)."""
     import threading
     from datetime import timedelta
 
@@ -258,8 +261,9 @@ def _round(store: Any, hosts: list[Any], number: int, ranks: int | None = None) 
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                timeout=timedelta(seconds=20))  # fmt: skip
         mine = None if ranks is None else list(range(rank * ranks, (rank + 1) * ranks))
+        world_size = len(hosts) * ranks if prefetch and ranks is not None else None
         hosts[rank].peers.join_round(
-            dist.PrefixStore(f"round{number}", client), rank, len(hosts), mine
+            dist.PrefixStore(f"round{number}", client), rank, len(hosts), mine, None, world_size
         )
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(len(hosts))]

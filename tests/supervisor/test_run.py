@@ -290,6 +290,8 @@ print("FACTS " + json.dumps({
     "threads": torch.get_num_threads(),
     "omp": os.environ.get("OMP_NUM_THREADS"),
     "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigint": repr(signal.getsignal(signal.SIGINT)),
+    "parent": os.getppid(),
     "log_handlers": len(logging.getLogger().handlers),
     "cwd": os.getcwd(),
     "rank": int(os.environ["RANK"]),
@@ -351,7 +353,10 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
         # (the warm forkserver is forked from the agent, which loaded torch before they were
         # set), Python's own Ctrl-C, no logging set up, the working directory it was started in
         assert (f["omp"], f["threads"]) == ("1", 1)
-        assert f["sigint_default"] and f["log_handlers"] == 0 and f["cwd"] == os.getcwd()
+        assert f["sigint_default"] and f["log_handlers"] == 0 and f["cwd"] == os.getcwd(), (
+            f,  # (with the agent's log: whether the forkserver grew from its seed)
+            proc.stderr[-4000:],
+        )
         assert f["name"] == "__main__"
         assert f["argv"] == [str(script), "--flag", "value"]
         assert f["path0"] == str(tmp_path)

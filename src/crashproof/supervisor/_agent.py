@@ -215,8 +215,9 @@ class CrashproofAgent(LocalElasticAgent):
                 ranks = [w.global_rank for w in worker_group.workers]
                 found = state_of(handler)
                 round_number = getattr(found[0], "round", None) if found is not None else None
+                world_size = worker_group.workers[0].world_size if worker_group.workers else None
                 self._memory_peers.join_round(
-                    worker_group.store, group_rank, nodes, ranks, round_number
+                    worker_group.store, group_rank, nodes, ranks, round_number, world_size
                 )
             except Exception as exc:  # copies are a bonus: the run goes on without them
                 log.warning("memory snapshots will not be copied to other nodes: %s", exc)

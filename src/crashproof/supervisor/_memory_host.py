@@ -72,6 +72,8 @@ class MemoryHost:
         self._filling = 0  # bytes of copies being received, not kept yet
         self._pinned: dict[str, int] = {}  # per root key: the newest step the peers cover
         self._sending: dict[Key, int] = {}  # segments being sent to peers (how many sends)
+        self._preparing: dict[tuple[str, int, int], threading.Lock] = {}  # see prepare()
+        self._greeted: dict[tuple[str, int, int], int] = {}  # -> the round of the last hello
         self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -221,21 +223,7 @@ class MemoryHost:
         """The segments a (re)started trainer already has, with what each holds: this node's,
         else the copies it holds of another node's (the rank moved here), else copies fetched
         from a peer (this node replaces a lost one)."""
-        peers = self.peers
-        if peers is not None:
-            # What this node holds of the rank may be of an earlier round: its own snapshots or
-            # its copies of another node's, kept while it waited as a spare (and a spare may be
-            # taken in for any rank). A peer's newer copies then replace them; else the ranks
-            # hold no step in common and every rank restores from disk.
-            adopted = not self._mine(key, rank) and self._adopt_replicas(key, rank)
-            newest = self._newest(key, rank)
-            try:
-                if newest is None:
-                    peers.fetch(key, rank, world_size)
-                elif peers.missed_rounds or adopted:
-                    peers.fetch(key, rank, world_size, newer_than=newest)
-            except Exception as exc:  # the trainer restores from storage instead
-                log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
+        self.prepare(key, rank, world_size)
         slots, fds = [], []
         with self._lock:
             for (k, r, slot), segment in sorted(self._segments.items()):
@@ -251,6 +239,50 @@ class MemoryHost:
                 )  # fmt: skip
                 fds.append(segment.fd)
         return {"ok": True, "slots": slots}, fds
+
+    def prepare(
+        self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
+    ) -> None:
+        """Make sure this node holds the newest snapshots of (key, rank) any peer has: fetched
+        or rebuilt when it holds none (or only older ones, kept from an earlier round). Done when
+        the rank's trainer says hello, and ahead of it (``ahead_of_round``: the round's serial),
+        as soon as a round forms (:meth:`Peers.join_round`). One at a time per rank; ahead of
+        the trainer only: once it has said hello, its segments are its own, never replaced."""
+        peers = self.peers
+        if peers is None:
+            return
+        with self._lock:
+            preparing = self._preparing.setdefault((key, rank, world_size), threading.Lock())
+        with preparing:
+            if ahead_of_round is not None:
+                if self._greeted.get((key, rank, world_size)) == ahead_of_round:
+                    return  # (its trainer came first: what it found is what it restores from)
+            else:
+                self._greeted[(key, rank, world_size)] = peers.round_serial
+            # What this node holds of the rank may be of an earlier round: its own snapshots or
+            # its copies of another node's, kept while it waited as a spare (and a spare may be
+            # taken in for any rank). A peer's newer copies then replace them; else the ranks
+            # hold no step in common and every rank restores from disk.
+            adopted = not self._mine(key, rank) and self._adopt_replicas(key, rank)
+            newest = self._newest(key, rank)
+            try:
+                if newest is None:
+                    peers.fetch(key, rank, world_size)
+                elif peers.missed_rounds or adopted:
+                    peers.fetch(key, rank, world_size, newer_than=newest)
+            except Exception as exc:  # the trainer restores from storage instead
+                log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
+
+    def keys(self, ranks: set[int], world_size: int) -> set[str]:
+        """The root keys of the committed snapshots (own or copies) of ``ranks`` this host
+        holds, in a world of ``world_size``."""
+        with self._lock:
+            return {
+                k
+                for table in (self._segments, self._replicas)
+                for (k, r, _), segment in table.items()
+                if r in ranks and segment.step is not None and segment.world_size == world_size
+            }
 
     def _newest(self, key: str, rank: int) -> int | None:
         """The newest step this node holds of (key, rank) as its own, or None."""

@@ -218,6 +218,22 @@ class ParityHolder:
                     )
         return sorted(found, key=lambda r: -int(r["step"]))
 
+    def keys(self, ranks: set[int], world_size: int) -> set[str]:
+        """The root keys of the complete parities of ``world_size`` with a piece of any of
+        ``ranks``' segments."""
+        with self._lock:
+            return {
+                k
+                for (k, _step), parity in self._parities.items()
+                if parity.complete
+                and parity.world_size == world_size
+                and any(
+                    int(s["rank"]) in ranks
+                    for r in parity.contributors.values()
+                    for s in r["segments"]
+                )
+            }
+
     def read(self, key: str, step: int) -> torch.Tensor | None:
         """The complete parity of (key, step) (a clone: it may go meanwhile), or None."""
         with self._lock:

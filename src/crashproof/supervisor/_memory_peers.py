@@ -58,6 +58,8 @@ __all__ = ["PeerCopy", "Peers"]
 log = logging.getLogger("crashproof.supervisor")
 
 _TIMEOUT_S = 60.0
+_PREFETCH_ASK_S = 5.0
+"""How long a prefetch asks a peer that refuses it (it has not taken the round's secret yet)."""
 _STORE_PREFIX = "crashproof/memory"
 DEFAULT_PARITY = 4
 """Pieces per node with parity by default (at most: fewer nodes, fewer pieces)."""
@@ -96,6 +98,18 @@ class PeerCopy(Protocol):
 
     def generation(self, key: Key) -> int | None:
         """A counter that changes whenever the segment is overwritten or committed."""
+        ...
+
+    def keys(self, ranks: set[int], world_size: int) -> set[str]:
+        """The root keys of the committed snapshots (own or copies) held of ``ranks``."""
+        ...
+
+    def prepare(
+        self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
+    ) -> None:
+        """Fetch (or rebuild) the newest snapshots of (key, rank) a peer holds, if this host
+        has none or only older ones; one at a time per rank, and ``ahead_of_round`` only while
+        the rank's trainer has not asked for them in that round."""
         ...
 
     def store_copy(
@@ -158,6 +172,7 @@ class Peers:
         every node covered, over the run: the ``memory_copies`` event at the end."""
         self._newest_ever: int | None = None  # (of those steps, over every round)
         self._last_round: int | None = None
+        self._round_serial = 0  # join_round's calls: a prefetch of an earlier round stops
         self.missed_rounds = False
         """Whether this node was out of the rounds before the one it joined last."""
         self._closed = False
@@ -176,12 +191,15 @@ class Peers:
         group_world_size: int,
         ranks: list[int] | None = None,
         round_number: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         """Publish this host in the rendezvous ``store`` of the round just completed and learn
         the others' (a collective of the agents: each sets its key, then reads everyone's);
-        ``ranks``: this node's global ranks in the round; ``round_number``: the rendezvous'."""
+        ``ranks``: this node's global ranks in the round, of ``world_size``; ``round_number``:
+        the rendezvous'. With ``ranks`` and ``world_size``, the snapshots of those ranks that
+        peers hold and this node does not are fetched at once, while its trainers start."""
         # Rounds without this node (it waited as a spare): its snapshots are of then, and a
-        # peer may hold newer copies of its ranks' (MemoryHost asks when a trainer starts).
+        # peer may hold newer copies of its ranks' (MemoryHost.prepare asks for them).
         self.missed_rounds = (
             round_number is not None
             and self._last_round is not None
@@ -214,12 +232,19 @@ class Peers:
             for connection in self._out.values():
                 connection.close()
             self._out = {}
+            self._round_serial += 1
+            serial = self._round_serial
         self.holder.new_round()
         log.info(
             "memory peers this round: %s; %s",
             {r: p["node"] for r, p in peers.items()},
             "no copies" if scheme is None else f"{scheme[0]} {scheme[1]}",
         )
+        if scheme is not None and ranks and world_size is not None:
+            threading.Thread(
+                target=self._prefetch, args=(serial, sorted(ranks), world_size),
+                name="crashproof-prefetch", daemon=True,
+            ).start()  # fmt: skip
 
     def _scheme(self, nodes: int) -> tuple[str, int] | None:
         if nodes < 2:
@@ -235,6 +260,12 @@ class Peers:
         if self.scheme is None or self.scheme[0] != "replicas":
             return []
         return [(self._group_rank + i) % n for i in range(1, min(self.scheme[1], n - 1) + 1)]
+
+    @property
+    def round_serial(self) -> int:
+        """How many rounds this host has joined (the current one's number, from 1)."""
+        with self._lock:
+            return self._round_serial
 
     def _others(self) -> list[int]:
         return [r for r in sorted(self._peers) if r != self._group_rank]
@@ -482,6 +513,46 @@ class Peers:
 
     # -- fetching copies ---------------------------------------------------------------------
 
+    def _prefetch(self, serial: int, ranks: list[int], world_size: int) -> None:
+        """Ask the other agents which roots they hold snapshots of ``ranks`` for, then fetch
+        those this node lacks, while its trainers start (a new node, or a spare taken in: the
+        fetch would otherwise wait for the trainer's first request, after its imports and its
+        model are built)."""
+        if not self.missed_rounds and all(self._host.keys({r}, world_size) for r in ranks):
+            return  # (a node that kept its ranks: the usual case, and nothing to ask for)
+        with self._lock:
+            others = [self._peers[r] for r in self._others()]
+        ask = {"op": "held", "ranks": ranks, "world_size": world_size}
+        keys: set[str] = set()
+        for peer in others:
+            keys |= self._held_by(peer, ask, serial)
+        for key in sorted(keys):
+            for rank in ranks:
+                with self._lock:
+                    if self._round_serial != serial or self._closed:
+                        return  # (a new round: its own prefetch takes over)
+                self._host.prepare(key, rank, world_size, ahead_of_round=serial)
+
+    def _held_by(self, peer: dict[str, Any], ask: dict[str, Any], serial: int) -> set[str]:
+        """The root keys ``peer`` holds snapshots of the ranks in ``ask`` for. It may not have
+        taken this round's secret yet (each agent takes it as it leaves the rendezvous): it
+        refuses the connection until it has, so it is asked again for a few seconds."""
+        deadline = time.monotonic() + _PREFETCH_ASK_S
+        while True:
+            try:
+                reply = self._ask(peer, ask)
+                held = reply.get("keys", [])
+                if not isinstance(held, list):
+                    raise Malformed(f"{peer['node']} answered {str(held)[:80]!r}")
+                return {k for k in held if isinstance(k, str) and 0 < len(k) <= 256}
+            except (OSError, ValueError) as exc:
+                with self._lock:
+                    stale = self._round_serial != serial or self._closed
+                if stale or time.monotonic() > deadline:
+                    log.debug("no prefetch from %s: %s", peer["node"], exc)
+                    return set()
+                time.sleep(0.05)
+
     def fetch(
         self, key: str, rank: int, world_size: int, *, newer_than: int | None = None
     ) -> list[str]:
@@ -658,6 +729,11 @@ class Peers:
                 return
 
     def _answer(self, connection: socket.socket, message: dict[str, Any]) -> None:
+        if message["op"] == "held":
+            ranks, world_size = set(message["ranks"]), int(message["world_size"])
+            keys = self._host.keys(ranks, world_size) | self.holder.keys(ranks, world_size)
+            send_message(connection, {"keys": sorted(keys)})
+            return
         op, key = message["op"], str(message["key"])
         if op == "piece":
             self._receive_piece(connection, message)

@@ -91,6 +91,13 @@ def _record(name: str, value: object) -> None:
     _size(f"{name}.size", value.get("size"))
 
 
+def _ranks(name: str, value: object) -> None:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_SLOTS * 16:
+        raise Malformed(f"{name} must be a list of ranks, at most {MAX_SLOTS * 16}")
+    for i, rank in enumerate(value):
+        _rank(f"{name}[{i}]", rank)
+
+
 def _segments(name: str, value: object) -> None:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_WORLD_SIZE:
         raise Malformed(f"{name} must be a list of segments")
@@ -114,6 +121,7 @@ _FIELDS: Mapping[str, Mapping[str, Check]] = {
     "have": _ONE_RANK,
     "fetch": _ONE_RANK,
     "parity_have": _ONE_RANK,
+    "held": {"ranks": _ranks, "world_size": _world_size},
     "piece": {
         "key": _text,
         "step": _step,
@@ -145,6 +153,8 @@ def checked(message: dict[str, Any]) -> dict[str, Any]:
     for name, check in fields.items():
         check(name, message.get(name))
     ranks = [message["rank"]] if "rank" in fields else []
+    if op == "held":
+        ranks += message["ranks"]
     if op == "piece_fetch":
         ranks += [segment["rank"] for segment in message["segments"]]
     for rank in ranks:  # (every request that names a rank comes with its world size)

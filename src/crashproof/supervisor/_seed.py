@@ -100,7 +100,7 @@ class _Seed:
                     # took the whole hand-over and closed its end meanwhile.)
                     sock.sendall(message[sent:])
         except (OSError, TypeError, ValueError) as exc:  # (a path JSON cannot hold: started fresh)
-            log.debug("the forkserver seed could not be handed its start: %s", exc)
+            log.info("the forkserver starts fresh: its seed could not be handed its start: %s", exc)
             return False
         return True
 
