@@ -111,7 +111,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
         runs: dict[str, dict[str, Any]] = {}
         for variant in order:
-            with tempfile.TemporaryDirectory(prefix="multinode-", dir=REPO) as work:
+            with tempfile.TemporaryDirectory(
+                prefix="multinode-", dir=REPO, ignore_cleanup_errors=True
+            ) as work:
                 runs[variant] = one_run(Path(work), variant, args)
         off = runs["off"]["steps_per_s"]
         found = {v: runs[v] for v in VARIANTS}
