@@ -339,6 +339,9 @@ def test_a_warm_started_trainer_looks_like_a_fresh_interpreter(tmp_path: Path, c
         capture_output=True,
         text=True,
         timeout=120,
+        # started as a shell starts a background job, with SIGINT ignored: the trainers still get
+        # python's own handler, as torch's agent gives them
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

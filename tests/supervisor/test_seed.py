@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -23,14 +24,16 @@ from crashproof.supervisor._seed import _Seed
 from tests.warm_ranks import python
 
 PROBE = """
-import os, torch
+import os, signal, torch
 
 def probe(queue):
     fds = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
            if os.path.exists(f"/proc/self/fd/{fd}")}
     queue.put({"parent": os.getppid(), "late": os.environ.get("LATE"), "cwd": os.getcwd(),
                "threads": torch.get_num_threads(), "fds": sorted(fds),
-               "big": sum(len(v) for k, v in os.environ.items() if k.startswith("BIG"))})
+               "big": sum(len(v) for k, v in os.environ.items() if k.startswith("BIG")),
+               "sigquit": repr(signal.getsignal(signal.SIGQUIT)),
+               "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))})
 """
 
 AGENT = """
@@ -47,6 +50,9 @@ for i in range(4):  # larger than the socket's buffer: the seed reads the hand-o
     os.environ[f"BIG{i}"] = "x" * 100_000
 os.environ["OMP_NUM_THREADS"] = "1"
 os.chdir(sys.argv[2])
+import signal
+signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # ignored and blocked after the fork: an exec
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # would pass both on
 multiprocessing.set_forkserver_preload(["json"])
 context = multiprocessing.get_context("forkserver")
 queue = context.Queue()
@@ -76,6 +82,8 @@ def test_the_forkserver_grown_from_the_seed_sees_the_agent_as_it_is_when_the_tra
     # what changed after the fork reached it: environment, directory, OpenMP's threads
     assert found["late"] == "set after the fork" and found["cwd"] == str(later)
     assert found["threads"] == 1 and found["big"] == 400_000
+    # the signals the agent ignored and blocked by then, as a forkserver exec'd then would have
+    assert found["sigquit"] == repr(signal.SIG_IGN) and int(signal.SIGUSR2) in found["blocked"]
     # a file the agent had open at the fork is closed, as it is in a fresh forkserver
     assert str(tmp_path / "agent-file") not in found["fds"]
     # the agent's exit handlers ran once: in the agent, never in the seed or the forkserver

@@ -61,6 +61,7 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     _drop_forkserver_pipe()
     for sig in FORKSERVER_IGNORES:  # the forkserver ignores them; a fresh interpreter does not
         signal.signal(sig, signal.SIG_DFL)
+    _signals_torch_handles_at_their_default()
     _fresh_randomness()
     attach_to_supervisor()
     sys.argv = [target, *argv]
@@ -107,6 +108,21 @@ def _end_forked_child(code: object) -> None:
         print(code, file=sys.stderr)
         code = 1
     _exit_as_python(None, code or 0)
+
+
+def _signals_torch_handles_at_their_default() -> None:
+    """torch's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT (``TORCHELASTIC_SIGNALS_TO_HANDLE``)
+    from just before it starts its trainers, so a trainer it execs starts with them at their
+    default, and with python's own SIGINT handler, even when the launcher was started with
+    SIGINT ignored (a shell's background job). The warm forkserver started earlier, ignoring what
+    the launcher ignored then: each trainer takes the defaults here."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            wanted = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, wanted)
 
 
 def _exit_as_python(sig: signal.Signals | None, code: int = 0) -> None:

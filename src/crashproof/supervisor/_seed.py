@@ -27,6 +27,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
@@ -140,7 +141,8 @@ def _from_seed(server: Any, seed: _Seed) -> bool:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
-        what = {"env": dict(os.environ), "cwd": os.getcwd(), "preload": preload, "data": data}
+        what = {"env": dict(os.environ), "cwd": os.getcwd(), "preload": preload, "data": data,
+                "signals": _signals_an_exec_keeps()}  # fmt: skip
         try:
             handed = seed.hand_over(what, [listener.fileno(), alive_r])
         finally:
@@ -178,6 +180,7 @@ def _grow(sock: socket.socket, env_at_fork: dict[str, str]) -> int:
     os.environ.clear()
     os.environ.update(what["env"])
     os.chdir(what["cwd"])
+    _take_signals(what["signals"])
     threads = what["env"].get("OMP_NUM_THREADS")
     if threads != env_at_fork.get("OMP_NUM_THREADS") and threads and threads.isdigit():
         import torch
@@ -190,6 +193,44 @@ def _grow(sock: socket.socket, env_at_fork: dict[str, str]) -> int:
     except SystemExit as exc:  # its end: the agent closed the alive pipe
         return exc.code if isinstance(exc.code, int) else 0
     return 0
+
+
+def _signals_an_exec_keeps() -> dict[str, list[int]]:
+    """What of this process's signal state a program it started now would inherit: the signals
+    it ignores (an exec keeps those ignored, and resets the handled ones to their default) and
+    the signals it blocks. A shell starts a background job with SIGINT ignored, for instance, and
+    the agent then handles SIGINT: a fresh forkserver would start with Python's own SIGINT
+    handler, while the seed, forked before, still ignores it."""
+    ignored = []
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                ignored.append(int(sig))
+    blocked = [int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+    return {"ignored": ignored, "blocked": blocked}
+
+
+def _take_signals(state: dict[str, list[int]]) -> None:
+    """Give the seed the signal state a fresh interpreter exec'd by the agent now would have:
+    the signals the agent ignores now, ignored; those the seed ignores only because the agent
+    did at the fork, back to their default (python's own handler for SIGINT); python's own
+    ignores kept (SIGPIPE, SIGXFSZ), and what the seed's imports set left as they set it. Then
+    the agent's blocked signals blocked."""
+    ignored = set(state["ignored"])
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):  # (one a process may not set: left)
+            if sig in ignored:
+                signal.signal(sig, signal.SIG_IGN)
+            elif sig not in _PYTHON_IGNORES and signal.getsignal(sig) == signal.SIG_IGN:
+                default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                signal.signal(sig, default)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [signal.Signals(s) for s in state["blocked"]])
+
+
+_PYTHON_IGNORES = {
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
+}
+"""What python ignores at its start, whatever it inherited."""
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
