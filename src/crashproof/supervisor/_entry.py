@@ -59,9 +59,7 @@ def run_script(kind: str, target: str, *argv: str) -> None:
     # forkserver of the trainer's, and outlive the trainer when it is killed.
     multiprocessing.set_start_method(None, force=True)
     _drop_forkserver_pipe()
-    for sig in FORKSERVER_IGNORES:  # the forkserver ignores them; a fresh interpreter does not
-        signal.signal(sig, signal.SIG_DFL)
-    _signals_torch_handles_at_their_default()
+    _signals_as_an_exec_gives_them()
     _fresh_randomness()
     attach_to_supervisor()
     sys.argv = [target, *argv]
@@ -110,19 +108,19 @@ def _end_forked_child(code: object) -> None:
     _exit_as_python(None, code or 0)
 
 
-def _signals_torch_handles_at_their_default() -> None:
-    """torch's agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT (``TORCHELASTIC_SIGNALS_TO_HANDLE``)
-    from just before it starts its trainers, so a trainer it execs starts with them at their
-    default, and with python's own SIGINT handler, even when the launcher was started with
-    SIGINT ignored (a shell's background job). The warm forkserver started earlier, ignoring what
-    the launcher ignored then: each trainer takes the defaults here."""
+def _signals_as_an_exec_gives_them() -> None:
+    """The dispositions a trainer torch's agent exec'd would start with: the signals the warm
+    forkserver ignores (:data:`FORKSERVER_IGNORES`) at their default, and so the signals torch's
+    agent handles (``TORCHELASTIC_SIGNALS_TO_HANDLE``: SIGTERM, SIGINT, SIGHUP, SIGQUIT), from
+    just before it starts its trainers: an exec resets them, with python's own SIGINT handler,
+    even when the launcher was started with SIGINT ignored (a shell's background job). The warm
+    forkserver started earlier, ignoring what the launcher ignored then."""
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    for name in names.split(","):
-        sig = getattr(signal, name.strip(), None)
-        if isinstance(sig, signal.Signals):
-            wanted = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-            with contextlib.suppress(OSError, ValueError):
-                signal.signal(sig, wanted)
+    handled = {getattr(signal, name.strip(), None) for name in names.split(",")}
+    for sig in {*FORKSERVER_IGNORES, *(s for s in handled if isinstance(s, signal.Signals))}:
+        wanted = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, wanted)
 
 
 def _exit_as_python(sig: signal.Signals | None, code: int = 0) -> None:

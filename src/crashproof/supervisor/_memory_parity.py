@@ -101,6 +101,11 @@ class _Parity:
     def nbytes(self) -> int:
         return 0 if self.buffer is None else int(self.buffer.numel())
 
+    @property
+    def ranks(self) -> set[int]:
+        """The ranks whose segments the contributors' pieces hold."""
+        return {int(s["rank"]) for r in self.contributors.values() for s in r["segments"]}
+
 
 class ParityHolder:
     """The parities this agent keeps for the other members of its group: (root key, step) ->
@@ -209,10 +214,7 @@ class ParityHolder:
             for (k, step), parity in self._parities.items():
                 if k != key or not parity.complete or parity.world_size != world_size:
                     continue
-                ranks = {
-                    int(s["rank"]) for r in parity.contributors.values() for s in r["segments"]
-                }
-                if rank in ranks:
+                if rank in parity.ranks:
                     found.append(
                         {"step": step, "size": parity.nbytes, "contributors": parity.contributors}
                     )
@@ -225,13 +227,7 @@ class ParityHolder:
             return {
                 k
                 for (k, _step), parity in self._parities.items()
-                if parity.complete
-                and parity.world_size == world_size
-                and any(
-                    int(s["rank"]) in ranks
-                    for r in parity.contributors.values()
-                    for s in r["segments"]
-                )
+                if parity.complete and parity.world_size == world_size and parity.ranks & ranks
             }
 
     def read(self, key: str, step: int) -> torch.Tensor | None:
