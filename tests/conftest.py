@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import socket
 import subprocess
@@ -48,6 +49,20 @@ def step_records(log: Path) -> dict[int, Any]:
     return records
 
 
+@pytest.fixture(autouse=True)
+def _no_crashproof_environment_leaks() -> Iterator[None]:
+    """A test must leave no ``CRASHPROOF_*`` variable behind in this process: the processes
+    later tests start inherit it (an agent's memory socket, a node's name) and would act on it."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("CRASHPROOF_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("CRASHPROOF_")}
+    if after != before:
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        pytest.fail(f"the test left crashproof's environment changed: {before} -> {after}")
+
+
 @pytest.fixture
 def memory_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The memory host ``crashproof run``'s agent runs, in this process, its address set for
@@ -79,9 +94,16 @@ def warm_context() -> multiprocessing.context.ForkServerContext:
     starts with it are forked from one server per test worker that imported them once, instead
     of importing torch again each (as "spawn" does, 1.5 to 2 s of CPU per process). Like spawn,
     a child runs only what it is given, in a fresh state; unlike spawn, it inherits the
-    environment the server started with, not the test's: pass what a child needs as arguments."""
+    environment the server started with, not the test's: pass what a child needs as arguments.
+    (Started without crashproof's own variables, whatever the test that starts it has set.)"""
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "crashproof"])
-    return multiprocessing.get_context("forkserver")
+    context = multiprocessing.get_context("forkserver")
+    ours = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("CRASHPROOF_")}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.update(ours)
+    return context
 
 
 def free_port() -> int:

@@ -70,8 +70,10 @@ class WarmRanks:
 
     def run(self, script: Path, args: list[str], *, nproc: int, timeout: float = 240) -> Launch:
         out = self._next_file("launch", ".log")
+        # (The test's environment now, as torchrun would pass it on: not the zygote's, which is
+        # the environment of whichever test started it.)
         request = {"script": str(script), "args": args, "nproc": nproc, "port": free_port(),
-                   "out": str(out), "cwd": os.getcwd()}  # fmt: skip
+                   "out": str(out), "cwd": os.getcwd(), "env": dict(os.environ)}  # fmt: skip
         try:
             codes = self._ask(request, timeout)
         except subprocess.TimeoutExpired:
@@ -228,6 +230,8 @@ def _rank(request: dict[str, Any], rank: int, nproc: int) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stdin.close()
+    os.environ.clear()
+    os.environ.update(request["env"])
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
