@@ -28,9 +28,10 @@ process any more are forgotten when a new attempt starts, so a pid reused long a
 matches. What escapes: a process that leaves its session (``setsid``) *and* clears its
 environment.
 
-A run that ends normally tells the keeper first (a line ``end`` on its stdin): the processes
-carrying the token then get a moment to exit by themselves (the forkserver and multiprocessing's
-resource tracker do, on their own pipes' end) before the keeper ends what is left.
+A run that ends normally tells the keeper first (a line ``end`` on its stdin): the run's
+processes then get a moment to exit by themselves (the forkserver and multiprocessing's resource
+tracker do, on their own pipes' end; a trainer may still be on its way out) before the keeper
+ends what is left.
 
 The parent-death signals set along the way (the forkserver with the agent, trainers with the
 forkserver, a trainer's forked children with the trainer) stay: they also hold when the keeper
@@ -321,12 +322,11 @@ def _stop(token: bytes, polite: bool, sessions: _Sessions | None = None) -> list
     me = os.getpid()
     started = time.monotonic()
     helpers_wait_until = started + (_POLITE_WAIT_S if polite else 0.5)
-    if polite:  # those carrying the token may exit by themselves; the others are not told
-        while (
-            any(_carries(pid, token) for pid in _processes(me))
-            and time.monotonic() < started + _POLITE_WAIT_S
-        ):
-            time.sleep(0.05)
+    # After a normal end, the run's processes get a moment to exit by themselves: those that
+    # carry the token, and those of the trainers' sessions (a trainer still on its way out
+    # reads as neither once the kernel has released its memory: killing it would report it).
+    while polite and _marked(token, me, sessions) and time.monotonic() < started + _POLITE_WAIT_S:
+        time.sleep(0.05)
     killed: dict[int, bytes] = {}
     while time.monotonic() < started + _POLITE_WAIT_S + _KILL_ROUNDS_S:
         found = _marked(token, me, sessions)
