@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from crashproof.link import recv_exactly, recv_message, send_message
+from crashproof.supervisor._peer_fetch import Members, PeerFetch
 from crashproof.supervisor._peer_requests import MAX_SLOTS, Malformed, checked
 from tests.supervisor.test_memory_parity import _host
 from tests.supervisor.test_memory_peers import _round
@@ -91,7 +92,7 @@ def _dial(host: Any) -> socket.socket:
     """A connection that proved it knows the run's secret, as one of the run's agents."""
     connection = socket.create_connection(("127.0.0.1", host.peers.port), timeout=10)
     challenge = recv_exactly(connection, 32)
-    connection.sendall(hmac.new(host.peers._secret, challenge, hashlib.sha256).digest())
+    connection.sendall(hmac.new(host.peers._links._secret, challenge, hashlib.sha256).digest())
     return connection
 
 
@@ -226,7 +227,9 @@ class _Liar:
                 recv_exactly(connection, 32)  # (the host proves itself; not checked here)
                 try:
                     message, _ = recv_message(connection)
-                    if message["op"] == "have":
+                    if message["op"] == "held":
+                        send_message(connection, self.answers[0])
+                    elif message["op"] == "have":
                         send_message(connection, {"slots": [{"slot": 0, "step": 10}]})
                     elif message["op"] == "fetch":
                         for answer in self.answers:
@@ -240,7 +243,7 @@ class _Liar:
 
 @pytest.mark.parametrize("lie", list(LIES))
 def test_a_lying_peer_leaves_nothing_offered_nor_held(host: Any, lie: str) -> None:
-    liar = _Liar(host.peers._secret, LIES[lie])
+    liar = _Liar(host.peers._links._secret, LIES[lie])
     peers = host.peers._peers
     peers[1] = {"host": "127.0.0.1", "port": liar.server.getsockname()[1], "node": "liar",
                 "agent": "liar-agent"}  # fmt: skip
@@ -257,3 +260,38 @@ def test_a_lying_peer_leaves_nothing_offered_nor_held(host: Any, lie: str) -> No
         assert not host._replicas and not host._filling
     _settled(host, before)
     _still_serves(host)
+
+
+HELD_LIES = {
+    "not a list": ({"keys": "0123456789abcdef"}, set()),
+    "more roots than any run has": ({"keys": [f"{i:016x}" for i in range(10_000)]}, set()),
+    "names that are not names": (
+        {"keys": [1, None, {"k": 1}, "", "k" * 300, "0123456789abcdef"]},
+        {"0123456789abcdef"},
+    ),
+    "no keys at all": ({"error": "malformed request"}, set()),
+}
+
+
+@pytest.mark.parametrize("lie", list(HELD_LIES))
+def test_a_lying_answer_to_held_fetches_only_what_is_named_well_and_at_once(
+    host: Any, lie: str
+) -> None:
+    """A new node asks its peers which roots they hold its ranks' snapshots for (to fetch them
+    ahead): an answer that is no list of names, or names more roots than any run has, is
+    passed over at once (a peer that refuses the connection is asked again for seconds; one
+    that answers nonsense is not)."""
+    answer, named = HELD_LIES[lie]
+    liar = _Liar(host.peers._links._secret, [answer])
+    peer = {"host": "127.0.0.1", "port": liar.server.getsockname()[1], "node": "liar",
+            "agent": "liar-agent"}  # fmt: skip
+    fetch = PeerFetch(host, host._events, host.peers._links)
+    prepared: list[tuple[str, int]] = []
+    started = time.monotonic()
+    try:
+        fetch.ahead(Members(others=[peer], everyone=[peer]), [0, 1], 2,
+                    lambda key, rank: prepared.append((key, rank)), lambda: True)  # fmt: skip
+    finally:
+        liar.server.close()
+    assert time.monotonic() - started < 2.0
+    assert prepared == [(key, rank) for key in sorted(named) for rank in (0, 1)]

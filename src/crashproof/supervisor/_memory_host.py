@@ -35,7 +35,8 @@ from typing import Any
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
-from crashproof.supervisor._memory_peers import Key, Peers
+from crashproof.supervisor._memory_peers import Peers
+from crashproof.supervisor._peer_copy import Key
 from crashproof.supervisor._peer_requests import whole
 from crashproof.telemetry import EventLog
 

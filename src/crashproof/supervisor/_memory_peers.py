@@ -2,8 +2,8 @@
 and all its trainers at once) loses no snapshot.
 
 Each agent's memory host listens on TCP. At every rendezvous the agents publish their address in
-the rendezvous store, with a secret every connection must prove it knows (HMAC), and learn each
-other's. After each snapshot a trainer commits, its agent streams the segment to the next
+the rendezvous store, with a secret every connection must prove it knows (:mod:`._peer_links`),
+and learn each other's. After each snapshot a trainer commits, its agent streams the segment to the next
 ``replicas`` agents of the ring (group rank + 1, + 2, ...), which keep a copy in shared memory of
 their own: the newest snapshot of each slot only (a push that falls behind skips to the newest,
 never queues), and a push the trainer overwrote meanwhile is dropped by the receiver. Every copy
@@ -16,7 +16,8 @@ nodes on.
 When a trainer asks its agent for its snapshots and the agent holds none for that rank (a new
 node in a lost one's place, or a rank that moved to another node), the agent fetches the newest
 copy any peer holds, or else rebuilds it from the parity and the survivors' own snapshots, before
-the trainer's restore starts. The copy's origin (``peer:<node>``) reaches the restore event.
+the trainer's restore starts (:mod:`._peer_fetch`; a new node fetches ahead, as the round forms).
+The copy's origin (``peer:<node>``) reaches the restore event.
 
 Whatever the scheme, a step every node has copied (or coded) is *covered*; each agent then pins
 it, so that its trainers' next memory snapshots leave it in place until a newer one is covered:
@@ -27,25 +28,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import os
 import secrets
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from crashproof.checkpoint.format import new_hasher
-from crashproof.link import recv_exactly, recv_message, send_message
+from crashproof.link import recv_message, send_message
 from crashproof.supervisor._memory_parity import ParityHolder, ParityPlan, piece_span
-from crashproof.supervisor._memory_rebuild import rebuild
-from crashproof.supervisor._peer_requests import MAX_SLOTS, Malformed, checked
+from crashproof.supervisor._peer_copy import Key, PeerCopy
+from crashproof.supervisor._peer_fetch import Members, PeerFetch, receive_copy
+from crashproof.supervisor._peer_links import TIMEOUT_S, PeerLinks
+from crashproof.supervisor._peer_requests import Malformed, checked
 from crashproof.supervisor._peer_wire import (
     CHUNK,
-    Dropped,
     Pacer,
     bytes_of,
     receive_bytes,
@@ -53,78 +52,13 @@ from crashproof.supervisor._peer_wire import (
 )
 from crashproof.telemetry import EventLog
 
-__all__ = ["PeerCopy", "Peers"]
+__all__ = ["Peers"]
 
 log = logging.getLogger("crashproof.supervisor")
 
-_TIMEOUT_S = 60.0
-_PREFETCH_ASK_S = 5.0
-"""How long a prefetch asks a peer that refuses it (it has not taken the round's secret yet)."""
 _STORE_PREFIX = "crashproof/memory"
 DEFAULT_PARITY = 4
 """Pieces per node with parity by default (at most: fewer nodes, fewer pieces)."""
-
-Key = tuple[str, int, int]
-"""A segment: the root's key, the global rank, the slot."""
-
-
-class PeerCopy(Protocol):
-    """What the host lends the replication: its committed segments, and a place for copies."""
-
-    token: str
-    """This agent's name among the others, for as long as it lives."""
-
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more may be held (the node's memory, ``--memory-limit``)."""
-        ...
-
-    def pin(self, key: str, step: int) -> None:
-        """Snapshots of ``step`` (of root ``key``) are covered: keep them until a newer is."""
-        ...
-
-    def ranks(self, key: str) -> list[int]:
-        """The ranks of root ``key`` this node's trainers hold segments for."""
-        ...
-
-    def sending(self, keys: list[Key], busy: bool) -> None:
-        """Segments ``keys`` are (busy) or are no longer being sent: their trainers' memory
-        snapshots skip them meanwhile (backpressure: skipped, never waited for)."""
-        ...
-
-    def committed(self, key: str, rank: int, world_size: int) -> list[dict[str, Any]]:
-        """Every committed segment or copy of (key, rank): ``slot``, ``step``, ``nbytes``,
-        ``contents``, ``fd`` (a duplicate, the caller's to close) and ``gen``."""
-        ...
-
-    def generation(self, key: Key) -> int | None:
-        """A counter that changes whenever the segment is overwritten or committed."""
-        ...
-
-    def keys(self, ranks: set[int], world_size: int) -> set[str]:
-        """The root keys of the committed snapshots (own or copies) held of ``ranks``."""
-        ...
-
-    def prepare(
-        self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
-    ) -> None:
-        """Fetch (or rebuild) the newest snapshots of (key, rank) a peer holds, if this host
-        has none or only older ones; one at a time per rank, and ``ahead_of_round`` only while
-        the rank's trainer has not asked for them in that round."""
-        ...
-
-    def store_copy(
-        self,
-        key: Key,
-        meta: dict[str, Any],
-        fill: Callable[[memoryview], None],
-        origin: str,
-        *,
-        as_replica: bool,
-    ) -> str | None:
-        """Make a segment of ``meta["nbytes"]``, ``fill`` it, and keep it with what it holds
-        (``meta``): as a replica for another node's rank, or as this node's own segment (a
-        trainer here is about to restore from it); returns why not (no memory), or None."""
-        ...
 
 
 class Peers:
@@ -152,7 +86,8 @@ class Peers:
         self._advertise = advertise
         self._node = os.uname().nodename
         self._agent = host.token
-        self._secret = b""
+        self._links = PeerLinks()
+        self._fetch = PeerFetch(host, events, self._links)
         self._lock = threading.Lock()
         self._peers: dict[int, dict[str, Any]] = {}  # group rank -> {host, port, node, agent}
         self._group_rank = 0
@@ -178,7 +113,6 @@ class Peers:
         self._closed = False
         self._server = socket.create_server(("", 0), backlog=64)
         self.port = self._server.getsockname()[1]
-        self._out: dict[int, socket.socket] = {}  # persistent connections, by group rank
         threading.Thread(target=self._serve, name="crashproof-peers", daemon=True).start()
         threading.Thread(target=self._push_loop, name="crashproof-push", daemon=True).start()
 
@@ -217,7 +151,7 @@ class Peers:
         secret = hashlib.sha256("".join(peers[r]["token"] for r in sorted(peers)).encode())
         scheme = self._scheme(group_world_size)
         with self._lock:
-            self._secret = secret.digest()
+            self._links.new_round(secret.digest())
             self._peers, self._group_rank, self._ranks = peers, group_rank, ranks
             self.scheme = scheme
             self._plan = (
@@ -229,9 +163,6 @@ class Peers:
             # the one covered (the parities kept stay offered, for rebuilding a lost node).
             self._sent, self._acked, self._jobs, self._reports = {}, {}, {}, {}
             self._newest_covered = {}
-            for connection in self._out.values():
-                connection.close()
-            self._out = {}
             self._round_serial += 1
             serial = self._round_serial
         self.holder.new_round()
@@ -317,7 +248,7 @@ class Peers:
                 copied += self._push(key, world_size, step, target)
             except Exception as exc:
                 log.warning("replicating rank %d's snapshot to a peer failed: %s", key[1], exc)
-                self._drop_connection(target)
+                self._links.drop(target)
         if targets and copied == len(targets):
             with self._lock:
                 done = self._acked.setdefault((key[0], step), set())
@@ -395,7 +326,7 @@ class Peers:
                         self._count(pieces=1, bytes=size)
                 except OSError as exc:
                     log.warning("sending a parity piece to a peer failed: %s", exc)
-                    self._drop_connection(target)
+                    self._links.drop(target)
         finally:
             self._host.sending(keys, False)
             for copy in parts:
@@ -449,7 +380,7 @@ class Peers:
                 recv_message(connection)
             except OSError as exc:
                 log.warning("telling a peer of a covered snapshot failed: %s", exc)
-                self._drop_connection(target)
+                self._links.drop(target)
 
     def _covered(self, key: str, step: int, agent: str) -> None:
         with self._lock:
@@ -468,90 +399,38 @@ class Peers:
         self._host.pin(key, step)
         self.holder.covered(key, step)
 
-    # -- connections -------------------------------------------------------------------------
+    # -- connections and fetching -----------------------------------------------------------
 
     def _connection(self, target: int) -> socket.socket:
         with self._lock:
-            connection = self._out.get(target)
             peer = self._peers[target]
-        if connection is not None:
-            return connection
-        connection = self._dial(peer)
+        return self._links.kept(target, peer)
+
+    def _members(self) -> Members:
         with self._lock:
-            self._out[target] = connection
-        return connection
+            return Members(
+                others=[self._peers[r] for r in self._others()],
+                everyone=[self._peers[r] for r in sorted(self._peers)],
+            )
 
-    def _drop_connection(self, target: int) -> None:
+    def _current(self, serial: int) -> bool:
+        """Whether round ``serial`` is still this agent's (and it is not closed)."""
         with self._lock:
-            stale = self._out.pop(target, None)
-        if stale is not None:
-            stale.close()
-
-    def _dial(self, peer: dict[str, Any]) -> socket.socket:
-        connection = socket.create_connection((peer["host"], peer["port"]), timeout=_TIMEOUT_S)
-        challenge = recv_exactly(connection, 32)
-        connection.sendall(hmac.new(self._secret, challenge, hashlib.sha256).digest())
-        return connection
-
-    def _ask(self, peer: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
-        with contextlib.closing(self._dial(peer)) as connection:
-            send_message(connection, message)
-            return recv_message(connection)[0]
-
-    def _ask_each(
-        self, peers: list[dict[str, Any]], message: dict[str, Any], what: str
-    ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each of ``peers`` that answers ``message``, with its reply (one that cannot be
-        reached, or answers nonsense, is logged and passed over)."""
-        for peer in peers:
-            try:
-                reply = self._ask(peer, message)
-            except (OSError, ValueError) as exc:
-                log.warning("cannot ask %s for %s: %s", peer["node"], what, exc)
-                continue
-            yield peer, reply
-
-    # -- fetching copies ---------------------------------------------------------------------
+            return self._round_serial == serial and not self._closed
 
     def _prefetch(self, serial: int, ranks: list[int], world_size: int) -> None:
-        """Ask the other agents which roots they hold snapshots of ``ranks`` for, then fetch
-        those this node lacks, while its trainers start (a new node, or a spare taken in: the
-        fetch would otherwise wait for the trainer's first request, after its imports and its
-        model are built)."""
+        """Fetch the snapshots of ``ranks`` the peers hold and this node lacks, while its
+        trainers start (:meth:`PeerFetch.ahead`): a new node, or a spare taken in, whose fetch
+        would otherwise wait for the trainer's first request."""
         if not self.missed_rounds and all(self._host.keys({r}, world_size) for r in ranks):
             return  # (a node that kept its ranks: the usual case, and nothing to ask for)
-        with self._lock:
-            others = [self._peers[r] for r in self._others()]
-        ask = {"op": "held", "ranks": ranks, "world_size": world_size}
-        keys: set[str] = set()
-        for peer in others:
-            keys |= self._held_by(peer, ask, serial)
-        for key in sorted(keys):
-            for rank in ranks:
-                with self._lock:
-                    if self._round_serial != serial or self._closed:
-                        return  # (a new round: its own prefetch takes over)
-                self._host.prepare(key, rank, world_size, ahead_of_round=serial)
 
-    def _held_by(self, peer: dict[str, Any], ask: dict[str, Any], serial: int) -> set[str]:
-        """The root keys ``peer`` holds snapshots of the ranks in ``ask`` for. It may not have
-        taken this round's secret yet (each agent takes it as it leaves the rendezvous): it
-        refuses the connection until it has, so it is asked again for a few seconds."""
-        deadline = time.monotonic() + _PREFETCH_ASK_S
-        while True:
-            try:
-                reply = self._ask(peer, ask)
-                held = reply.get("keys", [])
-                if not isinstance(held, list):
-                    raise Malformed(f"{peer['node']} answered {str(held)[:80]!r}")
-                return {k for k in held if isinstance(k, str) and 0 < len(k) <= 256}
-            except (OSError, ValueError) as exc:
-                with self._lock:
-                    stale = self._round_serial != serial or self._closed
-                if stale or time.monotonic() > deadline:
-                    log.debug("no prefetch from %s: %s", peer["node"], exc)
-                    return set()
-                time.sleep(0.05)
+        def prepare(key: str, rank: int) -> None:
+            self._host.prepare(key, rank, world_size, ahead_of_round=serial)
+
+        self._fetch.ahead(
+            self._members(), ranks, world_size, prepare, lambda: self._current(serial)
+        )
 
     def fetch(
         self, key: str, rank: int, world_size: int, *, newer_than: int | None = None
@@ -560,105 +439,9 @@ class Peers:
         from parity (a trainer of that rank is starting here and this host has none); returns
         the origins stored. With ``newer_than`` (the newest step this host holds), only a peer's
         newer copies are taken, and nothing is rebuilt."""
-        with self._lock:
-            others = [self._peers[r] for r in self._others()]
-        best: tuple[int, dict[str, Any]] | None = None
-        ask = {"op": "have", "key": key, "rank": rank, "world_size": world_size}
-        for peer, reply in self._ask_each(others, ask, f"rank {rank}'s snapshots"):
-            newest = max((int(s["step"]) for s in reply.get("slots", [])), default=-1)
-            if newest >= 0 and (best is None or newest > best[0]):
-                best = (newest, peer)
-        if newer_than is not None and (best is None or best[0] <= newer_than):
-            return []
-        started = time.monotonic()
-        if best is not None:
-            peer = best[1]
-            stored = self._fetch_copies(peer, key, rank, world_size)
-            source = peer["node"]
-        else:
-            with self._lock:
-                everyone = [self._peers[r] for r in sorted(self._peers)]  # (itself included)
-            stored, source = self._rebuild(key, rank, world_size, everyone)
-            if not stored:
-                return []
-        seconds = time.monotonic() - started
-        self._events.emit("memory_fetched", rank=rank, peer=source, snapshots=len(stored),
-                          seconds=round(seconds, 4))  # fmt: skip
-        log.info("fetched %d snapshot(s) of rank %d from %s in %.2f s", len(stored), rank,
-                 source, seconds)  # fmt: skip
-        return stored
-
-    def _fetch_copies(
-        self, peer: dict[str, Any], key: str, rank: int, world_size: int
-    ) -> list[str]:
-        origin = f"peer:{peer['node']}"
-        stored = []
-        with contextlib.closing(self._dial(peer)) as connection:
-            send_message(connection, {"op": "fetch", "key": key, "rank": rank,
-                                      "world_size": world_size})  # fmt: skip
-            count = int(recv_message(connection)[0]["count"])
-            if not 0 <= count <= MAX_SLOTS:
-                raise Malformed(f"{peer['node']} offers {count} copies of rank {rank}")
-            for _ in range(count):
-                meta, _ = recv_message(connection)
-                # (checked as the peer would check it, had this been pushed)
-                checked({**meta, "op": "push", "key": key, "rank": rank})
-                why = self._receive(connection, (key, rank, int(meta["slot"])), meta, origin)
-                if why is None:
-                    stored.append(origin)
-        return stored
-
-    # -- rebuilding from parity --------------------------------------------------------------
-
-    def _rebuild(
-        self, key: str, rank: int, world_size: int, others: list[dict[str, Any]]
-    ) -> tuple[list[str], str]:
-        """Rebuild (key, rank)'s newest snapshot that parity and the survivors still hold;
-        returns the origins stored and where from."""
-        offers: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-        ask = {"op": "parity_have", "key": key, "rank": rank, "world_size": world_size}
-        for peer, reply in self._ask_each(others, ask, f"parity of rank {rank}"):
-            for record in reply.get("parities", []):
-                offers.setdefault(int(record["step"]), []).append((peer, record))
-        with self._lock:
-            agents = {p["agent"]: p for p in self._peers.values()}
-        if not offers:
-            log.info("no agent holds rank %d's snapshots: it restores from storage", rank)
-            return [], ""
-        stored, source, why = rebuild(
-            key, rank, world_size, offers, agents, self._dial, self._host.store_copy
-        )
-        if not stored:
-            self._events.emit("memory_missing", rank=rank, why=why)
-            log.warning("rank %d's snapshot is in no agent's memory (%s): it restores from "
-                        "storage", rank, why)  # fmt: skip
-        return stored, source
+        return self._fetch.fetch(self._members(), key, rank, world_size, newer_than=newer_than)
 
     # -- receiving ---------------------------------------------------------------------------
-
-    def _receive(
-        self,
-        connection: socket.socket,
-        key: Key,
-        meta: dict[str, Any],
-        origin: str,
-        *,
-        as_replica: bool = False,
-    ) -> str | None:
-        """Read one segment's bytes and its trailer off ``connection`` into a copy; returns why
-        it was not kept (None: kept)."""
-        nbytes = int(meta["nbytes"])
-
-        def fill(into: memoryview) -> None:
-            computed = receive_bytes(connection, nbytes, into)
-            trailer, _ = recv_message(connection)
-            if not trailer.get("whole") or trailer.get("checksum") != computed:
-                raise Dropped("overwritten while it was sent, or damaged on the way")
-
-        try:
-            return self._host.store_copy(key, meta, fill, origin, as_replica=as_replica)
-        except Dropped as exc:
-            return str(exc)
 
     def _receive_piece(self, connection: socket.socket, message: dict[str, Any]) -> None:
         """Receive a piece of another member's payload and XOR it into the parity as it comes,
@@ -704,15 +487,9 @@ class Peers:
 
     def _converse(self, connection: socket.socket) -> None:
         with contextlib.closing(connection):
-            connection.settimeout(_TIMEOUT_S)
+            connection.settimeout(TIMEOUT_S)
             try:
-                challenge = secrets.token_bytes(32)
-                connection.sendall(challenge)
-                proof = recv_exactly(connection, 32)
-                with self._lock:
-                    secret = self._secret
-                expected = hmac.new(secret, challenge, hashlib.sha256).digest()
-                if not secret or not hmac.compare_digest(proof, expected):
+                if not self._links.admit(connection):
                     return  # not one of this run's agents
                 connection.settimeout(None)
                 while True:
@@ -759,7 +536,7 @@ class Peers:
         if op == "push":
             slot = (key, rank, int(message["slot"]))
             origin = f"peer:{message.get('node', '?')}"
-            why = self._receive(connection, slot, message, origin, as_replica=True)
+            why = receive_copy(self._host, connection, slot, message, origin, as_replica=True)
             send_message(connection, {"ok": True} if why is None else {"error": why})
             return
         held = self._host.committed(key, rank, world_size)
@@ -848,11 +625,9 @@ class Peers:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
-            connections, self._out = list(self._out.values()), {}
         with contextlib.suppress(OSError):
             self._server.close()
-        for connection in connections:
-            connection.close()
+        self._links.close()
 
 
 def _key_of(key: str, copy: dict[str, Any]) -> Key:

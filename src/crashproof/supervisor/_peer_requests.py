@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["MAX_SLOTS", "MAX_WORLD_SIZE", "Malformed", "checked", "whole"]
+__all__ = ["MAX_ROOTS", "MAX_SLOTS", "MAX_TEXT", "MAX_WORLD_SIZE", "Malformed", "checked", "whole"]
 
 MAX_WORLD_SIZE = 1 << 20
 """More ranks than any run has."""
@@ -21,7 +21,10 @@ MAX_SLOTS = 64
 """More staging slots than a trainer keeps."""
 _MAX_BYTES = 1 << 50
 """More bytes than any node's memory."""
-_MAX_TEXT = 256
+MAX_TEXT = 256
+"""Longer than any name on the wire (a root's key is 16 characters)."""
+MAX_ROOTS = 64
+"""More checkpoint roots than a run's trainers save to (a model, its EMA, ...)."""
 
 
 class Malformed(ValueError):
@@ -64,8 +67,8 @@ def _segment_size(name: str, value: object) -> None:
 
 
 def _text(name: str, value: object) -> None:
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
-        raise Malformed(f"{name} must be a string of 1..{_MAX_TEXT} characters")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
+        raise Malformed(f"{name} must be a string of 1..{MAX_TEXT} characters")
 
 
 def _optional_text(name: str, value: object) -> None:
