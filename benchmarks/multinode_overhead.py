@@ -3,7 +3,7 @@ Measured in rounds of back-to-back runs, so noise cancels.
 
 Two ``crashproof run`` agents on this machine play two nodes (c10d rendezvous on loopback, one
 trainer each: ``examples/train_tiny.py``, gloo DDP, ``--hidden`` sized for ``--mb`` MB of state,
-each node with a checkpoint root of its own). Three variants, one run of each per round, in an
+each node with a checkpoint root of its own). Five variants, one run of each per round, in an
 order rotated from round to round:
 
 * **off**: ``--no-memory``, no checkpoint: training alone;
@@ -12,7 +12,12 @@ order rotated from round to round:
 * **copied**: the same snapshots, each also copied to the other node's agent (whole copies, the
   default for two nodes): the whole cost;
 * **paced**: as copied, the copies capped at ``--paced`` bytes a second (``--peer-bandwidth``): a
-  copy still being sent when the next snapshot is due is not sent again meanwhile, so fewer go.
+  copy still being sent when the next snapshot is due is not sent again meanwhile, so fewer go;
+* **paced3**: as paced, with three staging buffers instead of two: one holds the snapshot the
+  other node covers, one is being sent, and the third takes the trainer's local snapshots
+  meanwhile (with two, those are skipped while a paced copy is on its way).
+
+``--variants`` runs some of them (``off`` always: the others are measured against it).
 
 Each run's throughput is its trainers' steps per second between step 20 and its last step, from
 the agents' progress events (start-up and the first steps left out); each round gives one
@@ -44,15 +49,21 @@ from training_overhead import bootstrap_ci
 
 WARMUP_STEPS = 20
 """Steps left out of the throughput: start-up, the first snapshots' allocations."""
-VARIANTS = ("off", "local", "copied", "paced")
+VARIANTS = ("off", "local", "copied", "paced", "paced3")
 
 
 def _node(run_dir: Path, port: int, variant: str, args: argparse.Namespace) -> Any:
     hidden = max(64, int((args.mb * 1e6 / 16) ** 0.5))  # (about 4 float32 copies of one layer)
     snapshots = variant != "off"
-    mode = ["--memory-every", str(args.memory_every), "--staging-buffers", "2"] if snapshots else []
+    buffers = "3" if variant == "paced3" else "2"
+    mode = (
+        ["--memory-every", str(args.memory_every), "--staging-buffers", buffers]
+        if snapshots
+        else []
+    )
+    paced = ["--peer-bandwidth", args.paced]
     agent = {"off": ["--no-memory"], "local": ["--peer-replicas", "0"], "copied": [],
-             "paced": ["--peer-bandwidth", args.paced]}[variant]  # fmt: skip
+             "paced": paced, "paced3": paced}[variant]  # fmt: skip
     command = [
         sys.executable, "-m", "crashproof.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "overhead",
@@ -106,9 +117,10 @@ def one_run(work: Path, variant: str, args: argparse.Namespace) -> dict[str, Any
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    variants = tuple(v for v in VARIANTS if v == "off" or v in args.variants)
     rounds: list[dict[str, Any]] = []
     for i in range(args.rounds):
-        order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
         runs: dict[str, dict[str, Any]] = {}
         for variant in order:
             with tempfile.TemporaryDirectory(
@@ -116,19 +128,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ) as work:
                 runs[variant] = one_run(Path(work), variant, args)
         off = runs["off"]["steps_per_s"]
-        found = {v: runs[v] for v in VARIANTS}
-        found["slowdown"] = {v: off / runs[v]["steps_per_s"] - 1 for v in VARIANTS[1:]}
+        found = {v: runs[v] for v in variants}
+        found["slowdown"] = {v: off / runs[v]["steps_per_s"] - 1 for v in variants[1:]}
         print(json.dumps(found), file=sys.stderr)
         rounds.append(found)
     offs = [r["off"]["steps_per_s"] for r in rounds]
     summary: dict[str, Any] = {}
-    for variant in VARIANTS[1:]:
+    for variant in variants[1:]:
         slowdowns = [r["slowdown"][variant] for r in rounds]
         summary[variant] = {
             "median_slowdown": statistics.median(slowdowns),
             "ci95": list(bootstrap_ci(slowdowns)),
         }
-    for variant in VARIANTS:
+    for variant in variants:
         summary.setdefault(variant, {})["cpu_ms_per_step"] = statistics.median(
             r[variant]["cpu_ms_per_step"] for r in rounds
         )
@@ -136,6 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if variant != "off":
                 summary[variant][count] = statistics.median(r[variant][count] for r in rounds)
     return {
+        "variants": list(variants),
         "rounds": rounds,
         "mb": args.mb,
         "steps": args.steps,
@@ -147,7 +160,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    summary, names = result["summary"], VARIANTS[1:]
+    summary, names = result["summary"], result["variants"][1:]
     rows = [
         f"Two nodes on loopback, one trainer each, about {result['mb']:.0f} MB of state, "
         f"{result['steps']} steps per run, a snapshot due every {result['memory_every']} steps; "
@@ -189,7 +202,9 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=40.0, help="approximate state size, MB")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--memory-every", type=int, default=10)
-    p.add_argument("--paced", default="20MiB", help="the paced variant's --peer-bandwidth")
+    p.add_argument("--paced", default="20MiB", help="the paced variants' --peer-bandwidth")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS[1:], default=list(VARIANTS[1:]),
+                   help="the variants to run beside off (default: all)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()

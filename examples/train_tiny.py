@@ -124,7 +124,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="under crashproof run, also snapshot into the agent's memory every N steps",
     )
     p.add_argument(
-        "--staging-buffers", type=int, default=1, help="1, or 2 to double-buffer the saves"
+        "--staging-buffers",
+        type=int,
+        default=1,
+        help="1, or 2 (up to 4) to double-buffer the saves",
     )
     p.add_argument(
         "--root-scope",

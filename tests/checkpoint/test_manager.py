@@ -330,33 +330,59 @@ def test_a_corrupt_model_tensor_never_reaches_the_live_model(tmp_path: Path) -> 
     assert _equal(_tensors(fresh), before)
 
 
-def test_double_buffering_snapshots_the_next_save_while_the_previous_is_written() -> None:
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_double_buffering_snapshots_the_next_save_while_the_previous_is_written(
+    buffers: int,
+) -> None:
     storage = SlowStorage()
     state = _state()
-    ckpt = cp.CheckpointManager("/ck", storage=storage, staging_buffers=2)
+    ckpt = cp.CheckpointManager(
+        "/ck", storage=storage, staging_buffers=buffers, keep=cp.KeepLast(5)
+    )
     values = []
-    for step in (1, 2):
+    steps = range(1, buffers + 1)
+    for step in steps:
         values.append(_tensors(state))
         assert ckpt.save(step, state)
         assert state.model is not None
         with torch.no_grad():
             for p in state.model.parameters():
                 p.add_(1.0)
-    assert ckpt.stats.waited_busy == 0  # the second save did not wait for the first
-    assert len({id(s) for s in ckpt._pipeline._stagings}) == 2
+    assert ckpt.stats.waited_busy == 0  # none waited for the slow writes before it
+    assert len({id(s) for s in ckpt._pipeline._stagings}) == buffers
     threading.Timer(0.3, storage.release.set).start()
-    assert ckpt.save(3, state)  # both buffers in use: this one waits for the oldest save
+    assert ckpt.save(buffers + 1, state)  # every buffer in use: it waits for the oldest save
     assert ckpt.stats.waited_busy == 1
     ckpt.close()
-    for step, expected in zip((1, 2), values, strict=True):
+    for step, expected in zip(steps, values, strict=True):
         fresh = _state(seed=9)
         assert cp.CheckpointManager("/ck", storage=storage).restore(fresh, step=step) == step
         assert _equal(_tensors(fresh), expected)
 
 
-def test_double_buffering_needs_async_saves() -> None:
+@pytest.mark.parametrize(
+    ("buffers", "async_save"),
+    [
+        (2, False),
+        (3, False),
+        (0, True),
+        (5, True),
+        (-1, True),
+        (2.0, True),
+        (True, True),
+        ("2", True),
+    ],
+)
+def test_staging_buffers_are_1_or_up_to_4_with_async_saves(
+    buffers: object, async_save: bool
+) -> None:
     with pytest.raises(cp.ConfigError, match="staging_buffers"):
-        cp.CheckpointManager("/ck", storage=MemoryStorage(), staging_buffers=2, async_save=False)
+        cp.CheckpointManager(
+            "/ck",
+            storage=MemoryStorage(),
+            staging_buffers=buffers,
+            async_save=async_save,  # type: ignore[arg-type]
+        )
 
 
 def test_a_state_of_many_mid_sized_tensors_is_staged_on_two_threads_exactly() -> None:

@@ -257,3 +257,35 @@ def test_non_finite_state_is_refused_once_and_never_offered_from_memory(
         ckpt.wait()  # once: not a second time for its memory copy
         memory = ckpt._pipeline._memory
         assert memory is not None and set(memory.steps()) == {1}
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_a_third_staging_buffer_snapshots_on_while_one_is_covered_and_one_is_copied(
+    memory_host: MemoryHost, tmp_path: Path, buffers: int
+) -> None:
+    """On several nodes, one slot holds the step the other nodes cover and another may be on its
+    way to them (slowly, with --peer-bandwidth): with two buffers, every snapshot due meanwhile
+    is skipped; a third takes them."""
+    state = _state()
+    with cp.CheckpointManager(
+        tmp_path / "ck", every=cp.EverySteps(10**6), memory_every=cp.EverySteps(1),
+        staging_buffers=buffers,
+    ) as ckpt:  # fmt: skip
+        for step in (1, 2):
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+        memory = ckpt._pipeline._memory
+        assert memory is not None
+        slot_of = {s.step: s.index for s in memory.slots if s.step is not None}
+        memory_host.pin(memory._key, 1)  # the agent: step 1 is covered, step 2 is being sent
+        memory_host.sending([(memory._key, 0, slot_of[2])], True)
+        for step in (3, 4, 5):
+            _train(state)
+            ckpt.maybe_save(step, state)
+            ckpt.wait()
+        taken = ckpt.stats.memory_snapshots
+        held = {s.step for s in memory.slots}
+    if buffers == 3:
+        assert (taken, held) == (5, {1, 2, 5})
+    else:
+        assert (taken, held) == (2, {1, 2})

@@ -16,7 +16,10 @@ from crashproof.link import PREEMPTION_SIGNALS
 from crashproof.policy import EverySteps, KeepLast, RetentionPolicy, SavePolicy
 from crashproof.storage import Storage
 
-__all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "ManagerOptions"]
+__all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "MAX_STAGING_BUFFERS", "ManagerOptions"]
+
+MAX_STAGING_BUFFERS = 4
+"""Copies of the state a manager may stage into (each costs host memory the size of the state)."""
 
 DEFAULT_EVERY: SavePolicy = EverySteps(1000)
 """The save policy of a manager given no ``every``."""
@@ -48,7 +51,10 @@ class ManagerOptions:
     staging_buffers: int = 1
     """1 (host staging costs one copy of the state) or 2 (double buffering: the next save can be
     snapshotted while the previous one is still being written, at the cost of a second copy; two
-    saves are then in flight, written one after the other). 2 needs ``async_save``."""
+    saves are then in flight, written one after the other), up to 4; more than 1 needs
+    ``async_save``. Under ``crashproof run`` they are the memory snapshots' slots too: on several
+    nodes with copies paced by ``--peer-bandwidth``, a third lets memory snapshots go on while one
+    slot holds the step the other nodes cover and another is being copied."""
     storage: Storage | None = None
     """The storage backend; None: chosen from the root."""
     timeout_s: float = 600.0
@@ -176,10 +182,13 @@ class ManagerOptions:
                 f"CheckpointManager(restore_memory_bytes={self.restore_memory_bytes!r}): use a "
                 "number of bytes >= 0, or None for what the host has available"
             )
-        if self.staging_buffers not in (1, 2) or (
-            self.staging_buffers == 2 and not self.async_save
+        if (
+            isinstance(self.staging_buffers, bool)
+            or not isinstance(self.staging_buffers, int)
+            or not 1 <= self.staging_buffers <= MAX_STAGING_BUFFERS
+            or (self.staging_buffers > 1 and not self.async_save)
         ):
             raise ConfigError(
-                f"CheckpointManager(staging_buffers={self.staging_buffers}): use 1, or 2 with "
-                "async_save=True"
+                f"CheckpointManager(staging_buffers={self.staging_buffers!r}): use 1, or 2 to "
+                f"{MAX_STAGING_BUFFERS} with async_save=True"
             )
