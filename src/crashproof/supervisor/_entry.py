@@ -30,6 +30,7 @@ import crashproof  # noqa: F401
 with contextlib.suppress(ImportError):  # a torch built without it
     import torch._dynamo
 from crashproof.link import attach_to_supervisor, script_returned
+from crashproof.supervisor._seed import python_default
 
 __all__ = ["FORKSERVER_IGNORES", "run_script"]
 
@@ -118,9 +119,8 @@ def _signals_as_an_exec_gives_them() -> None:
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     handled = {getattr(signal, name.strip(), None) for name in names.split(",")}
     for sig in {*FORKSERVER_IGNORES, *(s for s in handled if isinstance(s, signal.Signals))}:
-        wanted = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
         with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, wanted)
+            signal.signal(sig, python_default(sig))
 
 
 def _exit_as_python(sig: signal.Signals | None, code: int = 0) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["plant_forkserver_seed"]
+__all__ = ["plant_forkserver_seed", "python_default"]
 
 _HEADER = struct.Struct("!Q")  # the length of the hand-over (JSON) that follows it
 _FORKSERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
@@ -222,9 +222,14 @@ def _take_signals(state: dict[str, list[int]]) -> None:
             if sig in ignored:
                 signal.signal(sig, signal.SIG_IGN)
             elif sig not in _PYTHON_IGNORES and signal.getsignal(sig) == signal.SIG_IGN:
-                default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-                signal.signal(sig, default)
+                signal.signal(sig, python_default(sig))
     signal.pthread_sigmask(signal.SIG_SETMASK, [signal.Signals(s) for s in state["blocked"]])
+
+
+def python_default(sig: signal.Signals) -> Any:
+    """The disposition a fresh interpreter starts ``sig`` with, when it did not inherit it
+    ignored: python's own handler for SIGINT (KeyboardInterrupt), the system's default else."""
+    return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
 
 
 _PYTHON_IGNORES = {
