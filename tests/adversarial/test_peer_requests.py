@@ -24,7 +24,8 @@ import pytest
 
 from crashproof.link import recv_exactly, recv_message, send_message
 from crashproof.supervisor._peer_fetch import Members, PeerFetch
-from crashproof.supervisor._peer_requests import MAX_SLOTS, Malformed, checked
+from crashproof.supervisor._peer_links import PeerLinks
+from crashproof.supervisor._peer_requests import MAX_ROOTS, MAX_SLOTS, Malformed, checked
 from tests.supervisor.test_memory_parity import _host
 from tests.supervisor.test_memory_peers import _round
 
@@ -264,7 +265,10 @@ def test_a_lying_peer_leaves_nothing_offered_nor_held(host: Any, lie: str) -> No
 
 HELD_LIES = {
     "not a list": ({"keys": "0123456789abcdef"}, set()),
-    "more roots than any run has": ({"keys": [f"{i:016x}" for i in range(10_000)]}, set()),
+    "more roots than any run has": (
+        {"keys": [f"{i:016x}" for i in range(10_000)]},
+        {f"{i:016x}" for i in range(MAX_ROOTS)},  # (the trainers ask for any other themselves)
+    ),
     "names that are not names": (
         {"keys": [1, None, {"k": 1}, "", "k" * 300, "0123456789abcdef"]},
         {"0123456789abcdef"},
@@ -278,9 +282,9 @@ def test_a_lying_answer_to_held_fetches_only_what_is_named_well_and_at_once(
     host: Any, lie: str
 ) -> None:
     """A new node asks its peers which roots they hold its ranks' snapshots for (to fetch them
-    ahead): an answer that is no list of names, or names more roots than any run has, is
-    passed over at once (a peer that refuses the connection is asked again for seconds; one
-    that answers nonsense is not)."""
+    ahead): an answer that is no list of names is passed over at once (a peer that refuses the
+    connection is asked again for seconds; one that answers nonsense is not), and of more roots
+    than any run has, only the first are fetched ahead."""
     answer, named = HELD_LIES[lie]
     liar = _Liar(host.peers._links._secret, [answer])
     peer = {"host": "127.0.0.1", "port": liar.server.getsockname()[1], "node": "liar",
@@ -295,3 +299,63 @@ def test_a_lying_answer_to_held_fetches_only_what_is_named_well_and_at_once(
         liar.server.close()
     assert time.monotonic() - started < 2.0
     assert prepared == [(key, rank) for key in sorted(named) for rank in (0, 1)]
+
+
+def test_a_peer_that_never_answers_never_holds_up_the_agents_exit(host: Any) -> None:
+    """The asks of a prefetch run on daemon threads: one blocked on a peer that accepted the
+    connection and says nothing (for up to a minute) must not keep the agent from exiting."""
+    silent = socket.create_server(("127.0.0.1", 0))  # (connections queue; none is answered)
+    peer = {"host": "127.0.0.1", "port": silent.getsockname()[1], "node": "silent",
+            "agent": "silent-agent"}  # fmt: skip
+    fetch = PeerFetch(host, host._events, host.peers._links)
+    members = Members(others=[peer], everyone=[peer])
+    prefetch = threading.Thread(
+        target=fetch.ahead, args=(members, [0], 1, lambda key, rank: None, lambda: True),
+        daemon=True,
+    )  # fmt: skip
+    prefetch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (askers := [t for t in threading.enumerate() if t.name == "crashproof-held"]):
+            assert time.monotonic() < deadline, "the prefetch asked nobody"
+            time.sleep(0.01)
+        assert all(t.daemon for t in askers)
+    finally:
+        silent.close()
+        prefetch.join(30)
+
+
+def test_a_kept_connection_follows_the_agent_not_the_group_rank(host: Any) -> None:
+    """A new round may give a group rank to another agent: the connection kept for that rank
+    is not reused for it."""
+    accepted: dict[str, int] = {"a": 0, "b": 0}
+    servers = []
+
+    def serve(name: str, server: socket.socket) -> None:
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            accepted[name] += 1
+            connection.sendall(os.urandom(32))
+            servers.append(connection)  # (kept open: closed with the test)
+
+    for name in accepted:
+        server = socket.create_server(("127.0.0.1", 0))
+        servers.append(server)
+        threading.Thread(target=serve, args=(name, server), daemon=True).start()
+    a, b = ({"host": "127.0.0.1", "port": s.getsockname()[1], "node": n, "agent": f"agent-{n}"}
+            for n, s in zip(accepted, servers, strict=False))  # fmt: skip
+    links = PeerLinks()
+    links.new_round(b"secret")
+    try:
+        first = links.kept(1, a)
+        assert links.kept(1, a) is first  # the same agent: the same connection
+        other = links.kept(1, b)  # another agent at that rank now
+        assert other is not first and first.fileno() == -1  # the old one closed
+        assert accepted == {"a": 1, "b": 1}
+    finally:
+        links.close()
+        for s in servers:
+            s.close()

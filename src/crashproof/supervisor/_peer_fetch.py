@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,8 @@ log = logging.getLogger("crashproof.supervisor")
 
 _PREFETCH_ASK_S = 5.0
 """How long a prefetch asks a peer that refuses it (it has not taken the round's secret yet)."""
+_ASKING_THREADS = 8
+"""How many peers a prefetch asks at once."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,28 @@ class PeerFetch:
         ``prepare`` (key, rank) for each, while ``current()`` (the round it was asked for is
         still this agent's)."""
         ask = {"op": "held", "ranks": ranks, "world_size": world_size}
-        keys: set[str] = set()
-        if members.others:
-            with ThreadPoolExecutor(min(8, len(members.others))) as pool:
-                for held in pool.map(lambda p: self._held_by(p, ask, current), members.others):
-                    keys |= held
+        found: list[set[str]] = []
+
+        def ask_some(peers: list[Peer]) -> None:
+            for peer in peers:
+                held = self._held_by(peer, ask, current)
+                with lock:
+                    found.append(held)
+
+        # A few peers at a time, each thread asking its share in turn; daemon threads, so that
+        # an ask left hanging by a peer never holds up the agent's exit.
+        lock = threading.Lock()
+        others = members.others
+        shares = [others[i::_ASKING_THREADS] for i in range(min(_ASKING_THREADS, len(others)))]
+        threads = [
+            threading.Thread(target=ask_some, args=(share,), name="crashproof-held", daemon=True)
+            for share in shares
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        keys = set().union(*found)
         for key in sorted(keys):
             for rank in ranks:
                 if not current():
@@ -119,10 +138,11 @@ class PeerFetch:
             except ValueError as exc:
                 log.warning("no prefetch from %s: it answered nonsense (%s)", peer["node"], exc)
                 return set()
-        if not isinstance(held, list) or len(held) > MAX_ROOTS:
+        if not isinstance(held, list):
             log.warning("no prefetch from %s: it answered %s", peer["node"], str(held)[:80])
             return set()
-        return {k for k in held if isinstance(k, str) and 0 < len(k) <= MAX_TEXT}
+        # (at most MAX_ROOTS of them: a trainer asks for any other root itself, when it starts)
+        return {k for k in held[:MAX_ROOTS] if isinstance(k, str) and 0 < len(k) <= MAX_TEXT}
 
     def fetch(
         self,

@@ -37,14 +37,15 @@ class PeerLinks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._secret = b""
-        self._out: dict[int, socket.socket] = {}  # kept open, by the peer's group rank
+        self._out: dict[int, tuple[str, socket.socket]] = {}
+        """Kept open, by the peer's group rank: the agent it leads to, and the connection."""
 
     def new_round(self, secret: bytes) -> None:
         """Take the secret of the round just formed; the connections of the one before close."""
         with self._lock:
             self._secret = secret
             stale, self._out = list(self._out.values()), {}
-        for connection in stale:
+        for _, connection in stale:
             connection.close()
 
     def admit(self, connection: socket.socket) -> bool:
@@ -60,21 +61,31 @@ class PeerLinks:
     def dial(self, peer: Peer) -> socket.socket:
         """A new connection to ``peer``, admitted (the caller's to close)."""
         connection = socket.create_connection((peer["host"], peer["port"]), timeout=TIMEOUT_S)
-        challenge = recv_exactly(connection, _CHALLENGE)
-        with self._lock:
-            secret = self._secret
-        connection.sendall(hmac.new(secret, challenge, hashlib.sha256).digest())
+        try:
+            challenge = recv_exactly(connection, _CHALLENGE)
+            with self._lock:
+                secret = self._secret
+            connection.sendall(hmac.new(secret, challenge, hashlib.sha256).digest())
+        except BaseException:
+            connection.close()
+            raise
         return connection
 
     def kept(self, target: int, peer: Peer) -> socket.socket:
-        """The connection kept open to ``peer`` (group rank ``target``), made if there is none."""
+        """The connection kept open to ``peer`` (group rank ``target``), made if there is none,
+        or if the one kept for ``target`` leads to another agent (the ranks of a new round)."""
         with self._lock:
-            connection = self._out.get(target)
-        if connection is not None:
-            return connection
+            kept = self._out.get(target)
+        if kept is not None and kept[0] == peer["agent"]:
+            return kept[1]
+        if kept is not None:
+            self.drop(target)
         connection = self.dial(peer)
         with self._lock:
-            self._out[target] = connection
+            stale = self._out.get(target)
+            self._out[target] = (peer["agent"], connection)
+        if stale is not None and stale[1] is not connection:
+            stale[1].close()
         return connection
 
     def drop(self, target: int) -> None:
@@ -82,7 +93,7 @@ class PeerLinks:
         with self._lock:
             stale = self._out.pop(target, None)
         if stale is not None:
-            stale.close()
+            stale[1].close()
 
     def ask(self, peer: Peer, message: dict[str, Any]) -> dict[str, Any]:
         """``peer``'s reply to ``message``, on a connection of its own."""
@@ -107,5 +118,5 @@ class PeerLinks:
         """Close every connection kept."""
         with self._lock:
             connections, self._out = list(self._out.values()), {}
-        for connection in connections:
+        for _, connection in connections:
             connection.close()
