@@ -225,6 +225,40 @@ def test_two_ranks_a_node_and_a_newer_step_the_lost_node_never_finished(tmp_path
             host.close()
 
 
+def test_a_rebuild_the_new_nodes_memory_cannot_hold_keeps_nothing_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A lost node's snapshots are rebuilt straight into segments counted against the new
+    node's memory (``--memory-limit``), not in a buffer beside them: with room for one of its
+    two ranks' segments and not both, neither is kept (one rank restored from memory and the
+    other from disk could not resume together), every byte is given back, and the agent says
+    why."""
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    store, hosts = _hosts(tmp_path, 3, ranks=2)
+    trainers = [_Trainer(hosts[r // 2], r, 6) for r in range(6)]
+    try:
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, 60_000))
+        _wait_covered(hosts, 10)
+        for trainer in trainers:
+            trainer.close()
+        hosts[1].close()
+        hosts[1] = MemoryHost(EventLog(tmp_path / "limited.jsonl"), limit_bytes=90_000)
+        hosts[1].replicate_to_peers(None, "127.0.0.1")
+        _round(store, hosts, 1, 2)
+        assert _held(hosts[1], 2, 6) == {}  # nothing offered: the restore goes to storage
+        assert hosts[1].held_bytes == 0
+        events = list(read_events(hosts[1]._events.path))
+        missing = [e for e in events if e["event"] == "memory_missing"]
+        assert missing and "no memory for a 60000-byte copy" in missing[0]["why"], missing
+        assert [e["need"] for e in events if e["event"] == "memory_refused"] == [60_000]
+    finally:
+        for host in hosts:
+            host.close()
+
+
 @pytest.mark.parametrize(
     ("lost", "damage", "why"),
     [

@@ -362,42 +362,65 @@ class MemoryHost:
         *,
         as_replica: bool,
     ) -> str | None:
+        return self.store_copies([(key, meta, as_replica)], lambda views: fill(views[0]), origin)
+
+    def store_copies(
+        self,
+        copies: list[tuple[Key, dict[str, Any], bool]],
+        fill: Callable[[list[memoryview]], None],
+        origin: str,
+    ) -> str | None:
         # Read before any memory is taken: a record that cannot be kept must hold none.
-        nbytes, world_size, step = int(meta["nbytes"]), int(meta["world_size"]), int(meta["step"])
-        contents = dict(meta["contents"])
-        with self._lock:  # (made under the lock, as a trainer's: the check holds for both)
-            table = self._replicas if as_replica else self._segments
-            old = table.get(key)
-            room = self._room(old.nbytes if old is not None else 0)
-            name = f"crashproof:{self.token}:r{key[1]}:s{key[2]}:copy"
-            fd = self._make_segment(name, nbytes, room)
-            if isinstance(fd, str):
-                self._refuse(key[1], nbytes, room, self._held(), why=fd)
-                return f"no memory for a {nbytes}-byte copy ({room} bytes available)" + (
-                    f": {fd}" if fd else ""
-                )
-            self._filling += nbytes  # (counted while it fills: two copies cannot both pass)
+        wanted = [
+            (key, int(meta["nbytes"]), int(meta["world_size"]), int(meta["step"]),
+             dict(meta["contents"]), as_replica)
+            for key, meta, as_replica in copies
+        ]  # fmt: skip
+        made: list[int] = []  # the segments' descriptors, as they are made
+        filling = 0  # (their bytes, counted in self._filling until they are kept or let go)
         try:
-            with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-                view = memoryview(mm)
-                try:
-                    fill(view)
-                finally:
-                    view.release()
-        except BaseException:
-            os.close(fd)
+            for key, nbytes, _, _, _, as_replica in wanted:
+                with self._lock:  # (made under the lock, as a trainer's: the check holds for both)
+                    table = self._replicas if as_replica else self._segments
+                    old = table.get(key)
+                    room = self._room(old.nbytes if old is not None else 0)
+                    name = f"crashproof:{self.token}:r{key[1]}:s{key[2]}:copy"
+                    fd = self._make_segment(name, nbytes, room)
+                    if isinstance(fd, str):
+                        self._refuse(key[1], nbytes, room, self._held(), why=fd)
+                        return f"no memory for a {nbytes}-byte copy ({room} bytes available)" + (
+                            f": {fd}" if fd else ""
+                        )
+                    self._filling += nbytes  # (counted while it fills: two cannot both pass)
+                    filling += nbytes
+                made.append(fd)
+            with contextlib.ExitStack() as mapped:
+                views = []
+                for fd, (_, nbytes, *_) in zip(made, wanted, strict=False):
+                    mm = mapped.enter_context(
+                        mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    )
+                    views.append(memoryview(mm))
+                    mapped.callback(views[-1].release)  # (before its mapping closes)
+                fill(views)
             with self._lock:
-                self._filling -= nbytes
-            raise
-        copy = _Segment(fd, nbytes, world_size, step, contents, origin=origin)
-        with self._lock:
-            self._filling -= nbytes
-            table = self._replicas if as_replica else self._segments
-            old = table.pop(key, None)
-            if old is not None:
-                os.close(old.fd)
-            table[key] = copy
-        return None
+                for fd, (key, nbytes, world_size, step, contents, as_replica) in zip(
+                    made, wanted, strict=True
+                ):
+                    table = self._replicas if as_replica else self._segments
+                    old = table.pop(key, None)
+                    if old is not None:
+                        os.close(old.fd)
+                    table[key] = _Segment(fd, nbytes, world_size, step, contents, origin=origin)
+                self._filling -= filling
+                filling, made = 0, []  # (kept: the table's now)
+            return None
+        finally:
+            if filling:
+                with self._lock:
+                    self._filling -= filling
+            for fd in made:
+                os.close(fd)
 
     def _allocate(
         self, key: str, rank: int, slot: int, nbytes: int, message: dict[str, Any]

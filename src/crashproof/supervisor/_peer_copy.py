@@ -69,3 +69,13 @@ class PeerCopy(Protocol):
         (``meta``): as a replica for another node's rank, or as this node's own segment (a
         trainer here is about to restore from it); returns why not (no memory), or None."""
         ...
+
+    def store_copies(
+        self,
+        copies: list[tuple[Key, dict[str, Any], bool]],
+        fill: Callable[[list[memoryview]], None],
+        origin: str,
+    ) -> str | None:
+        """:meth:`store_copy` of several segments at once, each ``(key, meta, as_replica)``:
+        all are made, then ``fill`` is given all of them, then all are kept, or none is."""
+        ...

@@ -213,7 +213,7 @@ class PeerFetch:
             return [], ""
         agents = {p["agent"]: p for p in everyone}
         stored, source, why = rebuild(
-            key, rank, world_size, offers, agents, self._links.dial, self._host.store_copy
+            key, rank, world_size, offers, agents, self._links.dial, self._host.store_copies
         )
         if not stored:
             self._events.emit("memory_missing", rank=rank, why=why)
