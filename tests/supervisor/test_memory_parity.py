@@ -90,6 +90,20 @@ def _wait_covered(hosts: list[Any], step: int) -> None:
         time.sleep(0.02)
 
 
+def _covered_at_10(hosts: list[Any], size: int, ranks: int = 1) -> None:
+    """Each node's ``ranks`` trainers commit step 10 (``size`` bytes each, slot 0) and are gone
+    once every node covers it."""
+    world_size = len(hosts) * ranks
+    trainers = [_Trainer(hosts[r // ranks], r, world_size) for r in range(world_size)]
+    try:
+        for r, trainer in enumerate(trainers):
+            trainer.commit(0, 10, _data(r, 10, size))
+        _wait_covered(hosts, 10)
+    finally:
+        for trainer in trainers:
+            trainer.close()
+
+
 def _held(host: Any, rank: int, world_size: int) -> dict[int, tuple[int, bytes, str]]:
     """What a trainer of ``rank`` starting on ``host`` is offered: slot -> (step, bytes, origin)."""
     reply, fds = host._hello(KEY, rank, world_size)
@@ -163,13 +177,8 @@ def test_a_new_node_fetches_its_ranks_snapshots_as_the_round_forms(
     """The agent in a lost node's place fetches (or rebuilds) its ranks' snapshots as soon as
     the round forms, before any trainer asks; the trainer's hello then finds them there."""
     store, hosts = _hosts(tmp_path, nodes)
-    trainers = [_Trainer(hosts[r], r, nodes) for r in range(nodes)]
     try:
-        for r, trainer in enumerate(trainers):
-            trainer.commit(0, 10, _data(r, 10, 50_000))
-        _wait_covered(hosts, 10)
-        for trainer in trainers:
-            trainer.close()
+        _covered_at_10(hosts, 50_000)
         hosts[1].close()
         hosts[1] = _host(tmp_path, 1)
         _round(store, hosts, 1, 1, prefetch=True)
@@ -237,13 +246,8 @@ def test_a_rebuild_the_new_nodes_memory_cannot_hold_keeps_nothing_and_says_so(
     from crashproof.telemetry import EventLog
 
     store, hosts = _hosts(tmp_path, 3, ranks=2)
-    trainers = [_Trainer(hosts[r // 2], r, 6) for r in range(6)]
     try:
-        for r, trainer in enumerate(trainers):
-            trainer.commit(0, 10, _data(r, 10, 60_000))
-        _wait_covered(hosts, 10)
-        for trainer in trainers:
-            trainer.close()
+        _covered_at_10(hosts, 60_000, ranks=2)
         hosts[1].close()
         hosts[1] = MemoryHost(EventLog(tmp_path / "limited.jsonl"), limit_bytes=90_000)
         hosts[1].replicate_to_peers(None, "127.0.0.1")
@@ -298,14 +302,9 @@ def test_what_parity_cannot_rebuild_falls_back_to_storage_and_says_why(
 @pytest.mark.parametrize("nodes", [2, 5])
 def test_full_copies_cover_and_pin_too(tmp_path: Path, nodes: int) -> None:
     store, hosts = _hosts(tmp_path, nodes, replicas=1)
-    trainers = [_Trainer(hosts[r], r, nodes) for r in range(nodes)]
     try:
         assert all(h.peers.scheme == ("replicas", 1) for h in hosts)
-        for r, trainer in enumerate(trainers):
-            trainer.commit(0, 10, _data(r, 10, 30_000))
-        _wait_covered(hosts, 10)
-        for trainer in trainers:
-            trainer.close()
+        _covered_at_10(hosts, 30_000)
         _replace(tmp_path, store, hosts, [1], 1)
         assert [(s, d) for s, d, _ in _held(hosts[1], 1, nodes).values()] == [
             (10, _data(1, 10, 30_000))

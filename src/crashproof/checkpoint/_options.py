@@ -52,9 +52,9 @@ class ManagerOptions:
     """1 (host staging costs one copy of the state) or 2 (double buffering: the next save can be
     snapshotted while the previous one is still being written, at the cost of a second copy; as
     many saves as buffers are then in flight, written one after the other), up to 4; more than 1
-    needs ``async_save``. Under ``crashproof run`` they are the memory snapshots' slots too: on several
-    nodes with copies paced by ``--peer-bandwidth``, a third lets memory snapshots go on while one
-    slot holds the step the other nodes cover and another is being copied."""
+    needs ``async_save``. Under ``crashproof run`` they are the memory snapshots' slots too: on
+    several nodes with copies paced by ``--peer-bandwidth``, a third lets memory snapshots go on
+    while one slot holds the step the other nodes cover and another is being copied."""
     storage: Storage | None = None
     """The storage backend; None: chosen from the root."""
     timeout_s: float = 600.0

@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
@@ -43,6 +43,17 @@ from crashproof.telemetry import EventLog
 __all__ = ["MemoryHost"]
 
 log = logging.getLogger("crashproof.supervisor")
+
+
+class _Copy(NamedTuple):
+    """A copy :meth:`MemoryHost.store_copies` is to make, as its record says."""
+
+    key: Key
+    nbytes: int
+    world_size: int
+    step: int
+    contents: dict[str, Any]
+    as_replica: bool
 
 
 @dataclass(slots=True)
@@ -372,14 +383,14 @@ class MemoryHost:
     ) -> str | None:
         # Read before any memory is taken: a record that cannot be kept must hold none.
         wanted = [
-            (key, int(meta["nbytes"]), int(meta["world_size"]), int(meta["step"]),
-             dict(meta["contents"]), as_replica)
+            _Copy(key, int(meta["nbytes"]), int(meta["world_size"]), int(meta["step"]),
+                  dict(meta["contents"]), as_replica)
             for key, meta, as_replica in copies
         ]  # fmt: skip
         made: list[int] = []  # the segments' descriptors, as they are made
         filling = 0  # (their bytes, counted in self._filling until they are kept or let go)
         try:
-            for key, nbytes, _, _, _, as_replica in wanted:
+            for key, nbytes, *_, as_replica in wanted:
                 with self._lock:  # (made under the lock, as a trainer's: the check holds for both)
                     table = self._replicas if as_replica else self._segments
                     old = table.get(key)
@@ -396,22 +407,24 @@ class MemoryHost:
                 made.append(fd)
             with contextlib.ExitStack() as mapped:
                 views = []
-                for fd, (_, nbytes, *_) in zip(made, wanted, strict=False):
+                for fd, copy in zip(made, wanted, strict=True):
                     mm = mapped.enter_context(
-                        mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                        mmap.mmap(
+                            fd, copy.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                        )
                     )
                     views.append(memoryview(mm))
                     mapped.callback(views[-1].release)  # (before its mapping closes)
                 fill(views)
             with self._lock:
-                for fd, (key, nbytes, world_size, step, contents, as_replica) in zip(
-                    made, wanted, strict=True
-                ):
-                    table = self._replicas if as_replica else self._segments
-                    old = table.pop(key, None)
+                for fd, copy in zip(made, wanted, strict=True):
+                    table = self._replicas if copy.as_replica else self._segments
+                    old = table.pop(copy.key, None)
                     if old is not None:
                         os.close(old.fd)
-                    table[key] = _Segment(fd, nbytes, world_size, step, contents, origin=origin)
+                    table[copy.key] = _Segment(
+                        fd, copy.nbytes, copy.world_size, copy.step, copy.contents, origin=origin
+                    )
                 self._filling -= filling
                 filling, made = 0, []  # (kept: the table's now)
             return None

@@ -3,11 +3,12 @@ and all its trainers at once) loses no snapshot.
 
 Each agent's memory host listens on TCP. At every rendezvous the agents publish their address in
 the rendezvous store, with a secret every connection must prove it knows (:mod:`._peer_links`),
-and learn each other's. After each snapshot a trainer commits, its agent streams the segment to the next
-``replicas`` agents of the ring (group rank + 1, + 2, ...), which keep a copy in shared memory of
-their own: the newest snapshot of each slot only (a push that falls behind skips to the newest,
-never queues), and a push the trainer overwrote meanwhile is dropped by the receiver. Every copy
-is checksummed on the wire, and a restore verifies it again, tensor by tensor.
+and learn each other's. After each snapshot a trainer commits, its agent streams the segment to
+the next ``replicas`` agents of the ring (group rank + 1, + 2, ...), which keep a copy in shared
+memory of their own: the newest snapshot of each slot only (a push that falls behind skips to
+the newest, never queues), and a push the trainer overwrote meanwhile is dropped by the
+receiver. Every copy is checksummed on the wire, and a restore verifies it again, tensor by
+tensor.
 
 Instead of full copies, the agents can keep XOR parity (:mod:`._memory_parity`): a ``1/k``
 piece of each node's snapshots per node instead of a whole copy. It is the default from three

@@ -78,13 +78,11 @@ class PeerLinks:
             kept = self._out.get(target)
         if kept is not None and kept[0] == peer["agent"]:
             return kept[1]
-        if kept is not None:
-            self.drop(target)
         connection = self.dial(peer)
         with self._lock:
             stale = self._out.get(target)
             self._out[target] = (peer["agent"], connection)
-        if stale is not None and stale[1] is not connection:
+        if stale is not None:
             stale[1].close()
         return connection
 
