@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
 import socket
@@ -11,7 +13,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from torch import nn
+
+import crashproof as cp
 from crashproof.storage import LocalStorage, ReadStream
 
 __all__ = [
@@ -20,6 +26,9 @@ __all__ = [
     "busy_cpu_s",
     "draw_kills",
     "free_port",
+    "gib_of_weights",
+    "gib_of_weights_arguments",
+    "print_result",
     "start_moto_server",
     "wait_until",
 ]
@@ -112,3 +121,35 @@ class CountingStorage(LocalStorage):
 
     def open(self, path: str) -> ReadStream:
         return CountingStream(super().open(path), path, self.counts)
+
+
+def gib_of_weights(gib: float, tensors: int) -> cp.TrainState:
+    """A model of ``gib`` GiB of float32 weights in ``tensors`` square layers."""
+    side = int((gib * 2**30 / 4 / tensors) ** 0.5)
+    layers = [nn.Linear(side, side, bias=False) for _ in range(tensors)]
+    return cp.TrainState(model=nn.Sequential(*layers))
+
+
+def gib_of_weights_arguments(description: str, gib: float) -> argparse.Namespace:
+    """The options of a benchmark over :func:`gib_of_weights`: ``--gib``, ``--tensors``,
+    ``--runs``, and ``--json`` / ``--markdown`` for :func:`print_result`."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--gib", type=float, default=gib)
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    if args.runs < 1 or args.gib <= 0 or args.tensors < 1:
+        p.error("--runs and --tensors must be at least 1, --gib above 0")
+    return args
+
+
+def print_result(
+    result: dict[str, Any], args: argparse.Namespace, markdown: Callable[[dict[str, Any]], str]
+) -> None:
+    """The result as JSON (``--json``) and as markdown (``--markdown``, or when no JSON)."""
+    if args.json:
+        print(json.dumps(result, indent=2))
+    if args.markdown or not args.json:
+        print(markdown(result))

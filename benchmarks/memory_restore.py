@@ -26,8 +26,6 @@ Reports medians and ratios (memcpy and disk time over memory time).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -39,18 +37,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 import crashproof as cp
+from _support import gib_of_weights, gib_of_weights_arguments, print_result
 from crashproof.link import ENV_MEMORY_SOCKET
 from crashproof.supervisor._memory_host import MemoryHost
 from crashproof.telemetry import EventLog
-
-
-def _state(gib: float, tensors: int) -> cp.TrainState:
-    side = int((gib * 2**30 / 4 / tensors) ** 0.5)
-    layers = [nn.Linear(side, side, bias=False) for _ in range(tensors)]
-    return cp.TrainState(model=nn.Sequential(*layers))
 
 
 def _drop_cache(directory: Path) -> None:
@@ -79,7 +71,7 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
     os.environ[ENV_MEMORY_SOCKET] = host.address
     try:
         root = work / "ckpt"
-        state = _state(gib, tensors)
+        state = gib_of_weights(gib, tensors)
         nbytes = sum(p.numel() * 4 for p in state.model.parameters())  # type: ignore[union-attr]
         with cp.CheckpointManager(root, handle_signals=False) as ckpt:
             ckpt.save(1, state)
@@ -161,18 +153,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--tensors", type=int, default=16)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--markdown", action="store_true")
-    args = p.parse_args()
-    result = measure(args.gib, args.tensors, args.runs)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    if args.markdown or not args.json:
-        print(markdown(result))
+    args = gib_of_weights_arguments(__doc__.split("\n")[0], gib=1.0)
+    print_result(measure(args.gib, args.tensors, args.runs), args, markdown)
     return 0
 
 

@@ -7,6 +7,7 @@ or abandoned by a rollback; and never more memory than the host allows."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -16,8 +17,11 @@ import torch
 from torch import nn
 
 import crashproof as cp
-from crashproof.checkpoint.format import index_name
+from crashproof.checkpoint.format import _shard_file, checkpoint_dir_name, index_name
+from crashproof.checkpoint.memory._slot_storage import SlotStorage
+from crashproof.checkpoint.restore._rank_read import verify_checkpoint
 from crashproof.link import ENV_MEMORY_SOCKET
+from crashproof.storage import LocalStorage
 from crashproof.supervisor._memory_host import MemoryHost
 from crashproof.telemetry import EventLog
 from tests.checkpoint.test_manager import _equal, _state, _tensors
@@ -289,3 +293,109 @@ def test_a_third_staging_buffer_snapshots_on_while_one_is_covered_and_one_is_cop
         assert (taken, held) == (5, {1, 2, 5})
     else:
         assert (taken, held) == (2, {1, 2})
+
+
+def _bytes_hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every chunk the shard writers hash from now on."""
+    hashed: list[int] = []
+    hash_chunk = _shard_file._hash_chunk
+
+    def counting(hasher: object, chunk: memoryview, index: int, inspect: object) -> None:
+        hashed.append(len(chunk))
+        hash_chunk(hasher, chunk, index, inspect)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_shard_file, "_hash_chunk", counting)
+    return hashed
+
+
+def _restored_from_disk(root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+    """The newest checkpoint on disk, verified as ``crashproof verify`` does and restored by a
+    trainer with no agent (so no memory snapshot can stand in for it)."""
+    step = max(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
+    verify_checkpoint(LocalStorage(), str(root / checkpoint_dir_name(step)))
+    with monkeypatch.context() as alone:
+        alone.delenv(ENV_MEMORY_SOCKET)
+        fresh = _state(seed=1)
+        with cp.CheckpointManager(root) as again:
+            assert again.restore(fresh) == step
+            assert again._restorer.last_kind != "memory"
+    return _tensors(fresh)
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_a_disk_save_takes_the_checksums_its_memory_snapshot_worked_out(
+    memory_host: MemoryHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffers: int
+) -> None:
+    """The staged bytes of a save under crashproof run are both the memory snapshot and the
+    disk checkpoint's source: hashed (and checked finite) once, by the memory snapshot's writer,
+    not once by each writer."""
+    hashed = _bytes_hashed(monkeypatch)
+    state = _state()
+    with monkeypatch.context() as alone:  # the same save without an agent, for its bytes
+        alone.delenv(ENV_MEMORY_SOCKET)
+        with cp.CheckpointManager(tmp_path / "alone", async_save=True) as ckpt:
+            ckpt.save(1, state)
+    once = sum(hashed)
+    assert once > 0
+    root = tmp_path / "ck"
+    with cp.CheckpointManager(root, async_save=True, staging_buffers=buffers) as ckpt:
+        for step in (1, 2, 3):
+            _train(state)
+            hashed.clear()
+            ckpt.save(step, state)
+            ckpt.wait()
+            assert sum(hashed) == once, f"step {step}: {sum(hashed)} bytes hashed, {once} staged"
+        assert ckpt.stats.memory_snapshots == 3 and ckpt.stats.saves_committed == 3
+        values = _tensors(state)
+    assert _equal(_restored_from_disk(root, monkeypatch), values)
+
+
+def test_a_delta_save_hashes_what_it_stores_and_restores_exactly(
+    memory_host: MemoryHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta stores other bytes under the tensors' names than the memory snapshot hashed: it
+    hashes its own, and both restore exactly."""
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, delta=cp.Delta(full_every=3)) as ckpt:
+        for step in (1, 2):
+            _train(state)
+            ckpt.save(step, state)
+        ckpt.wait()
+        values = _tensors(state)
+    assert (root / checkpoint_dir_name(2) / "manifest.json").read_text().count('"delta"') >= 1
+    assert _equal(_restored_from_disk(root, monkeypatch), values)
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 2 and again._restorer.last_kind == "memory"
+    assert _equal(_tensors(fresh), values)
+
+
+@pytest.mark.parametrize("where", ["before hashing", "at the commit"])
+def test_a_memory_snapshot_that_fails_never_holds_up_or_spoils_the_disk_save(
+    memory_host: MemoryHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Whether the memory snapshot's writer fails before it hashed the bytes (the disk writer
+    then hashes them itself) or after (its checksums stand: the bytes are the same), the disk
+    checkpoint commits, verifies and restores exactly."""
+
+    def segment_gone(self: SlotStorage, path: str) -> None:
+        raise OSError(errno.EIO, "the segment is gone")
+
+    def agent_gone(self: SlotStorage, tmp_dir: str, final_dir: str, **_: object) -> None:
+        raise OSError(errno.ECONNRESET, "crashproof run's agent is gone")
+
+    if where == "before hashing":
+        monkeypatch.setattr(SlotStorage, "create", segment_gone)
+    else:
+        monkeypatch.setattr(SlotStorage, "publish", agent_gone)
+    hashed = _bytes_hashed(monkeypatch)
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, async_save=True) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        assert ckpt.stats.saves_committed == 1 and ckpt.stats.memory_failures == 1
+        values = _tensors(state)
+    assert sum(hashed) > 0
+    assert _equal(_restored_from_disk(root, monkeypatch), values)

@@ -35,6 +35,7 @@ from crashproof.checkpoint.save import (
     ArenaUnavailable,
     CommitResult,
     SaveStats,
+    SharedChecksums,
     Snapshot,
     StagingArea,
     assign_owners,
@@ -197,12 +198,17 @@ class SavePipeline:
             self._tmp_token = str(self._group.broadcast(uuid.uuid4().hex[:8]))
         tmp_name = new_tmp_name(step, f"{self._tmp_token}-{self._stats.saves_started}")
         blocking_s = time.perf_counter() - started
+        share = None
+        if staging is not None and staging.arena is not None and not snapshot.sharded:
+            # The memory snapshot of these same staged bytes hashes them (in place, it has
+            # nothing else to do) and hands the checksums to the disk save's writer.
+            share = snapshot.checksums_from = SharedChecksums()
         future = self._executor.submit(
             self._persist, snapshot, tmp_name, blocking_s, may_be_delta, replicated
         )
         self._inflight.append((future, free))
         if staging is not None and staging.arena is not None:
-            self._commit_to_memory(snapshot, free, staging, alone=False)
+            self._commit_to_memory(snapshot, free, staging, alone=False, share=share)
         self._stats.saves_started += 1
         self._shared.last_save_step, self._shared.last_save_s = step, time.monotonic()
         if not self._options.async_save or write_through:
@@ -385,7 +391,13 @@ class SavePipeline:
         self._memory_stagings = []
 
     def _commit_to_memory(
-        self, snapshot: Snapshot, slot: int, staging: StagingArea, *, alone: bool
+        self,
+        snapshot: Snapshot,
+        slot: int,
+        staging: StagingArea,
+        *,
+        alone: bool,
+        share: SharedChecksums | None = None,
     ) -> None:
         assert self._memory is not None
         if snapshot.sharded:  # a rank's piece alone does not restore (every rank's index does)
@@ -397,17 +409,31 @@ class SavePipeline:
                     self._shared.root,
                 )
             return
-        future = self._memory_executor.submit(
-            self._memory_commit, self._memory, slot, snapshot, staging.data_at
-        )
+        try:
+            future = self._memory_executor.submit(
+                self._memory_commit, self._memory, slot, snapshot, staging.data_at, share
+            )
+        except BaseException:
+            if share is not None:
+                share.give({})
+            raise
+        if (
+            share is not None
+        ):  # however the commit ends (or if it never runs), the disk save goes on
+            future.add_done_callback(lambda _: share.give({}))
         self._memory_inflight.append((future, slot, snapshot.step, alone))
         self.last_memory_step, self.last_memory_s = snapshot.step, time.monotonic()
 
     def _memory_commit(
-        self, memory: MemorySnapshots, slot: int, snapshot: Snapshot, data_at: int
+        self,
+        memory: MemorySnapshots,
+        slot: int,
+        snapshot: Snapshot,
+        data_at: int,
+        share: SharedChecksums | None,
     ) -> CommitResult:
         started = time.perf_counter()
-        result = memory.commit(slot, snapshot, data_at)
+        result = memory.commit(slot, snapshot, data_at, share)
         self._stats.memory_last_commit_s = time.perf_counter() - started
         return result
 

@@ -116,6 +116,7 @@ def write_shard(
     tensors: Sequence[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
     inspect: Callable[[int, memoryview], None] | None = None,
+    known: Mapping[str, str] | None = None,
 ) -> tuple[list[TensorEntry], FileEntry]:
     """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's.
 
@@ -123,7 +124,10 @@ def write_shard(
     byte is hashed once, on a helper thread that trails the writes: xxHash and ``os.write`` both
     release the GIL, so on two cores the checksums cost almost no wall time. ``inspect(i, chunk)``
     is called on that thread too, with every chunk of tensor ``i``, after it is hashed.
+    ``known``: checksums by name of tensors hashed (and inspected) already, from the same bytes;
+    those are written without either.
     """
+    known = known or {}
     header, ranges = _header(tensors, metadata if metadata is not None else _DEFAULT_METADATA)
     hashers = [new_hasher() for _ in tensors]
     stream = storage.create(path)
@@ -133,9 +137,10 @@ def write_shard(
             # One worker runs the updates in submission order, so each hasher sees its chunks in
             # order; the tensors cannot change during the save, so nothing waits per chunk.
             pending = []
-            for i, ((_, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
+            for i, ((name, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
                 for chunk in _chunks(tensor_bytes(tensor)):
-                    pending.append(hash_pool.submit(_hash_chunk, hasher, chunk, i, inspect))
+                    if name not in known:
+                        pending.append(hash_pool.submit(_hash_chunk, hasher, chunk, i, inspect))
                     stream.write(chunk)
             for future in pending:
                 future.result()
@@ -150,7 +155,7 @@ def write_shard(
             shape=tuple(tensor.shape),
             offset=len(header) + pos,
             nbytes=nbytes,
-            checksum=hasher.hexdigest(),
+            checksum=known[name] if name in known else hasher.hexdigest(),
         )
         for (name, tensor), (pos, nbytes), hasher in zip(tensors, ranges, hashers, strict=True)
     ]

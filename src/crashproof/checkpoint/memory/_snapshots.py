@@ -16,7 +16,13 @@ from crashproof.checkpoint._group import Group, RankAlone
 from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, digest, parse_manifest
 from crashproof.checkpoint.memory._slot import Slot
 from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage
-from crashproof.checkpoint.save import CommitResult, Snapshot, new_tmp_name, persist
+from crashproof.checkpoint.save import (
+    CommitResult,
+    SharedChecksums,
+    Snapshot,
+    new_tmp_name,
+    persist,
+)
 from crashproof.errors import CorruptCheckpointError
 from crashproof.link import MemoryClient
 
@@ -67,12 +73,17 @@ class MemorySnapshots:
             log.warning("memory snapshots are off: crashproof run's agent did not answer (%s)", exc)
             return None
 
-    def commit(self, index: int, snapshot: Snapshot, data_at: int) -> CommitResult:
+    def commit(
+        self, index: int, snapshot: Snapshot, data_at: int, share: SharedChecksums | None = None
+    ) -> CommitResult:
         """Write ``snapshot``, staged in slot ``index``, as this rank's part, and commit it:
         checksummed and checked for non-finite values as on disk (the writer thread's work;
         replicated tensors are not deduplicated and deltas are not taken: a slot holds its
-        rank's whole part)."""
-        mine = dataclasses.replace(snapshot, owners={}, delta=None)
+        rank's whole part). ``share``: where to hand the checksums to the disk save of the
+        same staged bytes, once hashed (before the agent is told of the commit)."""
+        mine = dataclasses.replace(
+            snapshot, owners={}, delta=None, checksums_from=None, checksums_to=share
+        )
         storage = SlotStorage(self.slots[index], data_at)
         group = RankAlone(self.rank, self.world_size)
         return persist(storage, MEMORY_ROOT, mine, group, new_tmp_name(snapshot.step))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from crashproof.checkpoint.save._delta import Delta, DeltaBase, apply_delta, keep_as_base
 from crashproof.checkpoint.save._rank_files import commit_rank_files, write_rank_files
+from crashproof.checkpoint.save._shared_checksums import SharedChecksums
 from crashproof.checkpoint.save._staging import Arena, ArenaUnavailable, StagingArea
 from crashproof.checkpoint.save._stats import SaveStats
 from crashproof.checkpoint.save._writer import (
@@ -28,6 +29,7 @@ __all__ = [
     "Delta",
     "DeltaBase",
     "SaveStats",
+    "SharedChecksums",
     "Snapshot",
     "StagingArea",
     "apply_delta",

@@ -50,6 +50,7 @@ from crashproof.checkpoint.format import (
 )
 from crashproof.checkpoint.save._delta import Delta, DeltaBase, encode_delta
 from crashproof.checkpoint.save._finite import FiniteCheck
+from crashproof.checkpoint.save._shared_checksums import SharedChecksums
 from crashproof.checkpoint.save._staging import StagingArea
 from crashproof.errors import CheckpointWriteError, NonFiniteStateError
 from crashproof.state import is_dtensor, local_piece, mkl_reproducible
@@ -98,6 +99,12 @@ class Snapshot:
     """Set by :func:`persist` on the coordinator once committed: the checksum of the
     ``manifest.json`` it wrote (deltas taken against this checkpoint record it, see
     :class:`~crashproof.checkpoint.save._delta.DeltaBase`). None on the other ranks and before the commit."""
+    checksums_to: SharedChecksums | None = None
+    """Hand the tensors' checksums to a second write of the same staged bytes once they are all
+    hashed and found finite, or nothing if this write fails (see :mod:`._shared_checksums`)."""
+    checksums_from: SharedChecksums | None = None
+    """Take the tensors' checksums from the first write of the same staged bytes instead of
+    hashing them again (a full checkpoint only: a delta stores other bytes under the names)."""
 
     @property
     def nbytes(self) -> int:
@@ -323,21 +330,38 @@ class _Shard:
 
 def _write_shard(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> _Shard:
     """This rank's shard: its own tensors and the replicated ones it owns."""
+    share = snapshot.checksums_to
+    try:
+        shard = _write_own_tensors(storage, tmp_dir, snapshot, rank)
+    except BaseException:
+        if share is not None:
+            share.give({})  # (the second write hashes for itself)
+        raise
+    if share is not None:
+        share.give({e.name: e.checksum for e in shard.entries})
+    return shard
+
+
+def _write_own_tensors(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> _Shard:
+    known: Mapping[str, str] = {}
+    if snapshot.checksums_from is not None and snapshot.delta is None:
+        known = snapshot.checksums_from.take()
     written = [(n, t) for n, t in snapshot.tensors if snapshot.owners.get(n, rank) == rank]
     # On the hashing thread, each chunk as it is written: no wall time of its own. A refused save
-    # is raised once the (then discarded) shard is written.
+    # is raised once the (then discarded) shard is written. A tensor whose checksum is known was
+    # found finite by the write that hashed it.
     check = FiniteCheck(snapshot.step, written, snapshot.must_be_finite)
     tensors, deltas = written, list[DeltaEntry]()
     if snapshot.delta is not None:
         tensors, deltas = encode_delta(tensors, snapshot.delta[1], snapshot.delta[0], check)
     entries, file_entry = write_shard(
-        storage, storage.join(tmp_dir, shard_name(rank)), tensors, inspect=check
+        storage, storage.join(tmp_dir, shard_name(rank)), tensors, inspect=check, known=known
     )
     check.raise_if_failed()
     # The copies this rank did not write are hashed all the same (xxh3, far faster than the
     # write): replicated state that is not the same on every rank is a bug to report, not save.
     not_written = {
-        n: digest(tensor_bytes(t))
+        n: known.get(n) or digest(tensor_bytes(t))
         for n, t in snapshot.tensors
         if snapshot.owners.get(n, rank) != rank
     }
