@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import crashproof as cp
 from crashproof.checkpoint.format import _shard_file, checkpoint_dir_name, index_name
 from crashproof.checkpoint.memory._slot_storage import SlotStorage
 from crashproof.checkpoint.restore._rank_read import verify_checkpoint
+from crashproof.checkpoint.save import SharedChecksums
 from crashproof.link import ENV_MEMORY_SOCKET
 from crashproof.storage import LocalStorage
 from crashproof.supervisor._memory_host import MemoryHost
@@ -399,3 +402,27 @@ def test_a_memory_snapshot_that_fails_never_holds_up_or_spoils_the_disk_save(
         values = _tensors(state)
     assert sum(hashed) > 0
     assert _equal(_restored_from_disk(root, monkeypatch), values)
+
+
+def test_a_hand_over_is_waited_for_only_once_its_hashing_has_begun() -> None:
+    """The disk writer waits for checksums being worked out (CPU only), never for a memory write
+    that has not begun (its thread may be held by an agent that stopped answering), and only the
+    first hand-over counts."""
+    late = SharedChecksums()
+    started = time.monotonic()
+    assert late.take() == {}
+    assert SharedChecksums.BEGIN_WITHIN_S <= time.monotonic() - started < 5
+    late.give({"w": "1"})  # (the write that began late keeps its checksums for itself)
+
+    begun = SharedChecksums()
+    begun.begin()
+    threading.Timer(0.3, begun.give, args=({"w": "abc"},)).start()
+    threading.Timer(0.6, begun.give, args=({},)).start()  # the safety net's, too late to count
+    assert begun.take() == {"w": "abc"}
+    time.sleep(0.5)
+    assert begun.take() == {"w": "abc"}
+
+    failed = SharedChecksums()
+    failed.begin()
+    failed.give({})
+    assert failed.take() == {}

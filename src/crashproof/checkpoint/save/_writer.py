@@ -331,6 +331,8 @@ class _Shard:
 def _write_shard(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> _Shard:
     """This rank's shard: its own tensors and the replicated ones it owns."""
     share = snapshot.checksums_to
+    if share is not None:
+        share.begin()
     try:
         shard = _write_own_tensors(storage, tmp_dir, snapshot, rank)
     except BaseException:
