@@ -29,7 +29,8 @@ servers:
 
 # Python's bytecode is written as each module is first imported, under the environment
 # ($(VENV)/pycache, not beside the sources), so only what runs is ever compiled: byte-compiling
-# every installed package at set-up cost three times the CPU that the tests' imports do. Where
+# every installed package (17,000 files) at set-up compiled nearly three times what the tests ever
+# import (6,300 files), and took 30 of the 44 s of a fresh clone's set-up. Where
 # PYTHONDONTWRITEBYTECODE is set, it is not passed on: every process would compile torch anew.
 export PYTHONPYCACHEPREFIX ?= $(abspath $(VENV))/pycache
 unexport PYTHONDONTWRITEBYTECODE
