@@ -25,13 +25,14 @@ import crashproof as cp
 base, until, scope, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 remote = sys.argv[5] if len(sys.argv) > 5 else None
 rank = int(os.environ["RANK"])
-os.environ["CRASHPROOF_NODE"] = f"n{rank // 2}"
+node = rank // int(os.environ.get("RANKS_PER_NODE", "2"))
+os.environ["CRASHPROOF_NODE"] = f"n{node}"
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(8, 8), find_unused_parameters=True)  # (bit-exact: docs/exactness.md)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 state = cp.TrainState(model=model, optimizer=opt)
-root = os.path.join(base, f"node{rank // 2}" if layout == "per-node" else "one")
+root = os.path.join(base, f"node{node}" if layout == "per-node" else "one")
 try:
     manager = cp.CheckpointManager(
         root, every=cp.EverySteps(1), keep=cp.KeepLast(2), handle_signals=False,
@@ -187,6 +188,33 @@ def test_a_node_back_without_its_disk_takes_its_part_from_a_tier_or_else_starts_
     assert _finals(out) == reference
 
 
+def test_another_layout_of_ranks_is_refused_on_every_rank_and_changes_nothing(
+    tmp_path: Path, warm_ranks: Any, script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node's disk holds its own ranks' part only: a run with another world size, or other
+    ranks per node, or on one node (its root then taken as shared), can read none of them. It must say so rather than start from step 0 with
+    the checkpoints still on the disks, and leave them as they were."""
+    base = tmp_path / "run"
+    _run(warm_ranks, script, base, 3)  # 4 ranks, 2 per node
+    saved = {p: p.read_bytes() for p in base.glob("node*/step_*/*")}
+    assert len(saved) == 2 * 2 * (1 + 2 * 2)  # 2 steps on 2 nodes: a manifest, 2 ranks' files
+    for nproc, per_node, now in ((2, 1, "2 ranks on 2 nodes (ranks 0 | 1)"),
+                                 (4, 1, "4 ranks on 4 nodes (ranks 0 | 1 | 2 | 3)"),
+                                 (4, 4, "4 ranks on 1 node (ranks 0-3)")):  # fmt: skip
+        monkeypatch.setenv("RANKS_PER_NODE", str(per_node))
+        launch = warm_ranks.run(script, [str(base), "5", "auto", "per-node"], nproc=nproc)
+        assert all(code != 0 for code in launch.exit_codes), launch.output
+        assert "resumed" not in launch.output
+        # (Every rank failed; the ranks' tracebacks interleave, so the text is looked for once.)
+        assert "ConfigError: checkpoint step 3 (" in launch.output, launch.output
+        assert "by 4 ranks on 2 nodes (ranks 0-1 | 2-3)" in launch.output
+        assert f"this run has {now}" in launch.output
+        assert "crashproof run --nnodes 2 --nproc-per-node 2" in launch.output
+        assert {p: p.read_bytes() for p in base.glob("node*/step_*/*")} == saved
+    monkeypatch.delenv("RANKS_PER_NODE")
+    assert _resumed(_run(warm_ranks, script, base, 5)) == {3}
+
+
 @pytest.mark.parametrize(
     ("scope", "layout", "says"),
     [
@@ -210,7 +238,8 @@ from crashproof.storage import LocalStorage
 
 base, phase = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-os.environ["CRASHPROOF_NODE"] = f"n{rank // 2}"
+node = rank // int(os.environ.get("RANKS_PER_NODE", "2"))
+os.environ["CRASHPROOF_NODE"] = f"n{node}"
 
 
 class Refusing(LocalStorage):

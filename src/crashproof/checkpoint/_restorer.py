@@ -32,6 +32,7 @@ from crashproof.checkpoint._tier_coordination import TierCoordinator
 from crashproof.checkpoint.format import Manifest, ReadBuffer, checkpoint_dir_name
 from crashproof.checkpoint.memory import MemorySnapshots
 from crashproof.checkpoint.restore import (
+    Layout,
     PartialManifest,
     RankPlan,
     RankRead,
@@ -40,6 +41,7 @@ from crashproof.checkpoint.restore import (
     plan_node_part,
     plan_restore,
     read_manifest,
+    saved_layout,
 )
 from crashproof.checkpoint.root import (
     RollbackMark,
@@ -53,6 +55,7 @@ from crashproof.checkpoint.save import exactness_environment, named_tensors
 from crashproof.checkpoint.tiers import download_checkpoint
 from crashproof.errors import (
     CheckpointReadError,
+    ConfigError,
     CorruptCheckpointError,
     CrashproofError,
     StateMismatchError,
@@ -211,6 +214,11 @@ class Restorer:
         :mod:`crashproof.checkpoint.root._rollbacks`) is never a candidate."""
         local_storage, local_root = self._shared.storage, self._shared.root
         local = dict(committed_steps(local_storage, local_root))
+        if local and not any(s >= max(local) for s in in_memory):  # (a root used node-local)
+            newest = local[max(local)]
+            layout = saved_layout(local_storage, newest)
+            if layout is not None:
+                self._refuse_another_layout([(max(local), local_storage.describe(newest), layout)])
         sources: dict[int, list[str | None]] = {s: [None] for s in local}
         marks = read_marks(local_storage, local_root) if self._tiers.tiers else []
         for tier in self._tiers.tiers:
@@ -238,24 +246,28 @@ class Restorer:
         rank, world_size = self._group.rank, self._group.world_size
         local: dict[int, str] = {}
         mine: dict[int, str | None] = {}
+        newest: tuple[int, str, Layout | None] | None = None
         failure = ""
         try:
             local = dict(committed_steps(storage, root))
             mine = {
                 step: part_here(storage, path, rank, world_size) for step, path in local.items()
             }
+            if local:
+                step = max(local)
+                newest = (step, storage.describe(local[step]), saved_layout(storage, local[step]))
         except Exception as exc:  # (said to every rank, which would otherwise wait for this one)
             failure = (
                 f"rank {rank} cannot list {storage.describe(root)}: {type(exc).__name__}: {exc}"
             )
         remote = self._tier_parts(rank, world_size)
-        said = self._group.all_gather((mine, remote, failure))
-        failures = [why for _, _, why in said if why]
+        said = self._group.all_gather((mine, remote, newest, failure))
+        failures = [why for _, _, _, why in said if why]
         if failures:
             raise CheckpointReadError(
                 f"{failures[0]}. Nothing was changed: restore again once the storage reads it"
             )
-        listings = [(theirs, tiers) for theirs, tiers, _ in said]
+        listings = [(theirs, tiers) for theirs, tiers, _, _ in said]
         on_disk = {
             step
             for step, found in mine.items()
@@ -289,6 +301,8 @@ class Restorer:
             in_tiers = set()
         self._node_tier_digests = {s: wanted[s] for s in in_tiers}
         self._node_disk_steps = on_disk
+        if not (on_disk | in_tiers | in_memory):
+            self._refuse_another_layout([n for _, _, n, _ in said if n is not None])
         candidates: list[Candidate] = []
         for step in sorted(on_disk | in_tiers | in_memory, reverse=True):
             sources: list[str | None] = [MEMORY] if step in in_memory else []
@@ -297,6 +311,34 @@ class Restorer:
             path = local.get(step) or storage.join(root, checkpoint_dir_name(step))
             candidates.append((step, path, sources))
         return candidates
+
+    def _refuse_another_layout(self, newest: list[tuple[int, str, Layout | None]]) -> None:
+        """Nothing to restore on node-local roots, where the nodes' disks hold checkpoints saved
+        by another layout of ranks (another world size, or ranks per node): each node's disk
+        holds its own ranks' part only, which no rank of this layout can read. Starting from
+        step 0 would lose them without a word; raised on every rank alike (``newest``: every
+        rank's newest checkpoint, gathered), with nothing changed."""
+        now = (self._group.world_size, self._shared.placement.nodes)
+        other = [(step, where, saved) for step, where, saved in newest if saved not in (None, now)]
+        if not other:
+            return
+        step, where, saved = max(other)
+        assert saved is not None
+        world_size, nodes = saved
+        per_node = sorted({len(ranks) for ranks in nodes})
+        layout = (
+            f"--nnodes {len(nodes)} --nproc-per-node {per_node[0]}" if len(per_node) == 1 else ""
+        )
+        raise ConfigError(
+            f"checkpoint step {step} ({where}) was saved on node-local roots by {world_size} "
+            f"ranks on {len(nodes)} nodes (ranks {_ranges(nodes)}), and each node's disk holds "
+            f"only its own ranks' part; this run has {now[0]} ranks on {_nodes(len(now[1]))} "
+            f"(ranks {_ranges(now[1])}), so no rank could read the part it needs. Nothing was "
+            "changed. Resume with the layout it was saved with"
+            + (f" (crashproof run {layout})" if layout else "")
+            + ", or start afresh with another root; only a shared root (root_scope='shared') "
+            "restores on another world size"
+        )
 
     def _tier_parts(self, rank: int, world_size: int) -> dict[int, str]:
         """The steps whose part for ``rank`` its node's prefix of a tier holds (the first tier
@@ -861,3 +903,17 @@ def _still_there(storage: Storage, ckpt_dir: str) -> bool | None:
         return False
     except Exception:
         return None
+
+
+def _ranges(nodes: tuple[tuple[int, ...], ...]) -> str:
+    """Each node's ranks, ``0-1 | 2-3`` (a node's ranks are consecutive, or listed)."""
+    return " | ".join(
+        f"{r[0]}-{r[-1]}"
+        if len(r) > 1 and list(r) == list(range(r[0], r[-1] + 1))
+        else ",".join(map(str, r))
+        for r in nodes
+    )
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node" if count == 1 else f"{count} nodes"

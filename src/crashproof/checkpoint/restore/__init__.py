@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
-from crashproof.checkpoint.restore._node_part import held_files, part_here, plan_node_part
+from crashproof.checkpoint.restore._node_part import (
+    Layout,
+    held_files,
+    part_here,
+    plan_node_part,
+    saved_layout,
+)
 from crashproof.checkpoint.restore._rank_mapping import source_rank
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CrashproofReader",
+    "Layout",
     "PartialManifest",
     "RankPlan",
     "RankRead",
@@ -46,6 +53,7 @@ __all__ = [
     "read_manifest_bytes",
     "read_rank_index",
     "restore_targets",
+    "saved_layout",
     "source_rank",
     "unreadable",
     "verify_checkpoint",

@@ -15,7 +15,10 @@ from crashproof.checkpoint.restore._read_manifest import read_manifest, read_man
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import Storage
 
-__all__ = ["held_files", "part_here", "plan_node_part"]
+__all__ = ["Layout", "held_files", "part_here", "plan_node_part", "saved_layout"]
+
+Layout = tuple[int, tuple[tuple[int, ...], ...]]
+"""A checkpoint's ranks as saved: the world size, and the ranks of each node's part."""
 
 
 def part_here(storage: Storage, ckpt_dir: str, rank: int, world_size: int) -> str | None:
@@ -33,6 +36,16 @@ def part_here(storage: Storage, ckpt_dir: str, rank: int, world_size: int) -> st
     if rank not in held or not part_files(held) <= names:
         return None
     return digest(data)
+
+
+def saved_layout(storage: Storage, ckpt_dir: str) -> Layout | None:
+    """The ranks of the checkpoint in ``ckpt_dir`` as saved on node-local roots, or None (saved
+    on one root, or its manifest unreadable: the restore says why when it reads it)."""
+    try:
+        manifest = read_manifest_bytes(storage, ckpt_dir)[1]
+    except (CorruptCheckpointError, OSError):
+        return None
+    return None if manifest.nodes is None else (manifest.world_size, manifest.nodes)
 
 
 def held_files(storage: Storage, ckpt_dir: str, manifest: Manifest) -> set[str]:
