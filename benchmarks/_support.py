@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +130,17 @@ def gib_of_weights(gib: float, tensors: int) -> cp.TrainState:
     return cp.TrainState(model=nn.Sequential(*layers))
 
 
-def gib_of_weights_arguments(description: str, gib: float) -> argparse.Namespace:
+def gib_of_weights_arguments(
+    description: str,
+    gib: float,
+    extra: Sequence[tuple[str, str, str]] = (),
+) -> argparse.Namespace:
     """The options of a benchmark over :func:`gib_of_weights`: ``--gib``, ``--tensors``,
-    ``--runs``, and ``--json`` / ``--markdown`` for :func:`print_result`."""
+    ``--runs``, and ``--json`` / ``--markdown`` for :func:`print_result`; ``extra``: more text
+    options, as (name, default, help)."""
     p = argparse.ArgumentParser(description=description)
+    for name, default, meaning in extra:
+        p.add_argument(name, default=default, help=meaning)
     p.add_argument("--gib", type=float, default=gib)
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--runs", type=int, default=5)

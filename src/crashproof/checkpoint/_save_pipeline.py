@@ -201,8 +201,10 @@ class SavePipeline:
         share = None
         if staging is not None and staging.arena is not None and not snapshot.sharded:
             # The memory snapshot of these same staged bytes hashes them (in place, it has
-            # nothing else to do) and hands the checksums to the disk save's writer.
-            share = snapshot.checksums_from = SharedChecksums()
+            # nothing else to do) while the disk save's writer writes them, and hands it the
+            # checksums.
+            idle = all(future.done() for future, _, _, _ in self._memory_inflight)
+            share = snapshot.checksums_from = SharedChecksums(begins_at_once=idle)
         future = self._executor.submit(
             self._persist, snapshot, tmp_name, blocking_s, may_be_delta, replicated
         )
@@ -315,9 +317,17 @@ class SavePipeline:
         slots = self._memory.slots
         if pinned is None:
             pinned = self._memory.pinned() if len(free) > 1 else set()
+        # A slot whose memory snapshot is still being committed comes last too: taking it would
+        # wait for that commit (and for the agent's answer) on the training thread.
+        committing = {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
         return min(
             free,
-            key=lambda i: (i in pinned, -1 if slots[i].step is None else slots[i].step, i),
+            key=lambda i: (
+                i in committing,
+                i in pinned,
+                -1 if slots[i].step is None else slots[i].step,
+                i,
+            ),
         )
 
     # -- memory snapshots (crashproof run's agent holds them) ---------------------------------
@@ -409,18 +419,9 @@ class SavePipeline:
                     self._shared.root,
                 )
             return
-        try:
-            future = self._memory_executor.submit(
-                self._memory_commit, self._memory, slot, snapshot, staging.data_at, share
-            )
-        except BaseException:
-            if share is not None:
-                share.give({})
-            raise
-        if (
-            share is not None
-        ):  # however the commit ends (or if it never runs), the disk save goes on
-            future.add_done_callback(lambda _: share.give({}))
+        future = self._memory_executor.submit(
+            self._memory_commit, self._memory, slot, snapshot, staging.data_at, share
+        )
         self._memory_inflight.append((future, slot, snapshot.step, alone))
         self.last_memory_step, self.last_memory_s = snapshot.step, time.monotonic()
 

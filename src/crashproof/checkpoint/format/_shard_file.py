@@ -116,7 +116,7 @@ def write_shard(
     tensors: Sequence[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
     inspect: Callable[[int, memoryview], None] | None = None,
-    known: Mapping[str, str] | None = None,
+    known: Callable[[], Mapping[str, str]] | None = None,
 ) -> tuple[list[TensorEntry], FileEntry]:
     """Write CPU contiguous ``tensors`` to ``path`` durably; returns their entries and the file's.
 
@@ -124,12 +124,14 @@ def write_shard(
     byte is hashed once, on a helper thread that trails the writes: xxHash and ``os.write`` both
     release the GIL, so on two cores the checksums cost almost no wall time. ``inspect(i, chunk)``
     is called on that thread too, with every chunk of tensor ``i``, after it is hashed.
-    ``known``: checksums by name of tensors hashed (and inspected) already, from the same bytes;
-    those are written without either.
+
+    ``known``: the bytes are another writer's too, which hashes (and inspects) them; called once
+    every byte is written, it gives the checksums that writer worked out, by name, and only the
+    tensors it does not name are hashed and inspected then.
     """
-    known = known or {}
     header, ranges = _header(tensors, metadata if metadata is not None else _DEFAULT_METADATA)
     hashers = [new_hasher() for _ in tensors]
+    given: Mapping[str, str] = {}
     stream = storage.create(path)
     try:
         stream.write(header)
@@ -137,13 +139,19 @@ def write_shard(
             # One worker runs the updates in submission order, so each hasher sees its chunks in
             # order; the tensors cannot change during the save, so nothing waits per chunk.
             pending = []
-            for i, ((name, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
+            for i, ((_, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
                 for chunk in _chunks(tensor_bytes(tensor)):
-                    if name not in known:
+                    if known is None:
                         pending.append(hash_pool.submit(_hash_chunk, hasher, chunk, i, inspect))
                     stream.write(chunk)
             for future in pending:
                 future.result()
+        if known is not None:
+            given = known()
+            for i, ((name, tensor), hasher) in enumerate(zip(tensors, hashers, strict=True)):
+                if name not in given:
+                    for chunk in _chunks(tensor_bytes(tensor)):
+                        _hash_chunk(hasher, chunk, i, inspect)
         stream.commit()
     except BaseException:
         stream.abort()
@@ -155,7 +163,7 @@ def write_shard(
             shape=tuple(tensor.shape),
             offset=len(header) + pos,
             nbytes=nbytes,
-            checksum=known[name] if name in known else hasher.hexdigest(),
+            checksum=given[name] if name in given else hasher.hexdigest(),
         )
         for (name, tensor), (pos, nbytes), hasher in zip(tensors, ranges, hashers, strict=True)
     ]

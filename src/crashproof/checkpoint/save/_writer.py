@@ -345,20 +345,25 @@ def _write_shard(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) 
 
 
 def _write_own_tensors(storage: Storage, tmp_dir: str, snapshot: Snapshot, rank: int) -> _Shard:
-    known: Mapping[str, str] = {}
-    if snapshot.checksums_from is not None and snapshot.delta is None:
-        known = snapshot.checksums_from.take()
+    # The checksums of a memory snapshot of the same staged bytes, taken once they are written
+    # (a delta stores other bytes under the tensors' names).
+    shared = snapshot.checksums_from if snapshot.delta is None else None
     written = [(n, t) for n, t in snapshot.tensors if snapshot.owners.get(n, rank) == rank]
     # On the hashing thread, each chunk as it is written: no wall time of its own. A refused save
-    # is raised once the (then discarded) shard is written. A tensor whose checksum is known was
-    # found finite by the write that hashed it.
+    # is raised once the (then discarded) shard is written. A tensor whose checksum is handed
+    # over was found finite by the write that hashed it.
     check = FiniteCheck(snapshot.step, written, snapshot.must_be_finite)
     tensors, deltas = written, list[DeltaEntry]()
     if snapshot.delta is not None:
         tensors, deltas = encode_delta(tensors, snapshot.delta[1], snapshot.delta[0], check)
     entries, file_entry = write_shard(
-        storage, storage.join(tmp_dir, shard_name(rank)), tensors, inspect=check, known=known
+        storage,
+        storage.join(tmp_dir, shard_name(rank)),
+        tensors,
+        inspect=check,
+        known=None if shared is None else shared.take,
     )
+    known = {} if shared is None else shared.take()
     check.raise_if_failed()
     # The copies this rank did not write are hashed all the same (xxh3, far faster than the
     # write): replicated state that is not the same on every rank is a bug to report, not save.
