@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from crashproof.checkpoint.format import parse_manifest, seal_manifest
 from crashproof.errors import CorruptCheckpointError
@@ -140,3 +141,31 @@ def test_ranks_that_moved_between_nodes_restore_nothing_and_remove_nothing(
     assert "not whole on every node" in launch.output
     assert (run / "node0" / STEP / "rank_00001.json").exists()
     assert (run / "node1" / STEP / "rank_00000.json").exists()
+
+
+def test_each_nodes_part_exports_its_first_ranks_state_and_says_whose(
+    saved: Path, tmp_path: Path, warm_ranks: Any
+) -> None:
+    """An export reads one rank's state; a node's disk holds its own ranks' part only, so the
+    export of a node's root is its first rank's state, and says so. A part that is not whole is
+    refused as invalid, as ``verify`` refuses it."""
+    from safetensors.torch import load_file
+
+    for rank in (0, 1):
+        out = tmp_path / f"node{rank}.safetensors"
+        root = str(saved / "run" / f"node{rank}")
+        done = warm_ranks.python(["-m", "crashproof.cli", "export", root, "-o", str(out)])
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"holds ranks {rank} of the 2" in done.stderr
+        assert f"exporting rank {rank}'s state" in done.stderr
+        torch.manual_seed(rank)  # (as the ranks made their models)
+        expected = torch.nn.Linear(4, 4).state_dict()
+        exported = load_file(str(out))
+        assert exported.keys() == expected.keys()
+        assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    run = _copy(saved, tmp_path)
+    (run / "node1" / STEP / "rank_00001.safetensors").unlink()
+    out = tmp_path / "damaged.safetensors"
+    done = warm_ranks.python(["-m", "crashproof.cli", "export", str(run / "node1"), "-o", str(out)])
+    assert done.returncode != 0 and not out.exists()
+    assert "without rank_00001.safetensors" in done.stdout + done.stderr

@@ -55,8 +55,14 @@ from crashproof.checkpoint.export._target import (
     protected_roots,
     remove_earlier,
 )
-from crashproof.checkpoint.format import dtype_name, safetensors_code, write_shard
-from crashproof.checkpoint.restore import RankRead, read_manifest, source_rank
+from crashproof.checkpoint.format import (
+    Manifest,
+    dtype_name,
+    held_part,
+    safetensors_code,
+    write_shard,
+)
+from crashproof.checkpoint.restore import RankRead, plan_node_part, read_manifest, source_rank
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
@@ -80,7 +86,10 @@ log = logging.getLogger(__name__)
 def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
     """The state tree of the checkpoint (one rank's, the same on every rank), verified."""
     manifest = read_manifest(storage, ckpt_dir)
-    rank = source_rank(storage, ckpt_dir, manifest, 0, 1)  # refuses state split by hand
+    if manifest.nodes is not None:  # one node's part of a checkpoint on node-local roots
+        rank, manifest = _node_part_rank(storage, ckpt_dir, manifest)
+    else:
+        rank = source_rank(storage, ckpt_dir, manifest, 0, 1)  # refuses state split by hand
     reader = RankRead(storage, ckpt_dir, manifest, rank)
     try:
         reader.verify()
@@ -103,6 +112,25 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{storage.describe(ckpt_dir)}: the state is not a mapping")
     tree["step"] = manifest.step
     return tree
+
+
+def _node_part_rank(storage: Storage, ckpt_dir: str, manifest: Manifest) -> tuple[int, Manifest]:
+    """The rank an export reads in one node's part of a checkpoint saved on node-local roots (the
+    part's first), and the manifest cut to the part. The other nodes' ranks are on their own
+    disks, so whether every rank holds the same state cannot be checked here, as it is for a
+    checkpoint in one root: the export says whose state it is (under DDP, every rank's)."""
+    where = storage.describe(ckpt_dir)
+    ranks = held_part(manifest, storage.list(ckpt_dir), where)  # (a part whole, or refused)
+    log.warning(
+        "%s holds ranks %s of the %d that saved it on node-local roots: exporting rank %d's state "
+        "(replicated state, such as a DDP model's, is every rank's; other ranks' state held "
+        "apart from it is on the other nodes' disks)",
+        where,
+        ", ".join(map(str, ranks)),
+        manifest.world_size,
+        ranks[0],
+    )
+    return ranks[0], plan_node_part(storage, ckpt_dir, ranks[0]).manifest
 
 
 WHAT_SHORTCUTS = {"model": "model", "ema": "extra/ema", "optimizer": "optimizer", "all": ""}
