@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +430,48 @@ def test_a_hand_over_is_waited_for_only_once_its_hashing_has_begun() -> None:
     failed.begin()
     failed.give({})
     assert failed.take() == {}
+
+
+def test_a_hand_over_that_never_begins_is_waited_for_once_and_briefly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(SharedChecksums, "BEGIN_WITHIN_S", 0.3)
+    never = SharedChecksums(begins_at_once=True)
+    started = time.monotonic()
+    assert never.take() == {}
+    assert 0.3 <= time.monotonic() - started < 5
+    started = time.monotonic()
+    assert never.take() == {}  # (asked again: the same answer, at once)
+    assert time.monotonic() - started < 0.2
+    never.begin()
+    never.give({"w": "late"})
+    assert never.take() == {}
+
+
+def test_a_memory_snapshot_failing_before_it_hashes_lets_the_disk_save_go_on_at_once(
+    memory_host: MemoryHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory snapshot's commit fails before its writer began to hash (here as a CUDA
+    event or the agent's segment could make it fail): its end hands over nothing, so the disk
+    writer, which waits for a memory write due at once, hashes for itself right away."""
+    from crashproof.checkpoint.memory import _snapshots
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the snapshot could not be read")
+
+    monkeypatch.setattr(_snapshots, "persist", failing)
+    monkeypatch.setattr(SharedChecksums, "BEGIN_WITHIN_S", 30.0)
+    root = tmp_path / "ck"
+    state = _state()
+    with cp.CheckpointManager(root, async_save=True) as ckpt:
+        started = time.monotonic()
+        ckpt.save(1, state)
+        assert ckpt._pipeline.wait_commit() is not None
+        assert time.monotonic() - started < 15, "the disk save waited for the memory snapshot"
+        ckpt.wait()
+        assert ckpt.stats.memory_failures == 1 and ckpt.stats.saves_committed == 1
+        values = _tensors(state)
+    assert _equal(_restored_from_disk(root, monkeypatch), values)
 
 
 def test_a_disk_save_never_waits_for_a_memory_snapshot_queued_behind_another(

@@ -214,6 +214,21 @@ def test_another_layout_of_ranks_is_refused_on_every_rank_and_changes_nothing(
     monkeypatch.delenv("RANKS_PER_NODE")
     assert _resumed(_run(warm_ranks, script, base, 5)) == {3}
 
+    # Saved on one node (its root holds every rank's files), resumed on two: the second node's
+    # disk holds nothing of it. And one node's root holding an older checkpoint saved on one
+    # node beside a newer node's part: the older one restores (the part is passed over).
+    one = tmp_path / "one"
+    monkeypatch.setenv("RANKS_PER_NODE", "4")
+    _run(warm_ranks, script, one, 1)
+    monkeypatch.delenv("RANKS_PER_NODE")
+    launch = warm_ranks.run(script, [str(one), "2", "auto", "per-node"], nproc=4)
+    assert all(code != 0 for code in launch.exit_codes), launch.output
+    assert "saved in one root by 4 ranks on 1 node (ranks 0-3)" in launch.output
+    assert "this run has 4 ranks on 2 nodes (ranks 0-1 | 2-3)" in launch.output
+    shutil.copytree(base / "node0" / "step_0000000005", one / "node0" / "step_0000000005")
+    monkeypatch.setenv("RANKS_PER_NODE", "4")
+    assert _resumed(_run(warm_ranks, script, one, 1)) == {1}
+
 
 @pytest.mark.parametrize(
     ("scope", "layout", "says"),

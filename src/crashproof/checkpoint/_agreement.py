@@ -15,7 +15,7 @@ from typing import TypeVar, cast
 
 from crashproof.checkpoint._group import Group
 from crashproof.checkpoint.save import CommitResult, SaveStats
-from crashproof.errors import CheckpointWriteError
+from crashproof.errors import CheckpointWriteError, ConfigError
 from crashproof.link import Notice
 
 __all__ = ["AGREE_EVERY_S", "RankAgreement"]
@@ -148,7 +148,10 @@ class RankAgreement:
                 if kind == "done":
                     return cast(_T, value)
                 if kind == "error":
-                    raise CheckpointWriteError(f"rank 0 failed: {value}")
+                    kind_of_error, message = value
+                    if kind_of_error == "ConfigError":  # (the run's set-up: the same for all)
+                        raise ConfigError(f"rank 0: {message}")
+                    raise CheckpointWriteError(f"rank 0 failed: {kind_of_error}: {message}")
         with ThreadPoolExecutor(1, thread_name_prefix="crashproof-rank0") as pool:
             future = pool.submit(work)
             while True:
@@ -158,7 +161,7 @@ class RankAgreement:
                     self._group.broadcast(("wait", None))
                     continue
                 except Exception as exc:
-                    self._group.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                    self._group.broadcast(("error", (type(exc).__name__, str(exc))))
                     raise
                 self._group.broadcast(("done", value))
                 return value

@@ -214,11 +214,6 @@ class Restorer:
         :mod:`crashproof.checkpoint.root._rollbacks`) is never a candidate."""
         local_storage, local_root = self._shared.storage, self._shared.root
         local = dict(committed_steps(local_storage, local_root))
-        if local and not any(s >= max(local) for s in in_memory):  # (a root used node-local)
-            newest = local[max(local)]
-            layout = saved_layout(local_storage, newest)
-            if layout is not None:
-                self._refuse_another_layout([(max(local), local_storage.describe(newest), layout)])
         sources: dict[int, list[str | None]] = {s: [None] for s in local}
         marks = read_marks(local_storage, local_root) if self._tiers.tiers else []
         for tier in self._tiers.tiers:
@@ -231,6 +226,7 @@ class Restorer:
                 log.error("cannot list %s to restore from it: %s", tier.uri, exc)
         for step in in_memory:
             sources.setdefault(step, []).insert(0, MEMORY)
+        self._refuse_node_parts(local, sources)
         return [
             (s, local.get(s) or local_storage.join(local_root, checkpoint_dir_name(s)), sources[s])
             for s in sorted(sources, reverse=True)
@@ -312,6 +308,25 @@ class Restorer:
             candidates.append((step, path, sources))
         return candidates
 
+    def _refuse_node_parts(
+        self, local: dict[int, str], sources: dict[int, list[str | None]]
+    ) -> None:
+        """In one root (on rank 0): when its newest checkpoint is one node's part, saved on
+        node-local roots, and no checkpoint but such parts is anywhere (an older one saved in
+        one root, the agent's memory, a tier), refused as :meth:`_refuse_another_layout` says."""
+        storage = self._shared.storage
+        if not local:
+            return
+        newest = saved_layout(storage, local[max(local)])
+        if newest is None or len(newest[1]) == 1:
+            return
+        for step, where in sources.items():
+            if where != [None] or (layout := saved_layout(storage, local[step])) is None:
+                return  # (from memory or a tier; or unreadable: the restore says why)
+            if len(layout[1]) == 1:
+                return
+        self._refuse_another_layout([(max(local), storage.describe(local[max(local)]), newest)])
+
     def _refuse_another_layout(self, newest: list[tuple[int, str, Layout | None]]) -> None:
         """Nothing to restore on node-local roots, where the nodes' disks hold checkpoints saved
         by another layout of ranks (another world size, or ranks per node): each node's disk
@@ -329,11 +344,19 @@ class Restorer:
         layout = (
             f"--nnodes {len(nodes)} --nproc-per-node {per_node[0]}" if len(per_node) == 1 else ""
         )
+        by = (
+            f"{_count(world_size, 'rank')} on {_count(len(nodes), 'node')} (ranks {_ranges(nodes)})"
+        )
+        held = (
+            f"saved on node-local roots by {by}, and each node's disk holds only its own "
+            "ranks' part"
+            if len(nodes) > 1
+            else f"saved in one root by {by}, which only one node's disk holds here"
+        )
         raise ConfigError(
-            f"checkpoint step {step} ({where}) was saved on node-local roots by {world_size} "
-            f"ranks on {len(nodes)} nodes (ranks {_ranges(nodes)}), and each node's disk holds "
-            f"only its own ranks' part; this run has {now[0]} ranks on {_nodes(len(now[1]))} "
-            f"(ranks {_ranges(now[1])}), so no rank could read the part it needs. Nothing was "
+            f"checkpoint step {step} ({where}) was {held}; this run has "
+            f"{_count(now[0], 'rank')} on {_count(len(now[1]), 'node')} (ranks "
+            f"{_ranges(now[1])}), so no rank could read the part it needs. Nothing was "
             "changed. Resume with the layout it was saved with"
             + (f" (crashproof run {layout})" if layout else "")
             + ", or start afresh with another root; only a shared root (root_scope='shared') "
@@ -915,5 +938,5 @@ def _ranges(nodes: tuple[tuple[int, ...], ...]) -> str:
     )
 
 
-def _nodes(count: int) -> str:
-    return f"{count} node" if count == 1 else f"{count} nodes"
+def _count(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

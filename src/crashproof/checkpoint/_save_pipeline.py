@@ -317,14 +317,14 @@ class SavePipeline:
         slots = self._memory.slots
         if pinned is None:
             pinned = self._memory.pinned() if len(free) > 1 else set()
-        # A slot whose memory snapshot is still being committed comes last too: taking it would
-        # wait for that commit (and for the agent's answer) on the training thread.
+        # A slot whose memory snapshot is still being committed comes next to last: taking it
+        # would wait for that commit (and for the agent's answer) on the training thread.
         committing = {slot for future, slot, _, _ in self._memory_inflight if not future.done()}
         return min(
             free,
             key=lambda i: (
-                i in committing,
                 i in pinned,
+                i in committing,
                 -1 if slots[i].step is None else slots[i].step,
                 i,
             ),
@@ -422,6 +422,8 @@ class SavePipeline:
         future = self._memory_executor.submit(
             self._memory_commit, self._memory, slot, snapshot, staging.data_at, share
         )
+        if share is not None:  # a commit that failed before it began to hash hands over nothing
+            future.add_done_callback(lambda _: share.give({}))
         self._memory_inflight.append((future, slot, snapshot.step, alone))
         self.last_memory_step, self.last_memory_s = snapshot.step, time.monotonic()
 

@@ -39,13 +39,14 @@ def part_here(storage: Storage, ckpt_dir: str, rank: int, world_size: int) -> st
 
 
 def saved_layout(storage: Storage, ckpt_dir: str) -> Layout | None:
-    """The ranks of the checkpoint in ``ckpt_dir`` as saved on node-local roots, or None (saved
-    on one root, or its manifest unreadable: the restore says why when it reads it)."""
+    """The ranks of the checkpoint in ``ckpt_dir`` as saved: its world size and each node's
+    ranks (one node holding every rank for a checkpoint saved in one root); None when its
+    manifest is unreadable (the restore says why when it reads it)."""
     try:
         manifest = read_manifest_bytes(storage, ckpt_dir)[1]
     except (CorruptCheckpointError, OSError):
         return None
-    return None if manifest.nodes is None else (manifest.world_size, manifest.nodes)
+    return manifest.world_size, manifest.nodes or (tuple(range(manifest.world_size)),)
 
 
 def held_files(storage: Storage, ckpt_dir: str, manifest: Manifest) -> set[str]:

@@ -53,8 +53,10 @@ class SharedChecksums:
 
     def take(self) -> Mapping[str, str]:
         """The checksums, once given; or ``{}`` (hash them yourself) when the first write has not
-        begun, and was not due to begin at once or failed to within :attr:`BEGIN_WITHIN_S`."""
+        begun, and was not due to begin at once or failed to within :attr:`BEGIN_WITHIN_S`. A
+        second call answers as the first did, at once."""
         if not self._begun.wait(self.BEGIN_WITHIN_S if self._begins_at_once else 0):
+            self.give({})  # (declined: a write that begins now keeps its checksums for itself)
             return {}
         self._given.wait()
         return self._checksums
