@@ -21,12 +21,13 @@ import crashproof as cp
 
 base, mode = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-os.environ["CRASHPROOF_NODE"] = f"n{rank}"
+node = rank // int(os.environ.get("RANKS_PER_NODE", "1"))
+os.environ["CRASHPROOF_NODE"] = f"n{node}"
 dist.init_process_group("gloo")
 torch.manual_seed(rank)
 state = cp.TrainState(model=torch.nn.Linear(4, 4))
 manager = cp.CheckpointManager(
-    os.path.join(base, f"node{rank}"), async_save=False, handle_signals=False,
+    os.path.join(base, f"node{node}"), async_save=False, handle_signals=False,
     read_only=mode == "restore", root_scope="node",
 )
 with manager:
@@ -169,3 +170,20 @@ def test_each_nodes_part_exports_its_first_ranks_state_and_says_whose(
     done = warm_ranks.python(["-m", "crashproof.cli", "export", str(run / "node1"), "-o", str(out)])
     assert done.returncode != 0 and not out.exists()
     assert "without rank_00001.safetensors" in done.stdout + done.stderr
+
+
+def test_a_nodes_part_whose_ranks_hold_different_state_is_not_exported_as_one(
+    saved: Path, tmp_path: Path, warm_ranks: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks on each node, each with a model of its own (not replicated): a node's part
+    holds two states, and an export of one would silently drop the other; it is refused, naming
+    the ranks and tensors that differ, as for a checkpoint in one root."""
+    monkeypatch.setenv("RANKS_PER_NODE", "2")
+    run = tmp_path / "run"
+    launch = warm_ranks.run(saved / "ranks.py", [str(run), "save"], nproc=4, timeout=120)
+    assert launch.exit_codes == [0, 0, 0, 0], launch.output
+    out = tmp_path / "out.safetensors"
+    done = warm_ranks.python(["-m", "crashproof.cli", "export", str(run / "node1"), "-o", str(out)])
+    assert done.returncode != 0 and not out.exists()
+    said = done.stdout + done.stderr
+    assert "rank 2 and rank 3: model/bias, model/weight" in said, said

@@ -121,6 +121,11 @@ def test_each_node_commits_its_part_and_a_resume_takes_only_what_every_node_hold
     ]
     verified = warm_ranks.python(["-m", "crashproof.cli", "verify", str(node0)])
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    # The DDP model is every rank's: a node's part exports it (its two ranks' states agree).
+    exported = tmp_path / "node1.safetensors"
+    done = warm_ranks.python(["-m", "crashproof.cli", "export", str(node1), "-o", str(exported)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "holds ranks 2, 3 of the 4" in done.stderr and exported.exists()
 
     # A kill after every node prepared step 4 (its manifest written) and before node 1 published
     # it: every part is durable, so start-up recovery publishes node 1's and the run resumes there.

@@ -62,7 +62,13 @@ from crashproof.checkpoint.format import (
     safetensors_code,
     write_shard,
 )
-from crashproof.checkpoint.restore import RankRead, plan_node_part, read_manifest, source_rank
+from crashproof.checkpoint.restore import (
+    RankRead,
+    plan_node_part,
+    read_manifest,
+    source_rank,
+    source_ranks,
+)
 from crashproof.errors import ConfigError, CorruptCheckpointError
 from crashproof.storage import LocalStorage, Storage
 
@@ -116,11 +122,13 @@ def saved_state(storage: Storage, ckpt_dir: str) -> dict[str, Any]:
 
 def _node_part_rank(storage: Storage, ckpt_dir: str, manifest: Manifest) -> tuple[int, Manifest]:
     """The rank an export reads in one node's part of a checkpoint saved on node-local roots (the
-    part's first), and the manifest cut to the part. The other nodes' ranks are on their own
-    disks, so whether every rank holds the same state cannot be checked here, as it is for a
-    checkpoint in one root: the export says whose state it is (under DDP, every rank's)."""
+    part's first), and the manifest cut to the part. The part's ranks must hold the same state,
+    as every rank of a checkpoint in one root must; the other nodes' ranks are on their own
+    disks, so the export says whose state it is (under DDP, every rank's)."""
     where = storage.describe(ckpt_dir)
     ranks = held_part(manifest, storage.list(ckpt_dir), where)  # (a part whole, or refused)
+    part = plan_node_part(storage, ckpt_dir, ranks[0]).manifest
+    source_ranks(storage, ckpt_dir, part, 1, among=ranks)  # refuses state split by hand
     log.warning(
         "%s holds ranks %s of the %d that saved it on node-local roots: exporting rank %d's state "
         "(replicated state, such as a DDP model's, is every rank's; other ranks' state held "
@@ -130,7 +138,7 @@ def _node_part_rank(storage: Storage, ckpt_dir: str, manifest: Manifest) -> tupl
         manifest.world_size,
         ranks[0],
     )
-    return ranks[0], plan_node_part(storage, ckpt_dir, ranks[0]).manifest
+    return ranks[0], part
 
 
 WHAT_SHORTCUTS = {"model": "model", "ema": "extra/ema", "optimizer": "optimizer", "all": ""}

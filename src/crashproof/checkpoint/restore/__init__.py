@@ -16,7 +16,7 @@ from crashproof.checkpoint.restore._node_part import (
     plan_node_part,
     saved_layout,
 )
-from crashproof.checkpoint.restore._rank_mapping import source_rank
+from crashproof.checkpoint.restore._rank_mapping import source_rank, source_ranks
 from crashproof.checkpoint.restore._rank_read import RankRead, load_rank_state, verify_checkpoint
 from crashproof.checkpoint.restore._read_manifest import (
     PartialManifest,
@@ -55,6 +55,7 @@ __all__ = [
     "restore_targets",
     "saved_layout",
     "source_rank",
+    "source_ranks",
     "unreadable",
     "verify_checkpoint",
 ]

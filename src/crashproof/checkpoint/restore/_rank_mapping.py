@@ -18,7 +18,7 @@ over exactly (see :class:`~crashproof.ResumableSampler`).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from crashproof.checkpoint.format import Manifest, RankIndex
 from crashproof.checkpoint.restore._read_manifest import read_rank_index
@@ -55,13 +55,17 @@ def source_ranks(
     world_size: int,
     *,
     per_rank: Collection[str] = (),
+    among: Sequence[int] | None = None,
 ) -> tuple[list[int], list[RankIndex]]:
     """The saved rank each of ``world_size`` ranks restores, and the saved ranks' indexes read
-    to check that the state is replicated (none when the world size is the one saved)."""
+    to check that the state is replicated (none when the world size is the one saved).
+    ``among``: the saved ranks to compare, and to restore from (one node's part of a
+    checkpoint saved on node-local roots: the others are on their own nodes' disks)."""
     saved = manifest.world_size
-    if saved == world_size:
+    if saved == world_size and among is None:
         return list(range(world_size)), []
-    indexes = [read_rank_index(storage, ckpt_dir, manifest, r) for r in range(saved)]
+    ranks = list(range(saved)) if among is None else list(among)
+    indexes = [read_rank_index(storage, ckpt_dir, manifest, r) for r in ranks]
     # A save that wrote replicated tensors once (they point into another rank's file) wrote the
     # rest of the model per rank on purpose: its buffers (see TrainState.replicated_names).
     shared = {t.name for index in indexes for t in index.tensors if t.file is not None}
@@ -69,7 +73,7 @@ def source_ranks(
         per_rank = {*per_rank, *(t.name for t in indexes[0].tensors
                                  if t.name.startswith("model/") and t.name not in shared)}  # fmt: skip
     reference: dict[str, str] | None = None
-    for r, index in enumerate(indexes):
+    for r, index in zip(ranks, indexes, strict=True):
         tensors = {
             t.name: t.checksum
             for t in index.tensors
@@ -85,10 +89,10 @@ def source_ranks(
             )
             raise StateMismatchError(
                 f"{storage.describe(ckpt_dir)} was saved by {saved} ranks whose tensors differ "
-                f"(rank 0 and rank {r}: {', '.join(differing[:5])}"
+                f"(rank {ranks[0]} and rank {r}: {', '.join(differing[:5])}"
                 f"{', ...' if len(differing) > 5 else ''}): the state is split between the ranks "
                 f"by hand (not as DTensors, whose placements say how), so it cannot be "
                 f"redistributed over {world_size} ranks. Restore with {saved} ranks, or shard "
                 f"with FSDP2 / DTensor."
             )
-    return [rank % saved for rank in range(world_size)], indexes
+    return [ranks[rank % len(ranks)] for rank in range(world_size)], indexes
