@@ -64,7 +64,7 @@ from crashproof.checkpoint.format import (
 )
 from crashproof.checkpoint.restore import (
     RankRead,
-    plan_node_part,
+    cut_to_node,
     read_manifest,
     source_rank,
     source_ranks,
@@ -127,7 +127,7 @@ def _node_part_rank(storage: Storage, ckpt_dir: str, manifest: Manifest) -> tupl
     disks, so the export says whose state it is (under DDP, every rank's)."""
     where = storage.describe(ckpt_dir)
     ranks = held_part(manifest, storage.list(ckpt_dir), where)  # (a part whole, or refused)
-    part = plan_node_part(storage, ckpt_dir, ranks[0]).manifest
+    part = cut_to_node(manifest, ranks[0])
     source_ranks(storage, ckpt_dir, part, 1, among=ranks)  # refuses state split by hand
     log.warning(
         "%s holds ranks %s of the %d that saved it on node-local roots: exporting rank %d's state "

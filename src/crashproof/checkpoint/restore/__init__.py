@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from crashproof.checkpoint.restore._fan_out import RankPlan, plan_restore
 from crashproof.checkpoint.restore._node_part import (
     Layout,
+    cut_to_node,
     held_files,
     part_here,
     plan_node_part,
@@ -42,6 +43,7 @@ __all__ = [
     "RankPlan",
     "RankRead",
     "checkpoint_not_found",
+    "cut_to_node",
     "dcp_failures",
     "held_files",
     "load_rank_state",

@@ -15,7 +15,14 @@ from crashproof.checkpoint.restore._read_manifest import read_manifest, read_man
 from crashproof.errors import CorruptCheckpointError
 from crashproof.storage import Storage
 
-__all__ = ["Layout", "held_files", "part_here", "plan_node_part", "saved_layout"]
+__all__ = [
+    "Layout",
+    "cut_to_node",
+    "held_files",
+    "part_here",
+    "plan_node_part",
+    "saved_layout",
+]
 
 Layout = tuple[int, tuple[tuple[int, ...], ...]]
 """A checkpoint's ranks as saved: the world size, and the ranks of each node's part."""
@@ -63,10 +70,13 @@ def plan_node_part(storage: Storage, ckpt_dir: str, rank: int) -> RankPlan:
     delta's base's) cut down to the files of the rank's node."""
     manifest = read_manifest(storage, ckpt_dir)
     base = base_manifest(storage, ckpt_dir, manifest)[1] if manifest.kind == "delta" else None
-    return RankPlan(_cut(manifest, rank), rank, None if base is None else _cut(base, rank))
+    return RankPlan(
+        cut_to_node(manifest, rank), rank, None if base is None else cut_to_node(base, rank)
+    )
 
 
-def _cut(manifest: Manifest, rank: int) -> Manifest:
+def cut_to_node(manifest: Manifest, rank: int) -> Manifest:
+    """``manifest`` cut down to the files of ``rank``'s node (all of them, saved in one root)."""
     node = next((ranks for ranks in manifest.nodes or () if rank in ranks), None)
     if node is None:  # one root held every rank's files: all stay readable
         return manifest
