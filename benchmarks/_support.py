@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 import crashproof as cp
 from crashproof.storage import LocalStorage, ReadStream
 
+if TYPE_CHECKING:
+    from crashproof.supervisor._memory_host import MemoryHost
+
 __all__ = [
     "CountingStorage",
     "CountingStream",
+    "agent_memory",
     "busy_cpu_s",
     "draw_kills",
     "free_port",
@@ -123,11 +130,31 @@ class CountingStorage(LocalStorage):
         return CountingStream(super().open(path), path, self.counts)
 
 
-def gib_of_weights(gib: float, tensors: int) -> cp.TrainState:
-    """A model of ``gib`` GiB of float32 weights in ``tensors`` square layers."""
+def gib_of_weights(gib: float, tensors: int) -> tuple[cp.TrainState, int]:
+    """A model of ``gib`` GiB of float32 weights in ``tensors`` square layers, and its bytes."""
     side = int((gib * 2**30 / 4 / tensors) ** 0.5)
     layers = [nn.Linear(side, side, bias=False) for _ in range(tensors)]
-    return cp.TrainState(model=nn.Sequential(*layers))
+    return cp.TrainState(model=nn.Sequential(*layers)), tensors * side * side * 4
+
+
+@contextlib.contextmanager
+def agent_memory(prefix: str, directory: str) -> Iterator[tuple[Path, MemoryHost]]:
+    """A scratch directory under ``directory`` and, in this process, the memory host that
+    ``crashproof run``'s agent runs, its address set for the managers made meanwhile (as for a
+    supervised trainer); the host closed and the directory removed at the end."""
+    from crashproof.link import ENV_MEMORY_SOCKET
+    from crashproof.supervisor._memory_host import MemoryHost
+    from crashproof.telemetry import EventLog
+
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+    host = MemoryHost(EventLog(work / "events.jsonl"))
+    os.environ[ENV_MEMORY_SOCKET] = host.address
+    try:
+        yield work, host
+    finally:
+        host.close()
+        os.environ.pop(ENV_MEMORY_SOCKET, None)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def gib_of_weights_arguments(

@@ -27,10 +27,8 @@ Reports medians and ratios (memcpy and disk time over memory time).
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,10 +37,7 @@ import numpy as np
 import torch
 
 import crashproof as cp
-from _support import gib_of_weights, gib_of_weights_arguments, print_result
-from crashproof.link import ENV_MEMORY_SOCKET
-from crashproof.supervisor._memory_host import MemoryHost
-from crashproof.telemetry import EventLog
+from _support import agent_memory, gib_of_weights, gib_of_weights_arguments, print_result
 
 
 def _drop_cache(directory: Path) -> None:
@@ -66,13 +61,9 @@ def _restore(root: Path, state: cp.TrainState, *, memory: bool) -> tuple[float, 
 
 
 def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="crashproof-memory-restore-", dir=os.getcwd()))
-    host = MemoryHost(EventLog(work / "events.jsonl"))
-    os.environ[ENV_MEMORY_SOCKET] = host.address
-    try:
+    with agent_memory("crashproof-memory-restore-", os.getcwd()) as (work, _):
         root = work / "ckpt"
-        state = gib_of_weights(gib, tensors)
-        nbytes = sum(p.numel() * 4 for p in state.model.parameters())  # type: ignore[union-attr]
+        state, nbytes = gib_of_weights(gib, tensors)
         with cp.CheckpointManager(root, handle_signals=False) as ckpt:
             ckpt.save(1, state)
             ckpt.wait()
@@ -123,10 +114,6 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
             "disk_warm_over_memory": medians["disk_warm"] / medians["memory"],
             "memory_speed_over_memcpy": medians["memcpy"] / medians["memory"],
         }
-    finally:
-        host.close()
-        os.environ.pop(ENV_MEMORY_SOCKET, None)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def markdown(result: dict[str, Any]) -> str:

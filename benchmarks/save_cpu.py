@@ -30,21 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import crashproof as cp
-from _support import gib_of_weights, gib_of_weights_arguments, print_result
+from _support import agent_memory, gib_of_weights, gib_of_weights_arguments, print_result
 from crashproof.checkpoint.format import digest, tensor_bytes
 from crashproof.link import ENV_MEMORY_SOCKET
-from crashproof.supervisor._memory_host import MemoryHost
-from crashproof.telemetry import EventLog
 
 
 def _timed(work: Callable[[], None]) -> tuple[float, float]:
@@ -55,13 +50,12 @@ def _timed(work: Callable[[], None]) -> tuple[float, float]:
 
 
 def measure(gib: float, tensors: int, runs: int, directory: str) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="crashproof-save-cpu-", dir=directory))
-    host = MemoryHost(EventLog(work / "events.jsonl"))
-    state = gib_of_weights(gib, tensors)
-    nbytes = sum(p.numel() * 4 for p in state.model.parameters())  # type: ignore[union-attr]
+    state, nbytes = gib_of_weights(gib, tensors)
     step = iter(range(1, 10**6))
-    managers = contextlib.ExitStack()
-    try:
+    with (
+        agent_memory("crashproof-save-cpu-", directory) as (work, host),
+        contextlib.ExitStack() as managers,
+    ):
         os.environ.pop(ENV_MEMORY_SOCKET, None)
         alone = managers.enter_context(
             cp.CheckpointManager(
@@ -127,11 +121,6 @@ def measure(gib: float, tensors: int, runs: int, directory: str) -> dict[str, An
                 for with_agent, alone in zip(cpu["supervised"], cpu["alone"], strict=True)
             ),
         }
-    finally:
-        managers.close()
-        host.close()
-        os.environ.pop(ENV_MEMORY_SOCKET, None)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def markdown(result: dict[str, Any]) -> str:

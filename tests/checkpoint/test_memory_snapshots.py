@@ -312,6 +312,19 @@ def _bytes_hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return hashed
 
 
+def _hashed_without_an_agent(
+    state: cp.TrainState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashed: list[int]
+) -> int:
+    """The bytes the same save of ``state`` hashes without an agent (``hashed`` is emptied)."""
+    with monkeypatch.context() as alone:
+        alone.delenv(ENV_MEMORY_SOCKET)
+        with cp.CheckpointManager(tmp_path / "alone", async_save=True) as ckpt:
+            ckpt.save(1, state)
+    once, hashed[:] = sum(hashed), []
+    assert once > 0
+    return once
+
+
 def _restored_from_disk(root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
     """The newest checkpoint on disk, verified as ``crashproof verify`` does and restored by a
     trainer with no agent (so no memory snapshot can stand in for it)."""
@@ -335,12 +348,7 @@ def test_a_disk_save_takes_the_checksums_its_memory_snapshot_worked_out(
     not once by each writer."""
     hashed = _bytes_hashed(monkeypatch)
     state = _state()
-    with monkeypatch.context() as alone:  # the same save without an agent, for its bytes
-        alone.delenv(ENV_MEMORY_SOCKET)
-        with cp.CheckpointManager(tmp_path / "alone", async_save=True) as ckpt:
-            ckpt.save(1, state)
-    once = sum(hashed)
-    assert once > 0
+    once = _hashed_without_an_agent(state, tmp_path, monkeypatch, hashed)
     root = tmp_path / "ck"
     with cp.CheckpointManager(root, async_save=True, staging_buffers=buffers) as ckpt:
         for step in (1, 2, 3):
@@ -396,11 +404,7 @@ def test_a_memory_snapshot_that_fails_never_holds_up_or_spoils_the_disk_save(
     hashed = _bytes_hashed(monkeypatch)
     root = tmp_path / "ck"
     state = _state()
-    with monkeypatch.context() as alone:  # the same save without an agent, for its bytes
-        alone.delenv(ENV_MEMORY_SOCKET)
-        with cp.CheckpointManager(tmp_path / "alone", async_save=True) as ckpt:
-            ckpt.save(1, state)
-    once, hashed[:] = sum(hashed), []
+    once = _hashed_without_an_agent(state, tmp_path, monkeypatch, hashed)
     with cp.CheckpointManager(root, async_save=True) as ckpt:
         ckpt.save(1, state)
         ckpt.wait()
