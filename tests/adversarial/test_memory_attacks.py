@@ -349,9 +349,28 @@ def _corruptible(
     return root, _tensors(state), segment, slot
 
 
+@pytest.fixture(params=["restore checks", "agent checks first"])
+def checker(request: pytest.FixtureRequest, memory_host: MemoryHost) -> MemoryHost | None:
+    """Who finds the damage: the restore, or the agent before it (as it does once its trainers
+    have stopped, see MemoryHost.trainers_stopped): either way it is never restored."""
+    return memory_host if request.param == "agent checks first" else None
+
+
 def _restores_from_disk(
-    root: Path, expected: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
+    root: Path,
+    expected: dict[str, torch.Tensor],
+    caplog: pytest.LogCaptureFixture,
+    checker: MemoryHost | None = None,
 ) -> None:
+    if checker is not None:
+        with caplog.at_level(logging.WARNING):
+            checker.trainers_stopped()
+            assert checker._checking is not None
+            checker._checking.join(30)
+        assert "is corrupt and is not offered" in caplog.text
+        lines = Path(checker._events.path).read_text().splitlines()
+        [corrupt] = [e for e in map(json.loads, lines) if e["event"] == "memory_corrupt"]
+        assert corrupt["step"] == 7 and "memory of crashproof run's agent" in corrupt["error"]
     fresh = _state(seed=1)
     with caplog.at_level(logging.WARNING), cp.CheckpointManager(root) as again:
         assert again.restore(fresh) == 7
@@ -370,7 +389,11 @@ def _segment_bytes(host: MemoryHost, segment: Any) -> memoryview:
 
 @pytest.mark.parametrize("where", ["header_first", "header_last", "tensor_first", "tensor_last"])
 def test_a_flipped_byte_in_the_shard_falls_back_to_disk(
-    memory_host: MemoryHost, tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+    memory_host: MemoryHost,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+    checker: MemoryHost | None,
 ) -> None:
     root, expected, segment, _ = _corruptible(memory_host, tmp_path)
     start, size = segment.files["shard"]
@@ -384,7 +407,7 @@ def test_a_flipped_byte_in_the_shard_falls_back_to_disk(
     }[where]
     data[at] ^= 0x01
     data.release()
-    _restores_from_disk(root, expected, caplog)
+    _restores_from_disk(root, expected, caplog, checker)
 
 
 def test_bytes_outside_the_shard_are_not_its_business(
@@ -413,28 +436,39 @@ def _flip_b64(text: str) -> str:
 
 @pytest.mark.parametrize("which", ["index", "manifest"])
 def test_a_flipped_bit_in_the_index_or_manifest_the_agent_holds_falls_back_to_disk(
-    memory_host: MemoryHost, tmp_path: Path, caplog: pytest.LogCaptureFixture, which: str
+    memory_host: MemoryHost,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    which: str,
+    checker: MemoryHost | None,
 ) -> None:
     root, expected, segment, _ = _corruptible(memory_host, tmp_path)
     (name,) = [n for n in segment.files["files"] if ("manifest" in n) == (which == "manifest")]
     segment.files["files"][name] = _flip_b64(segment.files["files"][name])
-    _restores_from_disk(root, expected, caplog)
+    _restores_from_disk(root, expected, caplog, checker)
 
 
 def test_a_manifest_of_another_step_is_refused(
-    memory_host: MemoryHost, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    memory_host: MemoryHost,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    checker: MemoryHost | None,
 ) -> None:
     root, expected, segment, _ = _corruptible(memory_host, tmp_path)
     name = next(n for n in segment.files["files"] if "manifest" in n)
     manifest = json.loads(base64.b64decode(segment.files["files"][name]))
     manifest["step"] = 9
     segment.files["files"][name] = base64.b64encode(json.dumps(manifest).encode()).decode()
-    _restores_from_disk(root, expected, caplog)
+    _restores_from_disk(root, expected, caplog, checker)
 
 
 @pytest.mark.parametrize("span", ["one_short", "one_long", "past_the_end", "shifted"])
 def test_a_wrong_shard_span_falls_back_to_disk(
-    memory_host: MemoryHost, tmp_path: Path, caplog: pytest.LogCaptureFixture, span: str
+    memory_host: MemoryHost,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    span: str,
+    checker: MemoryHost | None,
 ) -> None:
     root, expected, segment, _ = _corruptible(memory_host, tmp_path)
     start, size = segment.files["shard"]
@@ -444,7 +478,7 @@ def test_a_wrong_shard_span_falls_back_to_disk(
         "past_the_end": [start, 10**12],
         "shifted": [start + 1, size],
     }[span]
-    _restores_from_disk(root, expected, caplog)
+    _restores_from_disk(root, expected, caplog, checker)
 
 
 @pytest.mark.parametrize("change", ["negative_span", "other_directory_name"])
@@ -589,7 +623,7 @@ def test_a_restored_state_does_not_alias_the_agents_segment(
         assert again._restorer.last_kind == "memory"
         for slot in _memory(again).slots:  # the segment is scribbled over (the next snapshot)
             if slot.nbytes:
-                view = slot.view()
+                view = slot.reserve(slot.nbytes, pin=False)  # (mapped read-only until then)
                 view[:] = b"\xa5" * len(view)
                 view.release()
         assert _equal(_tensors(fresh), expected)

@@ -40,6 +40,11 @@ def test_a_crashed_trainer_resumes_from_the_agents_memory_bit_for_bit(tmp_path: 
     assert 5 <= restore["step"] <= 35, restore
     assert restore["bytes"] > 0
     assert "memory of crashproof run's agent" in restore["source"]
+    # The agent checked its snapshots once the crashed trainer was gone, while the next one
+    # started: the restore copied the checked bytes without hashing them again.
+    [checked] = [e for e in events if e["event"] == "memory_checked"]
+    assert checked["snapshots"] >= 1 and checked["bytes"] > 0, checked
+    assert restore["verified_by"] == "agent", restore
     expected, got = load_file(tmp_path / "a.st"), load_file(tmp_path / "b.st")
     assert expected.keys() == got.keys()
     different = [k for k in expected if not torch.equal(expected[k], got[k])]

@@ -105,6 +105,9 @@ class Restorer:
         rank's part copied from another node's agent), ``local`` or ``tier``."""
         self.last_bytes = 0
         """How many bytes this rank read and verified in the last restore."""
+        self.last_verified_by = "restore"
+        """``agent``: the last restore copied a snapshot the agent had checked already (see
+        :func:`crashproof.checkpoint.memory.check_held`); ``restore``: it hashed what it read."""
         self.held_in_memory_only: int | None = None
         """The step last restored from the agent's memory when no disk or tier held it (else
         None): its staging slot is then the only copy of the state training resumed from."""
@@ -435,12 +438,15 @@ class Restorer:
         tier's copy."""
         storage, where = self._shared.storage, path
         self.last_kind = "local" if source is None else "tier"
+        self.last_verified_by = "restore"
         if source == MEMORY and self._memory is not None:
             memory = self._memory
             # (On every rank the same: whether any rank's part came from a peer's agent.)
             peer = any(self._group.all_gather(memory.origin(candidate) != "local"))
             self.last_kind = "peer" if peer else "memory"
             slot_storage, where = memory.storage(candidate)
+            if memory.verified(candidate):
+                self.last_verified_by = "agent"
             plan = functools.partial(self._memory_plan, memory, candidate)
             restored = self._try_restore(
                 state, candidate, where, skipped, slot_storage, vanished, refused, plan=plan

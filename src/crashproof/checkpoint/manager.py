@@ -317,6 +317,7 @@ class CheckpointManager:
         self._reporter.restored(
             restored[0], restored[1], time.perf_counter() - started,
             kind=self._restorer.last_kind, nbytes=self._restorer.last_bytes,
+            verified_by=self._restorer.last_verified_by,
         )  # fmt: skip
 
     def list(self) -> list[CheckpointInfo]:

@@ -43,7 +43,14 @@ class Unsupervised:
         yield
 
     def restored(
-        self, step: int, source: str, seconds: float, *, kind: str = "local", nbytes: int = 0
+        self,
+        step: int,
+        source: str,
+        seconds: float,
+        *,
+        kind: str = "local",
+        nbytes: int = 0,
+        verified_by: str = "restore",
     ) -> None:
         pass
 
@@ -108,16 +115,24 @@ class SupervisedReporter:
             self._heartbeat.set_phase(previous)
 
     def restored(
-        self, step: int, source: str, seconds: float, *, kind: str = "local", nbytes: int = 0
+        self,
+        step: int,
+        source: str,
+        seconds: float,
+        *,
+        kind: str = "local",
+        nbytes: int = 0,
+        verified_by: str = "restore",
     ) -> None:
         """``kind``: ``memory`` (the agent's), ``local`` (the root) or ``tier``; ``nbytes``:
-        what rank 0 read and verified."""
+        what rank 0 read and verified; ``verified_by``: ``agent`` where the agent had checked
+        rank 0's snapshot in its memory already, else ``restore`` (hashed as it was read)."""
         self._heartbeat.restored(step)
         self._progress_at = None
         if self._events is not None:
             self._events.emit(
                 "restore", step=step, source=source, seconds=round(seconds, 4), kind=kind,
-                bytes=nbytes,
+                bytes=nbytes, verified_by=verified_by,
             )  # fmt: skip
 
     def committed(

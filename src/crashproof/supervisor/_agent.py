@@ -67,6 +67,7 @@ from crashproof.supervisor._fence import Fence
 from crashproof.supervisor._hang import HangDetector, Verdict
 from crashproof.supervisor._heartbeats import GroupHeartbeats
 from crashproof.supervisor._keeper import Keeper, forkserver_pid, session_leaders
+from crashproof.supervisor._memory_host import MemoryHost
 from crashproof.supervisor._memory_peers import Peers
 from crashproof.supervisor._rendezvous_state import state_of
 from crashproof.supervisor._standby import Standby, count_only_nodes_with_room, warm_forkserver
@@ -110,6 +111,7 @@ class CrashproofAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         exit_barrier_timeout: float = 300,
         keeper: Keeper | None = None,
+        memory: MemoryHost | None = None,
         memory_peers: Peers | None = None,
         standby: int = 0,
         fence: Fence | None = None,
@@ -127,6 +129,7 @@ class CrashproofAgent(LocalElasticAgent):
         self.config = config
         self.events = events
         self._keeper = keeper
+        self._memory = memory
         self._memory_peers = memory_peers
         self._fence = fence
         self._standby = Standby(events, standby)
@@ -276,7 +279,9 @@ class CrashproofAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._grace)
-        end_leftovers(self._sessions, self.events, self.attempt)
+        ended = end_leftovers(self._sessions, self.events, self.attempt)
+        if ended and self._memory is not None:  # no one is left who could write its snapshots
+            self._memory.trainers_stopped()
         remove_empty_stack_dumps(self.layout, self.session, self.attempt)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

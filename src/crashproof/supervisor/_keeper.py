@@ -136,11 +136,14 @@ def session_leaders(pids: Iterable[int | None]) -> dict[int, int | None]:
     return leaders
 
 
-def end_sessions(leaders: dict[int, int | None], spare: Iterable[int | None]) -> list[int]:
+def end_sessions(
+    leaders: dict[int, int | None], spare: Iterable[int | None]
+) -> tuple[list[int], bool]:
     """SIGKILL what is left in the trainers' sessions ``leaders`` (see :func:`session_leaders`)
     and its descendants, but ``spare`` (the warm forkserver, which leads its trainers' session
     and outlives them): between two attempts, what the failed attempt's trainers started must
-    not run on beside the next one. Returns the pids killed."""
+    not run on beside the next one. Returns the pids killed, and whether every one is gone
+    (False: some survived every SIGKILL for a while, stuck in the kernel)."""
     me, keep = os.getpid(), {pid for pid in spare if pid}
     sessions = _Sessions(leaders)
     killed: list[int] = []
@@ -148,7 +151,7 @@ def end_sessions(leaders: dict[int, int | None], spare: Iterable[int | None]) ->
     while time.monotonic() < deadline:
         found = _marked(None, me, sessions, spare=keep)
         if not found:
-            break
+            return killed, True
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -157,7 +160,7 @@ def end_sessions(leaders: dict[int, int | None], spare: Iterable[int | None]) ->
             if pid not in killed:
                 killed.append(pid)
         time.sleep(0.01)
-    return killed
+    return killed, False
 
 
 # -- the keeper process ---------------------------------------------------------------------------

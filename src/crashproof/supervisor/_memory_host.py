@@ -28,12 +28,15 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
+from crashproof.checkpoint.memory import check_held
+from crashproof.errors import CrashproofError
 from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
 from crashproof.supervisor._memory_peers import Peers
 from crashproof.supervisor._peer_copy import Key
@@ -70,6 +73,9 @@ class _Segment:
     """Changes at every invalidate and commit: a copy read meanwhile is not whole."""
     origin: str = "local"
     """``local`` (this node's trainer wrote it) or ``peer:<node>`` (copied from that node)."""
+    checked_gen: int | None = None
+    """The ``gen`` at which this host checked every byte of the snapshot (see
+    :meth:`MemoryHost.trainers_stopped`): offered as ``verified`` while ``gen`` is unchanged."""
 
 
 class MemoryHost:
@@ -86,6 +92,7 @@ class MemoryHost:
         self._sending: dict[Key, int] = {}  # segments being sent to peers (how many sends)
         self._preparing: dict[tuple[str, int, int], threading.Lock] = {}  # see prepare()
         self._greeted: dict[tuple[str, int, int], int] = {}  # -> the round of the last hello
+        self._checking: threading.Thread | None = None  # see trainers_stopped()
         self.peers: Peers | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -234,7 +241,10 @@ class MemoryHost:
     def _hello(self, key: str, rank: int, world_size: int) -> tuple[dict[str, Any], list[int]]:
         """The segments a (re)started trainer already has, with what each holds: this node's,
         else the copies it holds of another node's (the rank moved here), else copies fetched
-        from a peer (this node replaces a lost one)."""
+        from a peer (this node replaces a lost one); and whether this host checked each."""
+        checking = self._checking
+        if checking is not None:  # (done long before, as a rule: the trainer imported torch)
+            checking.join(_CHECK_WAIT_S)
         self.prepare(key, rank, world_size)
         slots, fds = [], []
         with self._lock:
@@ -247,10 +257,73 @@ class MemoryHost:
                     segment.world_size = world_size  # (what it holds next is this world's)
                 slots.append(
                     {"slot": slot, "nbytes": segment.nbytes, "step": segment.step,
-                     "files": segment.files, "origin": segment.origin}
+                     "files": segment.files, "origin": segment.origin,
+                     "verified": segment.checked_gen == segment.gen}
                 )  # fmt: skip
                 fds.append(segment.fd)
         return {"ok": True, "slots": slots}, fds
+
+    def trainers_stopped(self) -> None:
+        """Every process that could write this node's segments has stopped (the agent stopped
+        its trainers and what they left): check each committed snapshot now, on a thread, while
+        the next trainers start. What checks out is offered to them as ``verified``, and their
+        restore copies it without hashing it again (they map it read-only until they write it);
+        what does not is never offered. A trainer's hello waits for the check."""
+        with self._lock:
+            if self._closed:
+                return
+            held = [(key, segment, segment.gen) for key, segment in self._segments.items()
+                    if segment.step is not None and segment.checked_gen != segment.gen]  # fmt: skip
+        if not held:
+            return
+        previous = self._checking
+        self._checking = threading.Thread(
+            target=self._check, args=(held, previous), name="crashproof-memory-check", daemon=True
+        )
+        self._checking.start()
+
+    def _check(
+        self, held: list[tuple[Key, _Segment, int]], previous: threading.Thread | None
+    ) -> None:
+        if previous is not None:
+            previous.join()
+        started, checked, nbytes = time.monotonic(), 0, 0
+        for key, segment, gen in held:
+            with self._lock:
+                if self._closed or self._segments.get(key) is not segment or segment.gen != gen:
+                    continue  # (replaced or written meanwhile: not this check's to judge)
+                step, files, world_size = segment.step, segment.files, segment.world_size
+                fd = os.dup(segment.fd)
+            assert step is not None
+            try:
+                check_held(fd, segment.nbytes, key[0], key[1], world_size, key[2], step, files)
+                why = None
+            except CrashproofError as exc:
+                why = str(exc)
+            except Exception:  # (a bug: the trainer checks it itself, as before)
+                log.exception("checking rank %d's snapshot of step %d failed", key[1], step)
+                why = ""
+            finally:
+                os.close(fd)
+            with self._lock:
+                if self._segments.get(key) is not segment or segment.gen != gen:
+                    continue
+                if why is None:
+                    segment.checked_gen = gen
+                    checked, nbytes = checked + 1, nbytes + int(files["shard"][1])
+                elif why:  # corrupt: never offered
+                    segment.step, segment.files = None, {}
+                    segment.gen += 1
+            if why:
+                log.warning("rank %d's snapshot of step %d in this agent's memory is corrupt "
+                            "and is not offered: %s", key[1], step, why)  # fmt: skip
+                self._events.emit("memory_corrupt", rank=key[1], step=step, error=why)
+        self._events.emit(
+            "memory_checked",
+            snapshots=checked,
+            bytes=nbytes,
+            seconds=round(time.monotonic() - started, 4),
+        )
 
     def prepare(
         self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
@@ -492,6 +565,9 @@ class MemoryHost:
 
 
 _MAX_RANK = 1 << 24
+_CHECK_WAIT_S = 120.0
+"""How long a trainer's hello waits for :meth:`MemoryHost.trainers_stopped`'s check (it then
+gets what was checked so far; its restore hashes the rest itself)."""
 _MAX_SLOT = 64
 
 

@@ -45,16 +45,17 @@ _EXIT_CODE_WAIT_S = 0.05
 """How long a look waits for the exit code of a trainer seen to end (reaped by its parent)."""
 
 
-def end_leftovers(sessions: dict[int, int | None], events: EventLog, attempt: int) -> None:
+def end_leftovers(sessions: dict[int, int | None], events: EventLog, attempt: int) -> bool:
     """End what stopped trainers left in their sessions (``sessions``: see
     :func:`~crashproof.supervisor._keeper.session_leaders`): a program started with an
     environment of its own, which no parent-death signal reaches, must not run on beside the
     next attempt (the keeper ends such programs only when the run ends). The warm forkserver,
-    which leads its trainers' session, is spared."""
-    killed = end_sessions(sessions, spare=[forkserver_pid()])
+    which leads its trainers' session, is spared. Returns whether every process is gone."""
+    killed, ended = end_sessions(sessions, spare=[forkserver_pid()])
     if killed:
         log.warning("stopped %d process(es) the stopped trainers left: %s", len(killed), killed)
         events.emit("leftovers_stopped", attempt=attempt, pids=killed)
+    return ended
 
 
 def signal_trainers(pids: Iterable[int | None], *signals: signal.Signals) -> None:

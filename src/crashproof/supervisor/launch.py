@@ -425,6 +425,7 @@ def _supervise(
         start_method=start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         keeper=keeper,
+        memory=memory,
         memory_peers=peers,
         standby=args.standby,
         fence=fence,

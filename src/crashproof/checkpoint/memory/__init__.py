@@ -11,8 +11,9 @@ verification as a checkpoint on disk (see docs/recovery.md).
 
 from __future__ import annotations
 
+from crashproof.checkpoint.memory._check_held import check_held
 from crashproof.checkpoint.memory._slot import Slot
 from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage
 from crashproof.checkpoint.memory._snapshots import MemorySnapshots
 
-__all__ = ["MEMORY_ROOT", "MemorySnapshots", "Slot", "SlotStorage"]
+__all__ = ["MEMORY_ROOT", "MemorySnapshots", "Slot", "SlotStorage", "check_held"]

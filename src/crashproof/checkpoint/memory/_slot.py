@@ -5,6 +5,11 @@ The segment is laid out as the rank's shard file would be on disk, the safetenso
 where the tensor bytes begin (on a page boundary). A staging area places its buffers there
 (:meth:`Slot.reserve`), so the snapshot's one copy out of the live tensors lands in its final
 place: committing it writes the header, the rank's index and its manifest, never the tensors again.
+
+A segment a restarted trainer adopts is mapped read-only until the trainer first stages into it
+(:meth:`Slot.reserve`, which tells the agent first): the agent may have checked the snapshot it
+holds after the last trainer that could write it stopped (``verified``), and nothing in the new
+trainer can change those bytes by mistake before its restore has read them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from crashproof._units import format_size
 from crashproof.errors import CrashproofError, InsufficientMemoryError
 from crashproof.link import MemoryClient
 
-__all__ = ["PAGE", "Slot", "SlotContents"]
+__all__ = ["PAGE", "Slot", "SlotContents", "malformed"]
 
 log = logging.getLogger("crashproof.checkpoint")
 
@@ -38,17 +43,22 @@ class Slot:
     """Segment ``index`` of rank ``rank``'s snapshots for the root named by ``key``."""
 
     def __init__(
-        self, client: MemoryClient, key: str, rank: int, world_size: int, index: int
+        self, client: MemoryClient | None, key: str, rank: int, world_size: int, index: int
     ) -> None:
-        self._client = client
+        self._client = client  # (None: the agent's own look at a segment it holds)
         self.key, self.rank, self.world_size, self.index = key, rank, world_size, index
         self._mm: mmap.mmap | None = None
+        self._fd: int | None = None  # kept while mapped read-only, to map it writable later
         self._registered: int | None = None  # the address given to cudaHostRegister
         self.step: int | None = None
         """The step of the committed snapshot it holds; None: none (or being overwritten)."""
         self.contents: SlotContents = {}
         self.origin = "local"
         """``local``, or ``peer:<node>``: the agent copied it from that node's agent."""
+        self.verified = False
+        """The agent checked every byte of the committed snapshot against its checksums after
+        the last process that could write it had stopped, and no one has written it since (the
+        segment is mapped read-only here until :meth:`reserve`): a restore need not hash it."""
 
     def _ids(self) -> dict[str, Any]:
         return {"key": self.key, "rank": self.rank, "slot": self.index,
@@ -59,15 +69,25 @@ class Slot:
         return 0 if self._mm is None else len(self._mm)
 
     def adopt(
-        self, fd: int, nbytes: int, step: int | None, contents: SlotContents, origin: str
+        self,
+        fd: int,
+        nbytes: int,
+        step: int | None,
+        contents: SlotContents,
+        origin: str,
+        *,
+        verified: bool = False,
     ) -> None:
-        """Map a segment the agent already held (this trainer restarted)."""
+        """Map a segment the agent already held (this trainer restarted), read-only; ``fd`` is
+        the slot's from now on."""
         try:
-            self._map(fd, nbytes)
-        finally:
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
         self.origin = origin
-        why = _malformed(contents, nbytes) if step is not None else None
+        why = malformed(contents, nbytes) if step is not None else None
         if why is not None:  # what the agent holds beside it is damaged: not offered
             log.warning(
                 "rank %d's snapshot %d in the memory of crashproof run's agent is not offered: %s",
@@ -77,6 +97,7 @@ class Slot:
             )
             step, contents = None, {}
         self.step, self.contents = step, contents
+        self.verified = verified and step is not None
 
     def view(self) -> memoryview:
         assert self._mm is not None
@@ -90,11 +111,19 @@ class Slot:
             self.overwriting()
             self._unmap()
             size = -(-nbytes // PAGE) * PAGE
-            reply, fds = self._client.request({"op": "allocate", **self._ids(), "nbytes": size})
+            reply, fds = self._host().request({"op": "allocate", **self._ids(), "nbytes": size})
             if not fds:
                 raise _refusal(reply, self.rank, size)
             self._map(fds[0], size)
             os.close(fds[0])
+        elif self._fd is not None:  # adopted, mapped read-only: writable from here on
+            self.overwriting()  # (the agent first: what it checked is no longer offered)
+            fd, size, self._fd = self._fd, len(self._mm), None
+            self._unmap()
+            try:
+                self._map(fd, size)
+            finally:
+                os.close(fd)
         if pin and self._registered is None:
             self._pin()
         return self.view()
@@ -104,8 +133,8 @@ class Slot:
         the agent before this returns, so a crash mid-copy leaves nothing half-written offered)."""
         if self.step is None and not self.contents:
             return
-        self.step, self.contents = None, {}
-        reply, _ = self._client.request({"op": "invalidate", **self._ids()})
+        self.step, self.contents, self.verified = None, {}, False
+        reply, _ = self._host().request({"op": "invalidate", **self._ids()})
         if "error" in reply:
             raise CrashproofError(f"crashproof run's memory host: {reply['error']}")
 
@@ -116,12 +145,12 @@ class Slot:
             "shard": list(shard),
             "path": path,
         }
-        reply, _ = self._client.request(
+        reply, _ = self._host().request(
             {"op": "commit", **self._ids(), "step": step, "files": contents}
         )
         if "error" in reply:
             raise CrashproofError(f"crashproof run's memory host: {reply['error']}")
-        self.step, self.contents = step, contents
+        self.step, self.contents, self.verified = step, contents, False
 
     def files(self) -> dict[str, bytes]:
         """The index and manifest committed beside the bytes (checked when adopted)."""
@@ -129,6 +158,10 @@ class Slot:
 
     def close(self) -> None:
         self._unmap()
+
+    def _host(self) -> MemoryClient:
+        assert self._client is not None, "a segment looked at by its agent is not written"
+        return self._client
 
     def _map(self, fd: int, nbytes: int) -> None:
         self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -154,9 +187,12 @@ class Slot:
             with contextlib.suppress(BufferError):
                 self._mm.close()
         self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def _malformed(contents: Any, nbytes: int) -> str | None:
+def malformed(contents: Any, nbytes: int) -> str | None:
     """Why what the agent holds beside a segment cannot be a committed snapshot's record, or
     None: files (name -> base64), the shard's [offset, size] inside the segment, a path."""
     try:

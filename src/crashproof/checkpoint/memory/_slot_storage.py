@@ -82,10 +82,13 @@ class _SmallFile:
 
 class _ViewStream:
     """A file in memory. ``view`` lets a restore hash and copy the bytes where they lie: a
-    segment is written only by its trainer, and a trainer that restores is not snapshotting."""
+    segment is written only by its trainer, and a trainer that restores is not snapshotting.
+    ``verified``: the agent has checked its tensors' bytes against their checksums already (see
+    :attr:`Slot.verified`), and a restore copies them without hashing them again."""
 
-    def __init__(self, data: memoryview, where: str) -> None:
+    def __init__(self, data: memoryview, where: str, *, verified: bool = False) -> None:
         self._data, self._where = data, where
+        self.verified = verified
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         if offset < 0 or offset + nbytes > len(self._data):
@@ -154,7 +157,8 @@ class SlotStorage:
             raise FileNotFoundError(where)
         if name == shard_name(self._slot.rank):
             start, size = self._slot.contents["shard"]
-            return _ViewStream(self._slot.view()[start : start + size], where)
+            view = self._slot.view()[start : start + size]
+            return _ViewStream(view, where, verified=self._slot.verified)
         if name not in self._files:
             raise FileNotFoundError(where)
         return _ViewStream(memoryview(self._files[name]), where)

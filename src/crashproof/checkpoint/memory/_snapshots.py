@@ -52,8 +52,10 @@ class MemorySnapshots:
             index = int(info["slot"])
             while len(self.slots) <= index:
                 self.slots.append(Slot(client, key, rank, world_size, len(self.slots)))
-            origin = str(info.get("origin", "local"))
-            self.slots[index].adopt(fd, int(info["nbytes"]), info["step"], info["files"], origin)
+            origin, verified = str(info.get("origin", "local")), info.get("verified") is True
+            self.slots[index].adopt(
+                fd, int(info["nbytes"]), info["step"], info["files"], origin, verified=verified
+            )
 
     @classmethod
     def open(cls, root: str, rank: int, world_size: int, slots: int) -> MemorySnapshots | None:
@@ -119,21 +121,18 @@ class MemorySnapshots:
         slot = self.slots[self.steps()[step]]
         return SlotStorage(slot), posixpath.join(MEMORY_ROOT, slot.contents["path"])
 
+    def verified(self, step: int) -> bool:
+        """Whether the agent checked the snapshot of ``step`` after its writers stopped (see
+        :attr:`Slot.verified`): a restore copies it without hashing it again."""
+        return self.slots[self.steps()[step]].verified
+
     def origin(self, step: int) -> str:
         """``local``, or ``peer:<node>``: where the agent got the snapshot of ``step``."""
         return self.slots[self.steps()[step]].origin
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of this rank's part of ``step`` (partial: its own files only)."""
-        storage, path = self.storage(step)
-        where = storage.describe(posixpath.join(path, MANIFEST_NAME))
-        data = self.slots[self.steps()[step]].files().get(MANIFEST_NAME)  # (held as bytes)
-        if data is None:
-            raise CorruptCheckpointError(f"{where}: missing; the snapshot was never committed")
-        manifest = parse_manifest(data, where, partial=True)
-        if manifest.step != step or manifest.world_size != self.world_size:
-            raise CorruptCheckpointError(f"{where}: not rank {self.rank}'s part of step {step}")
-        return manifest
+        return slot_manifest(self.slots[self.steps()[step]])
 
     def drop(self, step: int | None = None, *, newer_than: int | None = None) -> None:
         """Stop offering the snapshot of ``step`` (found corrupt), or every one newer than
@@ -149,3 +148,17 @@ class MemorySnapshots:
         for slot in self.slots:
             slot.close()
         self._client.close()
+
+
+def slot_manifest(slot: Slot) -> Manifest:
+    """The manifest of the part of its rank the slot holds (partial: its own files only)."""
+    assert slot.step is not None
+    storage = SlotStorage(slot)
+    where = storage.describe(posixpath.join(MEMORY_ROOT, slot.contents["path"], MANIFEST_NAME))
+    data = slot.files().get(MANIFEST_NAME)  # (held as bytes)
+    if data is None:
+        raise CorruptCheckpointError(f"{where}: missing; the snapshot was never committed")
+    manifest = parse_manifest(data, where, partial=True)
+    if manifest.step != slot.step or manifest.world_size != slot.world_size:
+        raise CorruptCheckpointError(f"{where}: not rank {slot.rank}'s part of step {slot.step}")
+    return manifest
