@@ -12,14 +12,20 @@ asynchronous save puts it on disk and, at no extra copy, in the agent's memory. 
 
 * **memcpy**: one ``np.copyto`` per tensor from the segment into the live tensors, the lower bound
   of any restore from memory (it verifies nothing);
-* **memory**: ``CheckpointManager.restore`` from the agent's memory, end to end (every byte
-  checksummed, as on disk);
+* **agent's check**: what ``crashproof run``'s agent does once a crashed trainer and what it
+  left are gone: it checks every byte of the snapshots in its memory against their checksums,
+  on a thread, while the next trainer starts (its interpreter, torch, its model: seconds);
+* **memory**: ``CheckpointManager.restore`` from the agent's memory, end to end, of a snapshot
+  the agent checked (mapped read-only since: the restore copies it without hashing it again);
+* **memory, hashed by the restore**: the same restore where the agent has not checked it (a
+  trainer restarted by the user's own code, or a check not finished): every byte hashed, then
+  copied;
 * **disk, cold**: ``restore`` with ``memory=False`` after dropping the checkpoint's files from
   the page cache (``posix_fadvise(DONTNEED)``: what a restarted trainer meets when the save is
   not recent, or on another node);
 * **disk, warm**: the same with the files in the page cache (a crash right after the save).
 
-Reports medians and ratios (memcpy and disk time over memory time).
+Reports medians and ratios (memcpy and disk time over memory time, for both memory restores).
 
     .venv/bin/python benchmarks/memory_restore.py --markdown
 """
@@ -38,6 +44,7 @@ import torch
 
 import crashproof as cp
 from _support import agent_memory, gib_of_weights, gib_of_weights_arguments, print_result
+from crashproof.supervisor._memory_host import MemoryHost
 
 
 def _drop_cache(directory: Path) -> None:
@@ -60,8 +67,23 @@ def _restore(root: Path, state: cp.TrainState, *, memory: bool) -> tuple[float, 
         return seconds, ckpt._restorer.last_kind
 
 
+def _agent_check(host: MemoryHost, *, checked: bool) -> float:
+    """Forget the host's checks; with ``checked``, check again as the agent does after its
+    trainers stopped, and return how long that took."""
+    with host._lock:
+        for segment in host._segments.values():
+            segment.checked_gen = None
+    if not checked:
+        return 0.0
+    began = time.perf_counter()
+    host.trainers_stopped()
+    assert host._checking is not None
+    host._checking.join()
+    return time.perf_counter() - began
+
+
 def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
-    with agent_memory("crashproof-memory-restore-", os.getcwd()) as (work, _):
+    with agent_memory("crashproof-memory-restore-", os.getcwd()) as (work, host):
         root = work / "ckpt"
         state, nbytes = gib_of_weights(gib, tensors)
         with cp.CheckpointManager(root, handle_signals=False) as ckpt:
@@ -72,7 +94,9 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
         live = [p.detach() for p in state.model.parameters()]  # type: ignore[union-attr]
         times: dict[str, list[float]] = {
             "memcpy": [],
+            "agent_check": [],
             "memory": [],
+            "memory_hashed": [],
             "disk_cold": [],
             "disk_warm": [],
         }
@@ -94,6 +118,11 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
                 times["memcpy"].append(time.perf_counter() - began)
             del sources, view
         for _ in range(runs):
+            _agent_check(host, checked=False)
+            seconds, kind = _restore(root, state, memory=True)
+            assert kind == "memory", kind
+            times["memory_hashed"].append(seconds)
+            times["agent_check"].append(_agent_check(host, checked=True))
             seconds, kind = _restore(root, state, memory=True)
             assert kind == "memory", kind
             times["memory"].append(seconds)
@@ -113,6 +142,8 @@ def measure(gib: float, tensors: int, runs: int) -> dict[str, Any]:
             "disk_cold_over_memory": medians["disk_cold"] / medians["memory"],
             "disk_warm_over_memory": medians["disk_warm"] / medians["memory"],
             "memory_speed_over_memcpy": medians["memcpy"] / medians["memory"],
+            "disk_cold_over_memory_hashed": medians["disk_cold"] / medians["memory_hashed"],
+            "memory_hashed_speed_over_memcpy": medians["memcpy"] / medians["memory_hashed"],
         }
 
 
@@ -123,7 +154,9 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     names = {
         "memcpy": "plain memcpy from the segment (verifies nothing)",
-        "memory": "**from the agent's memory** (verified)",
+        "agent_check": "the agent's check, while the next trainer starts (hashes every byte)",
+        "memory": "**from the agent's memory**, checked by the agent (copied)",
+        "memory_hashed": "from the agent's memory, not checked by the agent (hashed, copied)",
         "disk_warm": "from the local disk, page cache warm (verified)",
         "disk_cold": "from the local disk, page cache dropped (verified)",
     }
@@ -134,7 +167,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['gib']:.2f} GiB in {result['tensors']} tensors, medians of {result['runs']} "
         f"runs. From memory: **{result['disk_cold_over_memory']:.1f}x** the speed of the cold "
         f"disk restore ({result['disk_warm_over_memory']:.1f}x the warm one), "
-        f"**{result['memory_speed_over_memcpy']:.2f}x** a plain memcpy."
+        f"**{result['memory_speed_over_memcpy']:.2f}x** a plain memcpy. Hashed by the restore "
+        f"itself: {result['disk_cold_over_memory_hashed']:.1f}x the cold disk restore, "
+        f"{result['memory_hashed_speed_over_memcpy']:.2f}x a memcpy."
     )
     return "\n".join(rows)
 
