@@ -162,6 +162,12 @@ def test_a_lost_node_resumes_from_its_peers_memory(
     restores = [e for d in (*survivors, replacement) for e in _events(d) if e["event"] == "restore"]
     assert [e["kind"] for e in restores] == ["peer"], restores
     assert restores[0]["step"] >= 20 and restores[0]["bytes"] > 0
+    # The survivor's agent checked its own snapshots once its trainer had stopped; the new
+    # node's, the copies it fetched (when it fetched them ahead of its trainer's hello).
+    assert restores[0]["verified_by"] == "agent", restores
+    fetched_checks = [e for e in _events(replacement) if e["event"] == "memory_checked"]
+    assert all(e["snapshots"] >= 1 for e in fetched_checks), fetched_checks
+    assert "does not check out" not in replacement.with_suffix(".log").read_text()
     if spare:
         assert "standby_promoted" in [e["event"] for e in _events(replacement)]
         # The survivor saw the pool of spares used up (and said how many to start).

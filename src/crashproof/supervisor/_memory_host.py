@@ -269,11 +269,7 @@ class MemoryHost:
         the next trainers start. What checks out is offered to them as ``verified``, and their
         restore copies it without hashing it again (they map it read-only until they write it);
         what does not is never offered. A trainer's hello waits for the check."""
-        with self._lock:
-            if self._closed:
-                return
-            held = [(key, segment, segment.gen) for key, segment in self._segments.items()
-                    if segment.step is not None and segment.checked_gen != segment.gen]  # fmt: skip
+        held = self._unchecked(lambda key, segment: True)
         if not held:
             return
         previous = self._checking
@@ -282,9 +278,25 @@ class MemoryHost:
         )
         self._checking.start()
 
+    def _unchecked(self, which: Callable[[Key, _Segment], bool]) -> list[tuple[Key, _Segment, int]]:
+        """This node's committed snapshots ``which`` selects and this host has not checked,
+        with their generation now."""
+        with self._lock:
+            if self._closed:
+                return []
+            return [(key, segment, segment.gen) for key, segment in self._segments.items()
+                    if segment.step is not None and segment.checked_gen != segment.gen
+                    and which(key, segment)]  # fmt: skip
+
     def _check(
-        self, held: list[tuple[Key, _Segment, int]], previous: threading.Thread | None
+        self,
+        held: list[tuple[Key, _Segment, int]],
+        previous: threading.Thread | None,
+        *,
+        drop: bool = True,
     ) -> None:
+        """Check ``held`` (after ``previous``, a check still running); ``drop``: what fails is
+        never offered (else the restore that finds it wanting drops it, as without this check)."""
         if previous is not None:
             previous.join()
         started, checked, nbytes = time.monotonic(), 0, 0
@@ -311,13 +323,16 @@ class MemoryHost:
                 if why is None:
                     segment.checked_gen = gen
                     checked, nbytes = checked + 1, nbytes + int(files["shard"][1])
-                elif why:  # corrupt: never offered
+                elif why and drop:  # corrupt: never offered
                     segment.step, segment.files = None, {}
                     segment.gen += 1
-            if why:
+            if why and drop:
                 log.warning("rank %d's snapshot of step %d in this agent's memory is corrupt "
                             "and is not offered: %s", key[1], step, why)  # fmt: skip
                 self._events.emit("memory_corrupt", rank=key[1], step=step, error=why)
+            elif why:
+                log.warning("rank %d's copy of step %d does not check out; the restore will "
+                            "not take it: %s", key[1], step, why)  # fmt: skip
         self._events.emit(
             "memory_checked",
             snapshots=checked,
@@ -357,6 +372,13 @@ class MemoryHost:
                     peers.fetch(key, rank, world_size, newer_than=newest)
             except Exception as exc:  # the trainer restores from storage instead
                 log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
+            if ahead_of_round is not None:
+                # Copies only this host has written (fetched, rebuilt, or kept from a peer), no
+                # trainer has mapped yet: checked now, while the trainers start, not by them.
+                # (What fails is left to the restore, which refuses it as it always has.)
+                copies = self._unchecked(lambda k, s: k[:2] == (key, rank) and s.origin != "local")
+                if copies:
+                    self._check(copies, None, drop=False)
 
     def keys(self, ranks: set[int], world_size: int) -> set[str]:
         """The root keys of the committed snapshots (own or copies) of ``ranks`` this host
