@@ -365,8 +365,7 @@ def _restores_from_disk(
     if checker is not None:
         with caplog.at_level(logging.WARNING):
             checker.trainers_stopped()
-            assert checker._checking is not None
-            checker._checking.join(30)
+            assert checker.checks_done(30)
         assert "is corrupt and is not offered" in caplog.text
         lines = Path(checker._events.path).read_text().splitlines()
         [corrupt] = [e for e in map(json.loads, lines) if e["event"] == "memory_corrupt"]

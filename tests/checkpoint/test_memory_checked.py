@@ -8,6 +8,11 @@ is closed (its trainer "died"), the host is told its trainers stopped, and the n
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,7 @@ import pytest
 
 import crashproof as cp
 from crashproof.checkpoint.format import _shard_file
-from crashproof.supervisor._memory_host import MemoryHost
+from crashproof.supervisor._memory_host import MemoryHost, other_holders
 from tests.checkpoint.test_manager import _equal, _state, _tensors
 
 
@@ -40,8 +45,7 @@ def _hashing_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _checked(host: MemoryHost) -> None:
     """What the agent does once its trainers are stopped, waited for."""
     host.trainers_stopped()
-    if host._checking is not None:
-        host._checking.join(30)
+    assert host.checks_done(30)
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
@@ -101,6 +105,10 @@ def test_a_checked_snapshot_is_read_only_until_its_trainer_writes_and_then_unche
         assert slot.verified
         with pytest.raises(TypeError, match="read-only"):
             slot.view()[0] ^= 0xFF  # a stray write of the new trainer's
+        token = memory_host.token  # the kernel's mapping too, not only Python's view of it
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        mapped = [line.split()[1] for line in maps if token in line]
+        assert mapped and all(perms == "r--s" for perms in mapped), mapped
         assert restarted.restore(state) == 3
         restarted.save(4, state)  # stages into a segment, mapped writable first
         restarted.save(5, state)
@@ -117,3 +125,111 @@ def test_a_checked_snapshot_is_read_only_until_its_trainer_writes_and_then_unche
         assert again._restorer.last_verified_by == "restore"
     assert sum(hashed) > 0
     assert _equal(_tensors(fresh), expected)
+
+
+def _segment_of(host: MemoryHost, step: int) -> Any:
+    [segment] = [s for s in host._segments.values() if s.step == step]
+    return segment
+
+
+def test_a_snapshot_a_leftover_process_could_write_is_left_to_the_restore(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    """A leftover of the dead trainer the agent could not stop (one that left its session and
+    its parent) still maps the segment writable: the agent does not vouch for what it holds,
+    and the restore hashes what the leftover wrote."""
+    root = tmp_path / "ck"
+    _, expected = _saved(root, 6)
+    segment = _segment_of(memory_host, 6)
+    start, size = segment.files["shard"]
+    fd = os.dup(segment.fd)
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", _LEFTOVER, str(fd), str(segment.nbytes), str(start + size - 3)],
+        pass_fds=[fd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(fd)
+    try:
+        assert leftover.stdout is not None and leftover.stdout.readline() == "mapped\n"
+        _checked(memory_host)
+        assert segment.checked_gen is None and not _events(tmp_path, "memory_checked")
+        leftover.communicate("write\n", timeout=30)  # written after the agent looked
+    finally:
+        leftover.kill()
+        leftover.wait()
+    fresh = _state(seed=1)
+    with cp.CheckpointManager(root) as again:
+        assert again.restore(fresh) == 6
+        assert again._restorer.last_kind == "local"  # the damage found: from the disk
+    assert _equal(_tensors(fresh), expected)
+    _checked(memory_host)  # the leftover gone: what is left is checked (nothing: dropped)
+    assert segment.step is None
+
+
+_LEFTOVER = """
+import mmap, sys
+fd, nbytes, at = map(int, sys.argv[1:])
+mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+print("mapped", flush=True)
+sys.stdin.readline()
+mm[at] ^= 0xFF
+"""
+
+
+def test_the_agent_looks_for_other_holders_of_its_segments(
+    memory_host: MemoryHost, tmp_path: Path
+) -> None:
+    _saved(tmp_path / "ck", 2)
+    segment = _segment_of(memory_host, 2)
+    assert other_holders(memory_host.token) == []  # (this process, the agent here, is not one)
+    fd = os.dup(segment.fd)
+    holder = subprocess.Popen(  # holds the descriptor only: it could map it, or write it
+        [sys.executable, "-c", "import sys; sys.stdin.readline()"],
+        pass_fds=[fd], stdin=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(fd)
+    try:
+        deadline = time.monotonic() + 10
+        while other_holders(memory_host.token) != [holder.pid]:
+            assert time.monotonic() < deadline, other_holders(memory_host.token)
+            time.sleep(0.05)
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert other_holders(memory_host.token) == []
+
+
+def test_a_hello_waits_for_its_own_ranks_check_only_and_not_for_long(
+    memory_host: MemoryHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from crashproof.supervisor import _memory_host
+
+    _saved(tmp_path / "fast", 1)
+    _saved(tmp_path / "slow", 1)
+    release = threading.Event()
+    check_held = _memory_host.check_held
+
+    def slow_for_one_root(fd: int, nbytes: int, slot: Any, *args: Any) -> None:
+        if slot[0] == slow_key:
+            release.wait(30)
+        check_held(fd, nbytes, slot, *args)
+
+    monkeypatch.setattr(_memory_host, "check_held", slow_for_one_root)
+    monkeypatch.setattr(_memory_host, "_CHECK_WAIT_S", 1.0)
+    with cp.CheckpointManager(tmp_path / "slow") as probe:  # (the root's key, as the host has it)
+        assert probe._pipeline._memory is not None
+        slow_key = probe._pipeline._memory._key
+    memory_host.trainers_stopped()
+    try:
+        began = time.monotonic()
+        with cp.CheckpointManager(tmp_path / "fast") as fast:
+            assert fast._pipeline._memory is not None and fast._pipeline._memory.verified(1)
+        assert time.monotonic() - began < 0.9  # (not held up by the other root's check)
+        began = time.monotonic()
+        with cp.CheckpointManager(tmp_path / "slow") as slow:
+            assert slow._pipeline._memory is not None
+            assert not slow._pipeline._memory.verified(1)  # not checked in time: hashed
+            assert time.monotonic() - began >= 1.0
+            assert slow.restore(_state(seed=1)) == 1
+            assert slow._restorer.last_verified_by == "restore"
+    finally:
+        release.set()
+    assert memory_host.checks_done(30)

@@ -7,7 +7,9 @@ import subprocess
 import sys
 import time
 
-from crashproof.supervisor._keeper import _Sessions, _stop, session_leaders
+import pytest
+
+from crashproof.supervisor._keeper import _Sessions, _stop, end_sessions, session_leaders
 
 
 def _in_a_session_of_its_own(code: str) -> subprocess.Popen[bytes]:
@@ -40,6 +42,30 @@ def test_a_process_that_stays_is_ended_after_the_grace_and_reported() -> None:
         killed = _stop(b"no-process-carries-this", True, sessions)
         assert stays.wait(5) == -9
         assert [k["pid"] for k in killed] == [stays.pid] and "sleep(60)" in str(killed[0]["cmd"])
+    finally:
+        stays.kill()
+        stays.wait()
+
+
+def test_between_attempts_the_leftovers_are_ended_and_said_to_be_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the agent relies on before it checks its snapshots: every leftover of the trainers'
+    sessions is gone, or it says some may not be (then it does not check them)."""
+    from crashproof.supervisor import _keeper
+
+    stays = _in_a_session_of_its_own("import time; time.sleep(60)")
+    try:
+        leaders = session_leaders([stays.pid])
+        time.sleep(0.3)
+        with monkeypatch.context() as no_time:  # no time to end it: not said to be gone
+            no_time.setattr(_keeper, "_KILL_ROUNDS_S", 0.0)
+            assert end_sessions(leaders, spare=[]) == ([], False)
+        assert stays.poll() is None
+        killed, ended = end_sessions(leaders, spare=[])
+        assert killed == [stays.pid] and ended
+        assert stays.wait(5) == -9
+        assert end_sessions(leaders, spare=[]) == ([], True)
     finally:
         stays.kill()
         stays.wait()

@@ -77,7 +77,10 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """The next message and the descriptors it carried (the caller owns and closes them).
     Raises ``ConnectionError`` when the other side has gone."""
     if sock.family == socket.AF_UNIX:
-        header, received, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+        # Close-on-exec: no program the receiver starts inherits a segment (and could write it).
+        header, received, _, _ = socket.recv_fds(
+            sock, _HEADER.size, MAX_FDS, socket.MSG_CMSG_CLOEXEC
+        )
         fds = list(received)
     else:
         header, fds = sock.recv(_HEADER.size), []

@@ -30,13 +30,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from crashproof import _host_memory
 from crashproof._host_memory import HEADROOM_BYTES
 from crashproof.checkpoint.memory import check_held
-from crashproof.errors import CrashproofError
+from crashproof.errors import CorruptCheckpointError
 from crashproof.link import ENV_MEMORY_SOCKET, memory_listener, recv_message, send_message
 from crashproof.supervisor._memory_peers import Peers
 from crashproof.supervisor._peer_copy import Key
@@ -92,9 +93,11 @@ class MemoryHost:
         self._sending: dict[Key, int] = {}  # segments being sent to peers (how many sends)
         self._preparing: dict[tuple[str, int, int], threading.Lock] = {}  # see prepare()
         self._greeted: dict[tuple[str, int, int], int] = {}  # -> the round of the last hello
-        self._checking: threading.Thread | None = None  # see trainers_stopped()
         self.peers: Peers | None = None
         self._lock = threading.Lock()
+        self._unsure: set[Key] = set()  # segments being checked (see trainers_stopped())
+        self._checks = 0  # checks running (each of several segments)
+        self._checks_done = threading.Condition(self._lock)  # notified as each check ends
         self._closed = False
         self.token = secrets.token_hex(8)
         """In the name of every segment of this host (``memfd:crashproof:<token>:...`` in
@@ -242,9 +245,8 @@ class MemoryHost:
         """The segments a (re)started trainer already has, with what each holds: this node's,
         else the copies it holds of another node's (the rank moved here), else copies fetched
         from a peer (this node replaces a lost one); and whether this host checked each."""
-        checking = self._checking
-        if checking is not None:  # (done long before, as a rule: the trainer imported torch)
-            checking.join(_CHECK_WAIT_S)
+        with self._lock:  # (done long before, as a rule: the trainer imported torch)
+            self._checks_done.wait_for(lambda: not self._newest_unsure(key, rank), _CHECK_WAIT_S)
         self.prepare(key, rank, world_size)
         slots, fds = [], []
         with self._lock:
@@ -264,81 +266,120 @@ class MemoryHost:
         return {"ok": True, "slots": slots}, fds
 
     def trainers_stopped(self) -> None:
-        """Every process that could write this node's segments has stopped (the agent stopped
-        its trainers and what they left): check each committed snapshot now, on a thread, while
-        the next trainers start. What checks out is offered to them as ``verified``, and their
-        restore copies it without hashing it again (they map it read-only until they write it);
-        what does not is never offered. A trainer's hello waits for the check."""
+        """Every process this agent started for its trainers has stopped: check each committed
+        snapshot now, on threads, while the next trainers start. Only if no other process
+        holds a segment (``/proc``: a leftover that escaped its session and its parent still
+        could write it): then no one can change the bytes but this host, which hands the next
+        trainers descriptors they map read-only until they tell it they write. What checks out
+        is offered to them as ``verified``, and their restore copies it without hashing it
+        again; what does not is never offered. A hello waits for its rank's newest snapshot."""
         held = self._unchecked(lambda key, segment: True)
-        if not held:
-            return
-        previous = self._checking
-        self._checking = threading.Thread(
-            target=self._check, args=(held, previous), name="crashproof-memory-check", daemon=True
-        )
-        self._checking.start()
+        if held:
+            threading.Thread(
+                target=self._check, args=(held,), name="crashproof-memory-check", daemon=True
+            ).start()
+
+    def _newest_unsure(self, key: str, rank: int) -> bool:
+        """Whether the newest snapshot of (key, rank) is being checked (under the lock). A
+        restore takes that one as a rule; an older one not checked yet is hashed by it."""
+        mine = [(k, s) for k, s in self._segments.items()
+                if k[:2] == (key, rank) and s.step is not None]  # fmt: skip
+        newest = max((s.step for _, s in mine if s.step is not None), default=None)
+        return any(k in self._unsure and s.step == newest for k, s in mine)
+
+    def checks_done(self, timeout: float) -> bool:
+        """Wait until no check of :meth:`trainers_stopped` is running; whether none is."""
+        with self._lock:
+            return self._checks_done.wait_for(lambda: not self._checks, timeout)
 
     def _unchecked(self, which: Callable[[Key, _Segment], bool]) -> list[tuple[Key, _Segment, int]]:
-        """This node's committed snapshots ``which`` selects and this host has not checked,
-        with their generation now."""
+        """This node's committed snapshots ``which`` selects, not checked and not being
+        checked, with their generation now, newest step first; marked as being checked."""
         with self._lock:
             if self._closed:
                 return []
-            return [(key, segment, segment.gen) for key, segment in self._segments.items()
+            held = [(key, segment, segment.gen) for key, segment in self._segments.items()
                     if segment.step is not None and segment.checked_gen != segment.gen
-                    and which(key, segment)]  # fmt: skip
+                    and key not in self._unsure and which(key, segment)]  # fmt: skip
+            self._unsure.update(key for key, _, _ in held)
+            self._checks += 1 if held else 0
+        return sorted(held, key=lambda h: -(h[1].step or 0))
 
-    def _check(
-        self,
-        held: list[tuple[Key, _Segment, int]],
-        previous: threading.Thread | None,
-        *,
-        drop: bool = True,
-    ) -> None:
-        """Check ``held`` (after ``previous``, a check still running); ``drop``: what fails is
-        never offered (else the restore that finds it wanting drops it, as without this check)."""
-        if previous is not None:
-            previous.join()
-        started, checked, nbytes = time.monotonic(), 0, 0
-        for key, segment, gen in held:
+    def _check(self, held: list[tuple[Key, _Segment, int]], *, copies: bool = False) -> None:
+        """Check ``held``, two at a time, if no other process can write them; what is damaged
+        is never offered. ``copies``: copies this host has fetched or rebuilt; what fails is
+        left to the restore, which refuses it as it always has."""
+        started = time.monotonic()
+        try:
+            holders = other_holders(self.token)
+            if holders:  # (their restore hashes them, as without this check)
+                log.warning("processes %s still hold this agent's memory segments (a trainer's "
+                            "leftovers?): the snapshots are left to the restore to check",
+                            holders)  # fmt: skip
+                for key, _, _ in held:
+                    self._settled(key)
+                return
+            self._check_all(held, started, not copies)
+        finally:
+            with self._lock:
+                self._checks -= 1
+                self._checks_done.notify_all()
+
+    def _check_all(self, held: list[tuple[Key, _Segment, int]], started: float, drop: bool) -> None:
+        with ThreadPoolExecutor(2, thread_name_prefix="crashproof-memory-check") as pool:
+            results = list(pool.map(lambda h: self._check_one(*h, drop=drop), held))
+        if any(r is not None for r in results):
+            self._events.emit(
+                "memory_checked",
+                snapshots=sum(1 for r in results if r),
+                bytes=sum(r or 0 for r in results),
+                seconds=round(time.monotonic() - started, 4),
+            )
+
+    def _check_one(self, key: Key, segment: _Segment, gen: int, *, drop: bool) -> int | None:
+        """The shard's size when the segment checked out, 0 when it did not, None when it was
+        not looked at (replaced or written meanwhile, or some process maps it writable)."""
+        try:
             with self._lock:
                 if self._closed or self._segments.get(key) is not segment or segment.gen != gen:
-                    continue  # (replaced or written meanwhile: not this check's to judge)
+                    return None  # (replaced or written meanwhile: not this check's to judge)
                 step, files, world_size = segment.step, segment.files, segment.world_size
-                fd = os.dup(segment.fd)
+                fd, origin = os.dup(segment.fd), segment.origin
             assert step is not None
             try:
-                check_held(fd, segment.nbytes, key[0], key[1], world_size, key[2], step, files)
+                check_held(fd, segment.nbytes, key, world_size, step, files, origin)
                 why = None
-            except CrashproofError as exc:
+            except CorruptCheckpointError as exc:
                 why = str(exc)
-            except Exception:  # (a bug: the trainer checks it itself, as before)
+            except Exception:  # (a bug: the restore checks it itself, as before)
                 log.exception("checking rank %d's snapshot of step %d failed", key[1], step)
-                why = ""
+                return None
             finally:
                 os.close(fd)
             with self._lock:
                 if self._segments.get(key) is not segment or segment.gen != gen:
-                    continue
+                    return None
                 if why is None:
                     segment.checked_gen = gen
-                    checked, nbytes = checked + 1, nbytes + int(files["shard"][1])
-                elif why and drop:  # corrupt: never offered
+                    return int(files["shard"][1])
+                if drop:  # damaged: never offered
                     segment.step, segment.files = None, {}
                     segment.gen += 1
-            if why and drop:
+            if drop:
                 log.warning("rank %d's snapshot of step %d in this agent's memory is corrupt "
                             "and is not offered: %s", key[1], step, why)  # fmt: skip
                 self._events.emit("memory_corrupt", rank=key[1], step=step, error=why)
-            elif why:
+            else:
                 log.warning("rank %d's copy of step %d does not check out; the restore will "
                             "not take it: %s", key[1], step, why)  # fmt: skip
-        self._events.emit(
-            "memory_checked",
-            snapshots=checked,
-            bytes=nbytes,
-            seconds=round(time.monotonic() - started, 4),
-        )
+            return 0
+        finally:
+            self._settled(key)
+
+    def _settled(self, key: Key) -> None:
+        with self._lock:
+            self._unsure.discard(key)
+            self._checks_done.notify_all()
 
     def prepare(
         self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
@@ -378,7 +419,7 @@ class MemoryHost:
                 # (What fails is left to the restore, which refuses it as it always has.)
                 copies = self._unchecked(lambda k, s: k[:2] == (key, rank) and s.origin != "local")
                 if copies:
-                    self._check(copies, None, drop=False)
+                    self._check(copies, copies=True)
 
     def keys(self, ranks: set[int], world_size: int) -> set[str]:
         """The root keys of the committed snapshots (own or copies) of ``ranks`` this host
@@ -587,9 +628,44 @@ class MemoryHost:
 
 
 _MAX_RANK = 1 << 24
-_CHECK_WAIT_S = 120.0
-"""How long a trainer's hello waits for :meth:`MemoryHost.trainers_stopped`'s check (it then
-gets what was checked so far; its restore hashes the rest itself)."""
+_CHECK_WAIT_S = 15.0
+"""How long a trainer's hello waits at most for :meth:`MemoryHost.trainers_stopped`'s check of
+its rank's snapshots (it then gets what was checked so far; its restore hashes the rest itself):
+well within the trainer's wait for the reply (``link``'s client)."""
+
+
+def other_holders(token: str) -> list[int]:
+    """The processes other than this one that map a segment of the host ``token`` writable or
+    hold its descriptor (and so could write it), from ``/proc``: a trainer's leftover that
+    escaped its session and its parent. (Another user's processes cannot hold one unless handed
+    it, and are not readable: not looked at.)"""
+    needle, me, found = f"/memfd:crashproof:{token}:", os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", "rb") as maps:
+                text = maps.read().decode("utf-8", "replace")
+            fds = list(os.scandir(f"/proc/{entry.name}/fd"))
+        except OSError:
+            continue  # (gone, or not ours to read)
+        mapped = any(
+            line.split(maxsplit=2)[1][1::2] == "ws"  # (perms "rw-s": writable and shared)
+            for line in text.splitlines()
+            if needle in line
+        )
+        if mapped or any(needle in _link(fd.path) for fd in fds):
+            found.append(int(entry.name))
+    return found
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""  # (closed meanwhile)
+
+
 _MAX_SLOT = 64
 
 

@@ -13,7 +13,7 @@ import os
 import posixpath
 
 from crashproof.checkpoint.memory._slot import Slot, SlotContents, malformed
-from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage
+from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage, slot_place
 from crashproof.checkpoint.memory._snapshots import slot_manifest
 from crashproof.checkpoint.restore import RankRead
 from crashproof.errors import CorruptCheckpointError
@@ -23,26 +23,32 @@ __all__ = ["check_held"]
 
 
 def check_held(
-    fd: int, nbytes: int, key: str, rank: int, world_size: int, index: int, step: int,
+    fd: int,
+    nbytes: int,
+    slot: tuple[str, int, int],
+    world_size: int,
+    step: int,
     contents: SlotContents,
-) -> None:  # fmt: skip
-    """Check a snapshot the agent holds (its segment ``fd``, not taken over) as a restore from
-    memory checks it: its manifest and index, and every byte against its checksum; raises
-    :class:`CorruptCheckpointError` naming what is wrong."""
+    origin: str = "local",
+) -> None:
+    """Check a snapshot the agent holds (its segment ``fd``, not taken over; ``slot``: its root
+    key, rank and slot index) as a restore from memory checks it: its manifest and index, and
+    every byte against its checksum; raises :class:`CorruptCheckpointError` naming what is
+    wrong."""
+    key, rank, index = slot
+    held = Slot(None, key, rank, world_size, index)
+    held.origin = origin
     why = malformed(contents, nbytes)
     if why is not None:
-        raise CorruptCheckpointError(
-            f"the memory of crashproof run's agent (rank {rank}'s snapshot {index}): {why}"
-        )
-    slot = Slot(None, key, rank, world_size, index)
-    slot.adopt(os.dup(fd), nbytes, step, contents, "local")
+        raise CorruptCheckpointError(f"{slot_place(held)}: {why}")
+    held.adopt(os.dup(fd), nbytes, step, contents, origin)
     try:
-        storage, path = SlotStorage(slot), posixpath.join(MEMORY_ROOT, slot.contents["path"])
-        reader = RankRead(storage, path, slot_manifest(slot), rank, keep=value_tensor_names)
+        storage, path = SlotStorage(held), posixpath.join(MEMORY_ROOT, held.contents["path"])
+        reader = RankRead(storage, path, slot_manifest(held), rank, keep=value_tensor_names)
         try:
             reader.verify()
             check_structure(reader.check_tree(), storage.describe(path))
         finally:
             reader.close()
     finally:
-        slot.close()
+        held.close()

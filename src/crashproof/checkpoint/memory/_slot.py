@@ -8,8 +8,8 @@ place: committing it writes the header, the rank's index and its manifest, never
 
 A segment a restarted trainer adopts is mapped read-only until the trainer first stages into it
 (:meth:`Slot.reserve`, which tells the agent first): the agent may have checked the snapshot it
-holds after the last trainer that could write it stopped (``verified``), and nothing in the new
-trainer can change those bytes by mistake before its restore has read them.
+holds once no other process could write it (``verified``), and nothing in the new trainer can
+change those bytes by mistake before its restore has read them.
 """
 
 from __future__ import annotations

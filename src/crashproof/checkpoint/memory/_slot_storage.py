@@ -21,7 +21,7 @@ import numpy as np
 from crashproof.checkpoint.format import checkpoint_dir_name, parse_step_dir, shard_name
 from crashproof.checkpoint.memory._slot import Slot
 
-__all__ = ["MEMORY_ROOT", "SlotStorage"]
+__all__ = ["MEMORY_ROOT", "SlotStorage", "slot_place"]
 
 MEMORY_ROOT = "memory"
 """The root a slot's checkpoint directory is under (a name in messages, not a path)."""
@@ -123,12 +123,7 @@ class SlotStorage:
         return posixpath.join(base, *names)
 
     def describe(self, path: str) -> str:
-        origin = self._slot.origin
-        copied = "" if origin == "local" else f", copied from {origin.removeprefix('peer:')}"
-        where = (
-            f"the memory of crashproof run's agent (rank {self._slot.rank}'s snapshot "
-            f"{self._slot.index}{copied})"
-        )
+        where = slot_place(self._slot)
         return where if path.rstrip("/") == MEMORY_ROOT else f"{where}: {path}"
 
     def list(self, path: str) -> list[str]:
@@ -175,6 +170,15 @@ class SlotStorage:
 
     def remove(self, path: str) -> None:
         self._pending.clear()
+
+
+def slot_place(slot: Slot) -> str:
+    """Where a slot is, in messages: the agent's memory, the rank's snapshot, where it came from."""
+    origin = slot.origin
+    copied = "" if origin == "local" else f", copied from {origin.removeprefix('peer:')}"
+    return (
+        f"the memory of crashproof run's agent (rank {slot.rank}'s snapshot {slot.index}{copied})"
+    )
 
 
 def _address(view: memoryview) -> int:
