@@ -180,7 +180,8 @@ def test_the_agent_looks_for_other_holders_of_its_segments(
 ) -> None:
     _saved(tmp_path / "ck", 2)
     segment = _segment_of(memory_host, 2)
-    assert other_holders(memory_host.token) == []  # (this process, the agent here, is not one)
+    inode = os.fstat(segment.fd).st_ino
+    assert other_holders(memory_host.token, {inode}) == {}  # (this process, the agent, is none)
     fd = os.dup(segment.fd)
     holder = subprocess.Popen(  # holds the descriptor only: it could map it, or write it
         [sys.executable, "-c", "import sys; sys.stdin.readline()"],
@@ -189,12 +190,13 @@ def test_the_agent_looks_for_other_holders_of_its_segments(
     os.close(fd)
     try:
         deadline = time.monotonic() + 10
-        while other_holders(memory_host.token) != [holder.pid]:
-            assert time.monotonic() < deadline, other_holders(memory_host.token)
+        while other_holders(memory_host.token, {inode}) != {inode: [holder.pid]}:
+            assert time.monotonic() < deadline, other_holders(memory_host.token, {inode})
             time.sleep(0.05)
+        assert other_holders(memory_host.token, {inode + 1}) == {}  # (only the ones asked for)
     finally:
         holder.communicate("\n", timeout=30)
-    assert other_holders(memory_host.token) == []
+    assert other_holders(memory_host.token, {inode}) == {}
 
 
 def test_a_hello_waits_for_its_own_ranks_check_only_and_not_for_long(

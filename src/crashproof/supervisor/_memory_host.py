@@ -311,15 +311,22 @@ class MemoryHost:
         left to the restore, which refuses it as it always has."""
         started = time.monotonic()
         try:
-            holders = other_holders(self.token)
+            with self._lock:  # (a segment's descriptor is closed when it is replaced)
+                inodes = {
+                    os.fstat(segment.fd).st_ino: key
+                    for key, segment, _ in held
+                    if self._segments.get(key) is segment
+                }
+            holders = other_holders(self.token, set(inodes))
             if holders:  # (their restore hashes them, as without this check)
-                log.warning("processes %s still hold this agent's memory segments (a trainer's "
-                            "leftovers?): the snapshots are left to the restore to check",
-                            holders)  # fmt: skip
-                for key, _, _ in held:
-                    self._settled(key)
-                return
-            self._check_all(held, started, not copies)
+                pids = sorted({pid for found in holders.values() for pid in found})
+                log.warning("processes %s still hold some of this agent's memory segments (a "
+                            "trainer's leftovers?): their snapshots are left to the restore to "
+                            "check", pids)  # fmt: skip
+            held_back = {inodes[inode] for inode in holders}
+            for key in held_back:
+                self._settled(key)
+            self._check_all([h for h in held if h[0] not in held_back], started, not copies)
         finally:
             with self._lock:
                 self._checks -= 1
@@ -634,12 +641,13 @@ its rank's snapshots (it then gets what was checked so far; its restore hashes t
 well within the trainer's wait for the reply (``link``'s client)."""
 
 
-def other_holders(token: str) -> list[int]:
+def other_holders(token: str, inodes: set[int]) -> dict[int, list[int]]:
     """The processes other than this one that map a segment of the host ``token`` writable or
-    hold its descriptor (and so could write it), from ``/proc``: a trainer's leftover that
-    escaped its session and its parent. (Another user's processes cannot hold one unless handed
-    it, and are not readable: not looked at.)"""
-    needle, me, found = f"/memfd:crashproof:{token}:", os.getpid(), []
+    hold its descriptor (and so could write it), by the segment's inode, of those ``inodes``:
+    from ``/proc``, a trainer's leftover that escaped its session and its parent. (Another
+    user's processes cannot hold one unless handed it, and are not readable: not looked at.)"""
+    needle, me = f"/memfd:crashproof:{token}:", os.getpid()
+    found: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
@@ -649,13 +657,18 @@ def other_holders(token: str) -> list[int]:
             fds = list(os.scandir(f"/proc/{entry.name}/fd"))
         except OSError:
             continue  # (gone, or not ours to read)
-        mapped = any(
-            line.split(maxsplit=2)[1][1::2] == "ws"  # (perms "rw-s": writable and shared)
-            for line in text.splitlines()
-            if needle in line
-        )
-        if mapped or any(needle in _link(fd.path) for fd in fds):
-            found.append(int(entry.name))
+        held = set()
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            # (perms "rw-s": writable and shared; the inode is the fifth field)
+            if needle in line and len(fields) > 4 and fields[1][1::2] == "ws":
+                held.add(int(fields[4]))
+        for fd in fds:
+            if needle in _link(fd.path):
+                with contextlib.suppress(OSError):
+                    held.add(os.stat(fd.path).st_ino)
+        for inode in held & inodes:
+            found.setdefault(inode, []).append(int(entry.name))
     return found
 
 
