@@ -112,6 +112,7 @@ def _held(host: Any, rank: int, world_size: int) -> dict[int, tuple[int, bytes, 
         if info["step"] is not None:
             with mmap.mmap(fd, info["nbytes"], mmap.MAP_SHARED, mmap.PROT_READ) as mm:
                 offered[info["slot"]] = (info["step"], bytes(mm), info["origin"])
+        os.close(fd)  # (the trainer's copy of the descriptor)
     return offered
 
 

@@ -60,6 +60,14 @@ class _Copy(NamedTuple):
     as_replica: bool
 
 
+class _Held(NamedTuple):
+    """A snapshot :meth:`MemoryHost._check` is to check, as it was when picked."""
+
+    key: Key
+    segment: _Segment
+    stamp: tuple[int, int]  # its (gen, handed) then
+
+
 @dataclass(slots=True)
 class _Segment:
     fd: int
@@ -76,7 +84,11 @@ class _Segment:
     """``local`` (this node's trainer wrote it) or ``peer:<node>`` (copied from that node)."""
     checked_gen: int | None = None
     """The ``gen`` at which this host checked every byte of the snapshot (see
-    :meth:`MemoryHost.trainers_stopped`): offered as ``verified`` while ``gen`` is unchanged."""
+    :meth:`MemoryHost.trainers_stopped`): offered as ``verified`` while ``gen`` is unchanged, to
+    the next trainer that says hello, and to it only (it holds the segment from then on)."""
+    handed: int = 0
+    """How many times the segment was handed to a trainer: a check that began before the last
+    hand-out vouches for nothing."""
 
 
 class MemoryHost:
@@ -194,7 +206,11 @@ class MemoryHost:
                 for fd in fds:  # a trainer sends none: a confused client's are not kept
                     os.close(fd)
                 reply, out = self._answer(message)
-                send_message(connection, reply, out)
+                try:
+                    send_message(connection, reply, out)
+                finally:
+                    for fd in out:  # (duplicates: the trainer has its own now)
+                        os.close(fd)
         except (OSError, ValueError):  # (ConnectionError is an OSError: the trainer went)
             pass
         except Exception:  # a bug must not pass silently; the other connections go on
@@ -245,11 +261,10 @@ class MemoryHost:
         """The segments a (re)started trainer already has, with what each holds: this node's,
         else the copies it holds of another node's (the rank moved here), else copies fetched
         from a peer (this node replaces a lost one); and whether this host checked each."""
-        with self._lock:  # (done long before, as a rule: the trainer imported torch)
-            self._checks_done.wait_for(lambda: not self._newest_unsure(key, rank), _CHECK_WAIT_S)
         self.prepare(key, rank, world_size)
         slots, fds = [], []
-        with self._lock:
+        with self._lock:  # (done long before, as a rule: the trainer imported torch)
+            self._checks_done.wait_for(lambda: not self._newest_unsure(key, rank), _CHECK_WAIT_S)
             for (k, r, slot), segment in sorted(self._segments.items()):
                 if k != key or r != rank:
                     continue
@@ -262,7 +277,9 @@ class MemoryHost:
                      "files": segment.files, "origin": segment.origin,
                      "verified": segment.checked_gen == segment.gen}
                 )  # fmt: skip
-                fds.append(segment.fd)
+                # Its holder now could write it (and fork): checked again after it has stopped.
+                segment.handed, segment.checked_gen = segment.handed + 1, None
+                fds.append(os.dup(segment.fd))
         return {"ok": True, "slots": slots}, fds
 
     def trainers_stopped(self) -> None:
@@ -274,10 +291,15 @@ class MemoryHost:
         is offered to them as ``verified``, and their restore copies it without hashing it
         again; what does not is never offered. A hello waits for its rank's newest snapshot."""
         held = self._unchecked(lambda key, segment: True)
-        if held:
+        if not held:
+            return
+        try:
             threading.Thread(
                 target=self._check, args=(held,), name="crashproof-memory-check", daemon=True
             ).start()
+        except BaseException:
+            self._settle(held)
+            raise
 
     def _newest_unsure(self, key: str, rank: int) -> bool:
         """Whether the newest snapshot of (key, rank) is being checked (under the lock). A
@@ -292,20 +314,22 @@ class MemoryHost:
         with self._lock:
             return self._checks_done.wait_for(lambda: not self._checks, timeout)
 
-    def _unchecked(self, which: Callable[[Key, _Segment], bool]) -> list[tuple[Key, _Segment, int]]:
+    def _unchecked(self, which: Callable[[Key, _Segment], bool]) -> list[_Held]:
         """This node's committed snapshots ``which`` selects, not checked and not being
-        checked, with their generation now, newest step first; marked as being checked."""
+        checked, as they are now, newest step first; marked as being checked (the caller
+        checks them: :meth:`_check`)."""
         with self._lock:
             if self._closed:
                 return []
-            held = [(key, segment, segment.gen) for key, segment in self._segments.items()
+            held = [_Held(key, segment, (segment.gen, segment.handed))
+                    for key, segment in self._segments.items()
                     if segment.step is not None and segment.checked_gen != segment.gen
                     and key not in self._unsure and which(key, segment)]  # fmt: skip
-            self._unsure.update(key for key, _, _ in held)
+            self._unsure.update(h.key for h in held)
             self._checks += 1 if held else 0
-        return sorted(held, key=lambda h: -(h[1].step or 0))
+        return sorted(held, key=lambda h: -(h.segment.step or 0))
 
-    def _check(self, held: list[tuple[Key, _Segment, int]], *, copies: bool = False) -> None:
+    def _check(self, held: list[_Held], *, copies: bool = False) -> None:
         """Check ``held``, two at a time, if no other process can write them; what is damaged
         is never offered. ``copies``: copies this host has fetched or rebuilt; what fails is
         left to the restore, which refuses it as it always has."""
@@ -313,9 +337,9 @@ class MemoryHost:
         try:
             with self._lock:  # (a segment's descriptor is closed when it is replaced)
                 inodes = {
-                    os.fstat(segment.fd).st_ino: key
-                    for key, segment, _ in held
-                    if self._segments.get(key) is segment
+                    os.fstat(h.segment.fd).st_ino: h.key
+                    for h in held
+                    if self._segments.get(h.key) is h.segment
                 }
             holders = other_holders(self.token, set(inodes))
             if holders:  # (their restore hashes them, as without this check)
@@ -324,15 +348,23 @@ class MemoryHost:
                             "trainer's leftovers?): their snapshots are left to the restore to "
                             "check", pids)  # fmt: skip
             held_back = {inodes[inode] for inode in holders}
-            for key in held_back:
-                self._settled(key)
-            self._check_all([h for h in held if h[0] not in held_back], started, not copies)
-        finally:
-            with self._lock:
-                self._checks -= 1
+            with self._lock:  # (their hellos need not wait for the others)
+                self._unsure.difference_update(held_back)
                 self._checks_done.notify_all()
+            self._check_all([h for h in held if h.key not in held_back], started, not copies)
+        except Exception:  # (a bug: the restore checks them itself, as before)
+            log.exception("checking the snapshots in this agent's memory failed")
+        finally:
+            self._settle(held)
 
-    def _check_all(self, held: list[tuple[Key, _Segment, int]], started: float, drop: bool) -> None:
+    def _settle(self, held: list[_Held]) -> None:
+        """``held`` are checked (or never will be): hellos waiting for them go on."""
+        with self._lock:
+            self._unsure.difference_update(h.key for h in held)
+            self._checks -= 1
+            self._checks_done.notify_all()
+
+    def _check_all(self, held: list[_Held], started: float, drop: bool) -> None:
         with ThreadPoolExecutor(2, thread_name_prefix="crashproof-memory-check") as pool:
             results = list(pool.map(lambda h: self._check_one(*h, drop=drop), held))
         if any(r is not None for r in results):
@@ -343,15 +375,22 @@ class MemoryHost:
                 seconds=round(time.monotonic() - started, 4),
             )
 
-    def _check_one(self, key: Key, segment: _Segment, gen: int, *, drop: bool) -> int | None:
+    def _check_one(
+        self, key: Key, segment: _Segment, stamp: tuple[int, int], *, drop: bool
+    ) -> int | None:
         """The shard's size when the segment checked out, 0 when it did not, None when it was
-        not looked at (replaced or written meanwhile, or some process maps it writable)."""
+        not looked at (replaced, written or handed out meanwhile)."""
+
+        def unchanged() -> bool:  # (under the lock)
+            current = self._segments.get(key) is segment and not self._closed
+            return current and (segment.gen, segment.handed) == stamp
+
         try:
             with self._lock:
-                if self._closed or self._segments.get(key) is not segment or segment.gen != gen:
+                if not unchanged():
                     return None  # (replaced or written meanwhile: not this check's to judge)
                 step, files, world_size = segment.step, segment.files, segment.world_size
-                fd, origin = os.dup(segment.fd), segment.origin
+                fd, origin, gen = os.dup(segment.fd), segment.origin, segment.gen
             assert step is not None
             try:
                 check_held(fd, segment.nbytes, key, world_size, step, files, origin)
@@ -364,7 +403,7 @@ class MemoryHost:
             finally:
                 os.close(fd)
             with self._lock:
-                if self._segments.get(key) is not segment or segment.gen != gen:
+                if not unchanged():
                     return None
                 if why is None:
                     segment.checked_gen = gen
@@ -380,13 +419,13 @@ class MemoryHost:
                 log.warning("rank %d's copy of step %d does not check out; the restore will "
                             "not take it: %s", key[1], step, why)  # fmt: skip
             return 0
+        except Exception:  # (a bug, or no descriptor left: the restore checks it itself)
+            log.exception("checking rank %d's snapshot in this agent's memory failed", key[1])
+            return None
         finally:
-            self._settled(key)
-
-    def _settled(self, key: Key) -> None:
-        with self._lock:
-            self._unsure.discard(key)
-            self._checks_done.notify_all()
+            with self._lock:
+                self._unsure.discard(key)
+                self._checks_done.notify_all()
 
     def prepare(
         self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
@@ -401,6 +440,7 @@ class MemoryHost:
             return
         with self._lock:
             preparing = self._preparing.setdefault((key, rank, world_size), threading.Lock())
+        copies: list[_Held] = []
         with preparing:
             if ahead_of_round is not None:
                 if self._greeted.get((key, rank, world_size)) == ahead_of_round:
@@ -422,11 +462,12 @@ class MemoryHost:
                 log.warning("fetching rank %d's snapshots from a peer failed: %s", rank, exc)
             if ahead_of_round is not None:
                 # Copies only this host has written (fetched, rebuilt, or kept from a peer), no
-                # trainer has mapped yet: checked now, while the trainers start, not by them.
+                # trainer has been handed yet: checked now, while the trainers start, not by
+                # them, once the lock is let go (the hello waits for the check a bounded time).
                 # (What fails is left to the restore, which refuses it as it always has.)
                 copies = self._unchecked(lambda k, s: k[:2] == (key, rank) and s.origin != "local")
-                if copies:
-                    self._check(copies, copies=True)
+        if copies:
+            self._check(copies, copies=True)
 
     def keys(self, ranks: set[int], world_size: int) -> set[str]:
         """The root keys of the committed snapshots (own or copies) of ``ranks`` this host
@@ -595,11 +636,12 @@ class MemoryHost:
             if isinstance(fd, str):
                 return self._refuse(rank, nbytes, room, held, why=fd), []
             self._segments[(key, rank, slot)] = _Segment(fd, nbytes, int(message["world_size"]))
+            fd_out = os.dup(fd)  # (sent once the lock is let go: this one stays the table's)
             held += nbytes
         self._events.emit(
             "memory_held", rank=rank, slot=slot, bytes=nbytes, node_bytes=held, segment=name
         )
-        return {"ok": True, "nbytes": nbytes}, [fd]
+        return {"ok": True, "nbytes": nbytes}, [fd_out]
 
     @staticmethod
     def _make_segment(name: str, nbytes: int, room: int | None) -> int | str:
@@ -642,7 +684,7 @@ well within the trainer's wait for the reply (``link``'s client)."""
 
 
 def other_holders(token: str, inodes: set[int]) -> dict[int, list[int]]:
-    """The processes other than this one that map a segment of the host ``token`` writable or
+    """The processes other than this one that map a segment of the host ``token`` (shared) or
     hold its descriptor (and so could write it), by the segment's inode, of those ``inodes``:
     from ``/proc``, a trainer's leftover that escaped its session and its parent. (Another
     user's processes cannot hold one unless handed it, and are not readable: not looked at.)"""
@@ -660,8 +702,9 @@ def other_holders(token: str, inodes: set[int]) -> dict[int, list[int]]:
         held = set()
         for line in text.splitlines():
             fields = line.split(maxsplit=5)
-            # (perms "rw-s": writable and shared; the inode is the fifth field)
-            if needle in line and len(fields) > 4 and fields[1][1::2] == "ws":
+            # (perms "r--s" too: a descriptor it was mapped from was writable, so mprotect can
+            # make the mapping writable; the inode is the fifth field)
+            if needle in line and len(fields) > 4 and fields[1][3:4] == "s":
                 held.add(int(fields[4]))
         for fd in fds:
             if needle in _link(fd.path):
