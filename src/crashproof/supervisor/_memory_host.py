@@ -60,12 +60,22 @@ class _Copy(NamedTuple):
     as_replica: bool
 
 
+class _Batch:
+    """One :meth:`MemoryHost._check`'s snapshots: the keys it holds as being checked."""
+
+    __slots__ = ("settled",)
+
+    def __init__(self) -> None:
+        self.settled = False
+
+
 class _Held(NamedTuple):
     """A snapshot :meth:`MemoryHost._check` is to check, as it was when picked."""
 
     key: Key
     segment: _Segment
     stamp: tuple[int, int]  # its (gen, handed) then
+    batch: _Batch
 
 
 @dataclass(slots=True)
@@ -107,7 +117,7 @@ class MemoryHost:
         self._greeted: dict[tuple[str, int, int], int] = {}  # -> the round of the last hello
         self.peers: Peers | None = None
         self._lock = threading.Lock()
-        self._unsure: set[Key] = set()  # segments being checked (see trainers_stopped())
+        self._unsure: dict[Key, _Batch] = {}  # segments being checked, by which check
         self._checks = 0  # checks running (each of several segments)
         self._checks_done = threading.Condition(self._lock)  # notified as each check ends
         self._closed = False
@@ -279,7 +289,12 @@ class MemoryHost:
                 )  # fmt: skip
                 # Its holder now could write it (and fork): checked again after it has stopped.
                 segment.handed, segment.checked_gen = segment.handed + 1, None
-                fds.append(os.dup(segment.fd))
+                try:
+                    fds.append(os.dup(segment.fd))
+                except BaseException:  # (out of descriptors: none of these is sent)
+                    for fd in fds:
+                        os.close(fd)
+                    raise
         return {"ok": True, "slots": slots}, fds
 
     def trainers_stopped(self) -> None:
@@ -321,11 +336,12 @@ class MemoryHost:
         with self._lock:
             if self._closed:
                 return []
-            held = [_Held(key, segment, (segment.gen, segment.handed))
+            batch = _Batch()
+            held = [_Held(key, segment, (segment.gen, segment.handed), batch)
                     for key, segment in self._segments.items()
                     if segment.step is not None and segment.checked_gen != segment.gen
                     and key not in self._unsure and which(key, segment)]  # fmt: skip
-            self._unsure.update(h.key for h in held)
+            self._unsure.update((h.key, batch) for h in held)
             self._checks += 1 if held else 0
         return sorted(held, key=lambda h: -(h.segment.step or 0))
 
@@ -348,9 +364,7 @@ class MemoryHost:
                             "trainer's leftovers?): their snapshots are left to the restore to "
                             "check", pids)  # fmt: skip
             held_back = {inodes[inode] for inode in holders}
-            with self._lock:  # (their hellos need not wait for the others)
-                self._unsure.difference_update(held_back)
-                self._checks_done.notify_all()
+            self._release([h for h in held if h.key in held_back])  # (their hellos go on)
             self._check_all([h for h in held if h.key not in held_back], started, not copies)
         except Exception:  # (a bug: the restore checks them itself, as before)
             log.exception("checking the snapshots in this agent's memory failed")
@@ -358,15 +372,25 @@ class MemoryHost:
             self._settle(held)
 
     def _settle(self, held: list[_Held]) -> None:
-        """``held`` are checked (or never will be): hellos waiting for them go on."""
+        """``held`` (one check's) are checked, or never will be: hellos waiting go on. Once."""
         with self._lock:
-            self._unsure.difference_update(h.key for h in held)
+            if not held or held[0].batch.settled:
+                return
+            held[0].batch.settled = True
             self._checks -= 1
+        self._release(held)
+
+    def _release(self, held: list[_Held]) -> None:
+        """No longer being checked by their check (a later check's claim is left alone)."""
+        with self._lock:
+            for h in held:
+                if self._unsure.get(h.key) is h.batch:
+                    del self._unsure[h.key]
             self._checks_done.notify_all()
 
     def _check_all(self, held: list[_Held], started: float, drop: bool) -> None:
         with ThreadPoolExecutor(2, thread_name_prefix="crashproof-memory-check") as pool:
-            results = list(pool.map(lambda h: self._check_one(*h, drop=drop), held))
+            results = list(pool.map(lambda h: self._check_one(h, drop=drop), held))
         if any(r is not None for r in results):
             self._events.emit(
                 "memory_checked",
@@ -375,11 +399,10 @@ class MemoryHost:
                 seconds=round(time.monotonic() - started, 4),
             )
 
-    def _check_one(
-        self, key: Key, segment: _Segment, stamp: tuple[int, int], *, drop: bool
-    ) -> int | None:
+    def _check_one(self, held: _Held, *, drop: bool) -> int | None:
         """The shard's size when the segment checked out, 0 when it did not, None when it was
         not looked at (replaced, written or handed out meanwhile)."""
+        key, segment, stamp, _ = held
 
         def unchanged() -> bool:  # (under the lock)
             current = self._segments.get(key) is segment and not self._closed
@@ -423,9 +446,7 @@ class MemoryHost:
             log.exception("checking rank %d's snapshot in this agent's memory failed", key[1])
             return None
         finally:
-            with self._lock:
-                self._unsure.discard(key)
-                self._checks_done.notify_all()
+            self._release([held])
 
     def prepare(
         self, key: str, rank: int, world_size: int, *, ahead_of_round: int | None = None
