@@ -327,7 +327,7 @@ class ShardRead:
             self._tensors[i] = self.read(i)
         elif self._hashed_already:
             pass
-        elif i in self._targets and self._view is not None:
+        elif self._view is not None:  # (hashed where it lies: no copy into a bounce buffer)
             self._check(entry, digest(self._view(entry.offset, entry.nbytes)))
         elif i in self._targets and self._buffer is not None and self._buffer.take(entry.nbytes):
             self._buffered[i] = self.read(i)
