@@ -20,7 +20,8 @@ import pytest
 
 import crashproof as cp
 from crashproof.checkpoint.format import _shard_file
-from crashproof.supervisor._memory_host import MemoryHost, other_holders
+from crashproof.supervisor._memory_host import MemoryHost
+from crashproof.supervisor._segment_holders import other_holders
 from tests.checkpoint.test_manager import _equal, _state, _tensors
 
 
