@@ -421,9 +421,6 @@ class MemoryHost:
                 why = None
             except CorruptCheckpointError as exc:
                 why = str(exc)
-            except Exception:  # (a bug: the restore checks it itself, as before)
-                log.exception("checking rank %d's snapshot of step %d failed", key[1], step)
-                return None
             finally:
                 os.close(fd)
             with self._lock:
@@ -444,7 +441,8 @@ class MemoryHost:
                             "not take it: %s", key[1], step, why)  # fmt: skip
             return 0
         except Exception:  # (a bug, or no descriptor left: the restore checks it itself)
-            log.exception("checking rank %d's snapshot in this agent's memory failed", key[1])
+            log.exception("checking rank %d's snapshot %d in this agent's memory failed",
+                          key[1], key[2])  # fmt: skip
             return None
         finally:
             self._release([held])

@@ -15,7 +15,7 @@ import posixpath
 from crashproof.checkpoint._group import Group, RankAlone
 from crashproof.checkpoint.format import MANIFEST_NAME, Manifest, digest, parse_manifest
 from crashproof.checkpoint.memory._slot import Slot
-from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage
+from crashproof.checkpoint.memory._slot_storage import MEMORY_ROOT, SlotStorage, slot_place
 from crashproof.checkpoint.save import (
     CommitResult,
     SharedChecksums,
@@ -153,8 +153,9 @@ class MemorySnapshots:
 def slot_manifest(slot: Slot) -> Manifest:
     """The manifest of the part of its rank the slot holds (partial: its own files only)."""
     assert slot.step is not None
-    storage = SlotStorage(slot)
-    where = storage.describe(posixpath.join(MEMORY_ROOT, slot.contents["path"], MANIFEST_NAME))
+    where = (
+        f"{slot_place(slot)}: {posixpath.join(MEMORY_ROOT, slot.contents['path'], MANIFEST_NAME)}"
+    )
     data = slot.files().get(MANIFEST_NAME)  # (held as bytes)
     if data is None:
         raise CorruptCheckpointError(f"{where}: missing; the snapshot was never committed")
