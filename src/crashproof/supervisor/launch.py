@@ -8,7 +8,7 @@ Owns what the launch adds to torchrun's way, each for recovery speed or diagnosi
 * trainers are forked from a warm forkserver holding torch and crashproof (``--cold-start``
   execs ``python -u script.py`` per trainer, as torchrun does);
 * every rank's output is kept under ``RUN_DIR/logs`` and shown on the console prefixed with
-  ``[rank N]``;
+  ``[rank N]``, a whole line at a time;
 * preemption notices (SIGUSR1, the cloud's metadata service) forwarded to the trainers, the
   replication host for durable tiers, the Prometheus endpoint, the run's event log.
 
@@ -60,6 +60,7 @@ from crashproof.supervisor._agent import (
     SupervisorConfig,
 )
 from crashproof.supervisor._cloud import PROVIDERS, CloudNotice, NoticePoller, detect_provider
+from crashproof.supervisor._console_lines import install as install_whole_lines
 from crashproof.supervisor._crashloop import CrashLoopPolicy, Failure, RestartBudget
 from crashproof.supervisor._fence import Fence, poll_faster
 from crashproof.supervisor._hang import HangConfig
@@ -224,6 +225,7 @@ def _setup_logs(args: argparse.Namespace, run_dir: str) -> None:
         args.tee = "3"
     if not os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
         os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+    install_whole_lines()
 
 
 def launch(args: argparse.Namespace) -> int:
