@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -452,3 +453,32 @@ def test_retention_takes_a_checkpoint_out_of_the_root_at_once_and_deletes_it_off
     closing.join(30)
     assert not closing.is_alive()
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".trash-")]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("every", 500, r"every=500\): give a save policy, e.g. crashproof.EverySteps\(500\)"),
+        ("memory_every", 10, r"memory_every=10\): give a save policy"),
+        ("memory_every", cp.EverySteps, "give a save policy"),
+        ("every", "500", "give a save policy"),
+        ("keep", 3, r"keep=3\): give a retention policy, e.g. crashproof.KeepLast\(3\)"),
+        ("keep", cp.EverySteps(3), "give a retention policy"),
+        ("async_save", "no", r"async_save='no'\): use True or False"),
+        ("memory", 0, "use True or False"),
+        ("read_only", "yes", "use True or False"),
+        ("check_finite", None, "use True or False"),
+        ("timeout_s", "5", "positive, finite number of seconds"),
+        ("timeout_s", 0, "positive, finite number of seconds"),
+        ("remote_timeout_s", float("inf"), "positive, finite number of seconds"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_refused_where_it_is_given(
+    tmp_path: Path, option: str, value: Any, said: str
+) -> None:
+    """A number for a policy would fail at the first step (on one rank as an AttributeError), a
+    string for a switch would be read as true: each is refused by the constructor, naming the
+    option, and nothing is written."""
+    with pytest.raises(cp.ConfigError, match=said):
+        cp.CheckpointManager(tmp_path / "ck", handle_signals=False, **{option: value})
+    assert not (tmp_path / "ck").exists()

@@ -104,6 +104,58 @@ def test_invalid_policy_arguments_raise_configerror(make: Any) -> None:
         make()
 
 
+_NOT_A_COUNT = [1.5, True, "10", None, float("nan"), float("inf")]
+
+
+@pytest.mark.parametrize("value", _NOT_A_COUNT, ids=repr)
+def test_a_count_that_is_not_a_whole_number_is_refused_by_every_policy(value: Any) -> None:
+    """``EverySteps(1.5)`` would save at every third step (``step % 1.5``), ``EverySteps(True)``
+    at every step, ``KeepLast("3")`` fail at the first retention: refused where given, naming
+    the value."""
+    from crashproof import KeepBest, KeepDaily, KeepHourly, KeepWeekly
+
+    for make in (EverySteps, KeepLast, KeepDaily, KeepHourly, KeepWeekly):
+        with pytest.raises(ConfigError, match="whole number"):
+            make(value)
+    with pytest.raises(ConfigError, match="whole number"):
+        KeepEvery(steps=value)
+    with pytest.raises(ConfigError, match="whole number"):
+        KeepBest("loss", n=value)
+
+
+def test_counts_of_numpy_integers_are_whole_numbers() -> None:
+    import numpy as np
+
+    assert EverySteps(np.int64(5)).should_save(_ctx(10, now_s=0.0))
+    assert KeepLast(np.int32(2)).keep([1, 2, 3]) == {2, 3}
+
+
+@pytest.mark.parametrize("value", [True, "60", float("inf"), float("nan"), None], ids=repr)
+def test_times_that_are_not_finite_numbers_are_refused(value: Any) -> None:
+    from crashproof import Daly, KeepWithin, Young
+
+    with pytest.raises(ConfigError, match="finite"):
+        EverySeconds(value)
+    with pytest.raises(ConfigError, match="finite"):
+        KeepWithin(hours=value)
+    for adaptive in (Young, Daly):
+        with pytest.raises(ConfigError, match="finite"):
+            adaptive(mtbf_hours=value)
+
+
+def test_what_is_not_a_policy_is_refused_when_combined_with_one() -> None:
+    from crashproof import KeepBest
+
+    with pytest.raises(ConfigError, match="not a save policy"):
+        EverySteps(5) | 10  # type: ignore[operator]
+    with pytest.raises(ConfigError, match="not a save policy"):
+        EverySteps(5) | EverySteps  # type: ignore[operator]
+    with pytest.raises(ConfigError, match="not a retention policy"):
+        KeepLast(2) | "KeepLast(3)"  # type: ignore[operator]
+    with pytest.raises(ConfigError, match="name the metric"):
+        KeepBest(3)  # type: ignore[arg-type]
+
+
 # -- what to keep ----------------------------------------------------------------------------
 
 

@@ -9,11 +9,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from crashproof._arguments import is_count, is_positive_seconds, is_switch
 from crashproof.checkpoint.save import Delta
 from crashproof.checkpoint.tiers import Tier
 from crashproof.errors import ConfigError
 from crashproof.link import PREEMPTION_SIGNALS
-from crashproof.policy import EverySteps, KeepLast, RetentionPolicy, SavePolicy
+from crashproof.policy import (
+    EverySteps,
+    KeepLast,
+    RetentionPolicy,
+    SavePolicy,
+    is_retention_policy,
+    is_save_policy,
+)
 from crashproof.storage import Storage
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "MAX_STAGING_BUFFERS", "ManagerOptions"]
@@ -151,6 +159,7 @@ class ManagerOptions:
         )
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.memory_every is not None and self.read_only:
             raise ConfigError(
                 "CheckpointManager(memory_every=..., read_only=True): a read-only manager takes "
@@ -160,8 +169,6 @@ class ManagerOptions:
             raise ConfigError(
                 f"CheckpointManager(root_scope={self.root_scope!r}): use 'auto', 'shared' or 'node'"
             )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"CheckpointManager(timeout_s={self.timeout_s}): must be positive")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"CheckpointManager(on_busy={self.on_busy!r}): use 'wait' or 'skip'")
         if self.on_interrupt not in ("checkpoint", "raise"):
@@ -192,3 +199,51 @@ class ManagerOptions:
                 f"CheckpointManager(staging_buffers={self.staging_buffers!r}): use 1, or 2 to "
                 f"{MAX_STAGING_BUFFERS} with async_save=True"
             )
+
+    def _check_types(self) -> None:
+        """Each option of the kind it must be, refused where it is given: a number for a policy
+        (``every=500``) would fail at the first step, a string for a switch (``async_save="no"``)
+        would be read as true."""
+        for name in ("every", "memory_every"):
+            value = getattr(self, name)
+            if value is not None and not is_save_policy(value):
+                hint = (
+                    f"crashproof.EverySteps({value})"
+                    if is_count(value)
+                    else ("crashproof.EverySteps(500), crashproof.EverySeconds(1800)")
+                )
+                raise ConfigError(
+                    f"CheckpointManager({name}={value!r}): give a save policy, e.g. {hint}"
+                )
+        if self.keep is not None and not is_retention_policy(self.keep):
+            hint = (
+                f"crashproof.KeepLast({self.keep})"
+                if is_count(self.keep)
+                else ("crashproof.KeepLast(5)")
+            )
+            raise ConfigError(
+                f"CheckpointManager(keep={self.keep!r}): give a retention policy, e.g. {hint}"
+            )
+        for name in _SWITCHES:
+            if not is_switch(getattr(self, name)):
+                raise ConfigError(
+                    f"CheckpointManager({name}={getattr(self, name)!r}): use True or False"
+                )
+        for name in ("timeout_s", "remote_timeout_s"):
+            if not is_positive_seconds(getattr(self, name)):
+                raise ConfigError(
+                    f"CheckpointManager({name}={getattr(self, name)!r}): give a positive, finite "
+                    "number of seconds"
+                )
+
+
+_SWITCHES = (
+    "async_save",
+    "handle_signals",
+    "check_finite",
+    "dedup_replicated",
+    "replicate",
+    "memory",
+    "read_only",
+)
+"""The options that are True or False."""

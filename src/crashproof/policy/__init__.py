@@ -14,11 +14,19 @@ from crashproof.policy._retention import (
     KeepWeekly,
     KeepWithin,
     RetentionPolicy,
+    is_retention_policy,
     policy_from_spec,
     policy_to_spec,
     retained,
 )
-from crashproof.policy._save import AnyOf, EverySeconds, EverySteps, SaveContext, SavePolicy
+from crashproof.policy._save import (
+    AnyOf,
+    EverySeconds,
+    EverySteps,
+    SaveContext,
+    SavePolicy,
+    is_save_policy,
+)
 
 __all__ = [
     "AnyOf",
@@ -38,6 +46,8 @@ __all__ = [
     "SaveContext",
     "SavePolicy",
     "Young",
+    "is_retention_policy",
+    "is_save_policy",
     "policy_from_spec",
     "policy_to_spec",
     "retained",

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from crashproof._arguments import is_real
 from crashproof._rundir import RunDir
 from crashproof.errors import ConfigError
 from crashproof.policy._save import SaveContext, _Combinable
@@ -68,11 +69,14 @@ class _Adaptive(_Combinable):
         min_interval_s: float = 10.0,
         max_interval_s: float = 6 * 3600.0,
     ) -> None:
-        if not (mtbf_hours > 0 and prior_failures > 0 and 0 < min_interval_s <= max_interval_s):
+        numbers = (mtbf_hours, prior_failures, min_interval_s, max_interval_s)
+        if not all(is_real(n) for n in numbers) or not (
+            mtbf_hours > 0 and prior_failures > 0 and 0 < min_interval_s <= max_interval_s
+        ):
             raise ConfigError(
-                f"{self._name}(mtbf_hours={mtbf_hours}, prior_failures={prior_failures}, "
-                f"min_interval_s={min_interval_s}, max_interval_s={max_interval_s}): all must be "
-                "positive and min_interval_s <= max_interval_s"
+                f"{self._name}(mtbf_hours={mtbf_hours!r}, prior_failures={prior_failures!r}, "
+                f"min_interval_s={min_interval_s!r}, max_interval_s={max_interval_s!r}): all must be "
+                "positive, finite numbers and min_interval_s <= max_interval_s"
             )
         self.prior_mtbf_s = mtbf_hours * 3600.0
         self.prior_failures = prior_failures

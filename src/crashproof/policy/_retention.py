@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from crashproof._arguments import is_count, is_real
 from crashproof.errors import ConfigError
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "KeepWeekly",
     "KeepWithin",
     "RetentionPolicy",
+    "is_retention_policy",
     "policy_from_spec",
     "policy_to_spec",
     "retained",
@@ -79,8 +81,8 @@ class KeepLast(_Combinable):
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"KeepLast({self.n}): keep at least 1 checkpoint")
+        if not is_count(self.n):
+            raise ConfigError(f"KeepLast({self.n!r}): keep a whole number of checkpoints, >= 1")
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.n :])
@@ -93,8 +95,10 @@ class KeepEvery(_Combinable):
     steps: int
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ConfigError(f"KeepEvery(steps={self.steps}): steps must be at least 1")
+        if not is_count(self.steps):
+            raise ConfigError(
+                f"KeepEvery(steps={self.steps!r}): steps must be a whole number, >= 1"
+            )
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in steps if s % self.steps == 0}
@@ -138,6 +142,9 @@ class KeepWithin(_ByFacts):
         return self.seconds + 60 * self.minutes + 3600 * self.hours + 86400 * self.days
 
     def __post_init__(self) -> None:
+        parts = (self.seconds, self.minutes, self.hours, self.days)
+        if not all(is_real(part) and part >= 0 for part in parts) or not is_real(self.span_s):
+            raise ConfigError(f"{self!r}: give finite numbers >= 0 (seconds, minutes, ...)")
         if not self.span_s > 0:
             raise ConfigError(f"{self!r}: the span must be positive")
 
@@ -162,8 +169,10 @@ class _KeepOnePer(_ByFacts):
     """Shifts the periods' boundaries (weeks start on Monday, not on the epoch's Thursday)."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"{type(self).__name__}({self.n}): keep at least 1 period")
+        if not is_count(self.n):
+            raise ConfigError(
+                f"{type(self).__name__}({self.n!r}): keep a whole number of periods, >= 1"
+            )
 
     def select(self, checkpoints: Sequence[CheckpointFacts]) -> set[int]:
         newest_of: dict[int, CheckpointFacts] = {}
@@ -212,8 +221,12 @@ class KeepBest(_ByFacts):
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"KeepBest({self.metric!r}, n={self.n}): keep at least 1")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(
+                f"KeepBest({self.metric!r}): name the metric, a key of save(metadata=...)"
+            )
+        if not is_count(self.n):
+            raise ConfigError(f"KeepBest({self.metric!r}, n={self.n!r}): keep a whole number, >= 1")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"KeepBest(mode={self.mode!r}): use 'min' or 'max'")
 
@@ -231,6 +244,14 @@ class KeepBest(_ByFacts):
 @dataclass(frozen=True, slots=True)
 class _Union(_Combinable):
     policies: tuple[RetentionPolicy, ...]
+
+    def __post_init__(self) -> None:
+        for policy in self.policies:
+            if not is_retention_policy(policy):
+                raise ConfigError(
+                    f"{policy!r} combined with | is not a retention policy: use KeepLast, "
+                    "KeepEvery, KeepWithin, KeepHourly, KeepDaily, KeepWeekly, KeepBest or KeepAll"
+                )
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         kept: set[int] = set()
@@ -288,3 +309,11 @@ def policy_from_spec(spec: Mapping[str, Any]) -> RetentionPolicy:
         raise ConfigError(f"retention spec {spec!r}: unknown policy type {kind!r}")
     policy: RetentionPolicy = cls(**{k: v for k, v in spec.items() if k != "type"})
     return policy
+
+
+def is_retention_policy(value: Any) -> bool:
+    """Whether ``value`` is a retention policy (it answers ``keep`` or ``select``), not a number
+    or a class given where an instance is wanted."""
+    return not isinstance(value, type) and any(
+        callable(getattr(value, name, None)) for name in ("keep", "select")
+    )

@@ -8,11 +8,12 @@ the manager can restart them after a restore.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from crashproof._arguments import is_count, is_positive_seconds
 from crashproof.errors import ConfigError
 
-__all__ = ["AnyOf", "EverySeconds", "EverySteps", "SavePolicy"]
+__all__ = ["AnyOf", "EverySeconds", "EverySteps", "SavePolicy", "is_save_policy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,8 @@ class EverySteps(_Combinable):
     n: int
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ConfigError(f"EverySteps(n={self.n}): n must be at least 1")
+        if not is_count(self.n):
+            raise ConfigError(f"EverySteps(n={self.n!r}): n must be a whole number of steps >= 1")
 
     @property
     def same_on_every_rank(self) -> bool:
@@ -72,8 +73,11 @@ class EverySeconds(_Combinable):
     seconds: float
 
     def __post_init__(self) -> None:
-        if not self.seconds > 0:
-            raise ConfigError(f"EverySeconds({self.seconds}): the interval must be positive")
+        if not is_positive_seconds(self.seconds):
+            raise ConfigError(
+                f"EverySeconds({self.seconds!r}): the interval must be a positive, finite number "
+                "of seconds"
+            )
 
     @property
     def same_on_every_rank(self) -> bool:
@@ -89,6 +93,14 @@ class AnyOf(_Combinable):
 
     policies: tuple[SavePolicy, ...]
 
+    def __post_init__(self) -> None:
+        for policy in self.policies:
+            if not is_save_policy(policy):
+                raise ConfigError(
+                    f"{policy!r} combined with | is not a save policy: use EverySteps, "
+                    "EverySeconds, Young or Daly"
+                )
+
     @property
     def same_on_every_rank(self) -> bool:
         return all(p.same_on_every_rank for p in self.policies)
@@ -96,3 +108,9 @@ class AnyOf(_Combinable):
     def should_save(self, ctx: SaveContext) -> bool:
         # Ask every policy (no short-circuit) so stateful policies all see every step.
         return any([p.should_save(ctx) for p in self.policies])
+
+
+def is_save_policy(value: Any) -> bool:
+    """Whether ``value`` is a save policy (it answers ``should_save``), not a number or a
+    class given where an instance is wanted."""
+    return not isinstance(value, type) and callable(getattr(value, "should_save", None))
