@@ -187,3 +187,24 @@ def test_a_nodes_part_whose_ranks_hold_different_state_is_not_exported_as_one(
     assert done.returncode != 0 and not out.exists()
     said = done.stdout + done.stderr
     assert "rank 2 and rank 3: model/bias, model/weight" in said, said
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_prune_of_one_nodes_root_is_refused_and_removes_nothing(
+    saved: Path, tmp_path: Path, warm_ranks: Any, dry_run: bool
+) -> None:
+    """One node's root cannot tell the newest step every node holds (its own newest may be a
+    step another node lacks): ``crashproof prune`` there could remove the only step the run can
+    resume from, so it refuses, saying which part the root holds and what to do instead."""
+    run = _copy(saved, tmp_path)
+    for rank in (0, 1):
+        root = run / f"node{rank}"
+        before = sorted(p.relative_to(root) for p in root.rglob("*"))
+        args = ["prune", str(root), "--keep-last", "1", *(["--dry-run"] if dry_run else [])]
+        done = warm_ranks.python(["-m", "crashproof.cli", *args])
+        assert done.returncode == 2, done.stdout + done.stderr
+        said = done.stderr
+        assert f"step 1: ranks {rank} of 2" in said and "Nothing was removed" in said, said
+        assert "CheckpointManager.prune after a restore" in said
+        assert "Traceback" not in said and done.stdout == ""
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

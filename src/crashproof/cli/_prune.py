@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 
 from crashproof._units import DURATION_FORMS
-from crashproof.checkpoint import hold_root, prune_plan, published_steps
+from crashproof.checkpoint import (
+    held_part,
+    hold_root,
+    prune_plan,
+    published_steps,
+    read_manifest,
+)
 from crashproof.cli._conventions import duration, fail
 from crashproof.cli._roots import open_root
 from crashproof.errors import CrashproofError
@@ -22,6 +28,7 @@ from crashproof.policy import (
     KeepWithin,
     RetentionPolicy,
 )
+from crashproof.storage import Storage
 
 __all__ = ["add_prune_parser"]
 
@@ -72,6 +79,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = policies[0]
     for more in policies[1:]:
         policy = policy | more
+    node_part = _node_part(storage, path)
+    if node_part:
+        return fail(
+            f"{storage.describe(path)} holds one node's part of checkpoints saved on node-local "
+            f"roots ({node_part}): one node's root cannot tell the newest step every node holds, "
+            "and removing that step would leave the run nothing to resume from. Nothing was "
+            "removed. Prune from the training job (CheckpointManager.prune after a restore, or "
+            "its retention), or remove the same steps by hand from every node's root",
+            EXIT_USAGE,
+        )
     lock = None  # prune removes checkpoints: it is a writer and must hold the root's lock
     if not args.dry_run:
         try:
@@ -116,3 +133,22 @@ def _prune_policies(args: argparse.Namespace) -> list[RetentionPolicy]:
             raise ValueError(f"--keep-best {spec!r}: write METRIC, METRIC:min or METRIC:max")
         policies.append(KeepBest(metric, mode="max" if mode == "max" else "min"))
     return policies
+
+
+def _node_part(storage: Storage, path: str) -> str:
+    """Which part of which checkpoint ``path`` holds, where a checkpoint in it was saved on
+    node-local roots by several nodes (e.g. "step 30: ranks 2-3 of 4"); "" for a root that holds
+    whole checkpoints. Unreadable manifests tell nothing here (the restore says why)."""
+    for step, ckpt in published_steps(storage, path):
+        try:
+            manifest = read_manifest(storage, ckpt)
+        except (CrashproofError, OSError):
+            continue
+        if manifest.nodes is not None and len(manifest.nodes) > 1:
+            try:
+                ranks = sorted(held_part(manifest, storage.list(ckpt), storage.describe(ckpt)))
+            except (CrashproofError, OSError):
+                ranks = []
+            held = f"ranks {', '.join(map(str, ranks))}" if ranks else "one node's ranks"
+            return f"step {step}: {held} of {manifest.world_size}"
+    return ""
