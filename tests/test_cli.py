@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,6 +180,86 @@ def test_verify_of_a_missing_step_exits_2(run: Run) -> None:
     assert result.returncode == 2
     assert "no checkpoint of step 7" in result.stderr
     assert result.stdout == ""
+
+
+def _removed_when_read(monkeypatch: pytest.MonkeyPatch, name: str, step_dir: Path) -> None:
+    """Play a run's retention removing ``step_dir`` (renamed aside, then deleted, as a writer
+    does) just as the command's ``name`` function of ``crashproof.cli._checkpoints`` reads."""
+    from crashproof.cli import _checkpoints
+    from crashproof.storage import LocalStorage
+
+    original = getattr(_checkpoints, name)
+
+    def removing(*args: Any, **kwargs: Any) -> Any:
+        LocalStorage().remove(str(step_dir))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpoints, name, removing)
+
+
+def test_a_checkpoint_removed_while_verified_is_no_invalid_checkpoint(
+    run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run writing the root removes old checkpoints (its retention) while ``verify`` or ``ls``
+    reads them: a monitoring ``verify`` must not call that a damaged checkpoint (exit 1). A
+    checkpoint that is still there but damaged still is one."""
+    _removed_when_read(monkeypatch, "verify_checkpoint", run.ckpt(2))
+    assert main(["verify", str(run.root)]) == 0
+    said = capsys.readouterr()
+    assert said.out.splitlines() == ["step 3: valid", "step 1: valid"]
+    assert "step 2 was removed while it was verified" in said.err
+    monkeypatch.undo()
+
+    (run.ckpt(1) / "manifest.json").unlink()  # damaged, and still there
+    assert main(["verify", str(run.root)]) == 1
+    assert "step 1: INVALID" in capsys.readouterr().out
+
+
+def test_verify_latest_takes_the_newest_there_is_when_its_newest_is_removed(
+    run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _removed_when_read(monkeypatch, "verify_checkpoint", run.ckpt(3))
+    monkeypatch.setattr("crashproof.cli._checkpoints._RELISTS", 3)
+    assert main(["verify", "--latest", str(run.root)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["step 2: valid"]
+
+
+def test_ls_leaves_out_a_checkpoint_removed_while_listed(
+    run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags in (["--json"], ["--json", "--verify"]):
+        root = run.root.parent / f"copy{len(flags)}"
+        shutil.copytree(run.root, root)
+        _removed_when_read(monkeypatch, "list_checkpoints", root / "step_0000000002")
+        assert main(["ls", *flags, str(root)]) == 0
+        said = capsys.readouterr()
+        assert [row["step"] for row in json.loads(said.out)] == [3, 1], flags
+        assert all(row["valid"] for row in json.loads(said.out))
+        assert "step 2 was removed while it was listed" in said.err
+        monkeypatch.undo()
+
+
+def test_a_file_named_like_a_checkpoint_is_no_storage_refusal_and_blocks_nothing(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``step_*`` that is a file (not crashproof's) is named as no committed checkpoint; it is
+    never read as the storage refusing a read (exit 74, "fix the access"), and the commands go
+    on to the real checkpoints: inspect and export take the newest that reads."""
+    (run.root / "step_0000000004").write_text("x")
+    assert main(["verify", str(run.root)]) == 1
+    said = capsys.readouterr()
+    assert "step 4: INVALID" in said.out and "never committed" in said.out
+    assert "step 3: valid" in said.out and "refused" not in said.out + said.err
+    assert main(["verify", "--step", "3", str(run.root)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(run.root)]) == 0
+    said = capsys.readouterr()
+    assert "skipping step 4" in said.err and "step 3, kind full" in said.out
+    assert main(["inspect", "--step", "4", str(run.root)]) == 1
+    capsys.readouterr()
+    out = tmp_path / "w.safetensors"
+    assert main(["export", str(run.root), "-o", str(out)]) == 0
+    assert "of step 3" in capsys.readouterr().out and out.exists()
 
 
 def test_nonexistent_root_exits_2_with_a_message_on_stderr(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from crashproof._console import say
 from crashproof.checkpoint import (
+    committed_steps,
     held_files,
     held_part,
     list_checkpoints,
@@ -98,12 +100,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         file=sys.stderr,
     ) as bar:
         try:
-            rows = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
-            for (step, ckpt), row in zip(found, rows, strict=True):
+            listed = list_checkpoints(storage, found, verify=args.verify, on_bytes=bar.update)
+            rows = []
+            for (step, ckpt), row in zip(found, listed, strict=True):
+                if not (row.info.valid and row.verified is not False) and not _still_listed(
+                    storage, path, ckpt
+                ):  # a run writing this root removed it meanwhile (its retention)
+                    say("crashproof", f"step {step} was removed while it was listed: left out")
+                    continue
                 # --verify gives a verdict: none on what the storage would not let be read
                 # (plain ls lists such a row, its problem naming the file: test_ls_honest)
                 if args.verify and not row.info.valid:
                     _raise_refusal(storage, step, ckpt)
+                rows.append(row)
         except OSError as exc:  # unreadable (not corrupt), named in full by list_checkpoints
             if not unreadable(exc):
                 raise
@@ -142,39 +151,69 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.latest:
         chosen = chosen[:1]
     results: list[dict[str, Any]] = []
-    for step, ckpt in chosen:
-        total = sum(e.size for e in _manifest_files(storage, ckpt))
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc=f"verify step {step}",
-            disable=args.json or None,
-            file=sys.stderr,
-        ) as bar:
-            try:
-                verify_checkpoint(storage, ckpt, on_bytes=bar.update)
-                results.append(
-                    {"step": step, "path": storage.describe(ckpt), "valid": True, "problem": ""}
-                )
-            except (CrashproofError, OSError) as exc:
-                refused = refusal(exc)
-                if refused is not None:  # no verdict on what could not be read
-                    return storage_refused(storage, ckpt, refused)
-                results.append(
-                    {
-                        "step": step,
-                        "path": storage.describe(ckpt),
-                        "valid": False,
-                        "problem": str(exc),
-                    }
-                )
+    removed: list[int] = []
+    for _ in range(_RELISTS):
+        for step, ckpt in chosen:
+            result = _verify_one(storage, step, ckpt, quiet=args.json)
+            if isinstance(result, int):
+                return result  # (the storage refused a read: no verdict)
+            if not result["valid"] and not _still_listed(storage, path, ckpt):
+                # A run writing this root removed it meanwhile (its retention): not a fault.
+                say("crashproof", f"step {step} was removed while it was verified: skipped")
+                removed.append(step)
+                continue
+            results.append(result)
+        if not (args.latest and removed and not results):
+            break
+        chosen = committed_steps(storage, path)[:1]  # --latest: the newest there is now
+    if not results and removed:
+        return fail(
+            f"{storage.describe(path)}: step(s) {', '.join(map(str, removed))} were removed while "
+            "they were verified (a run's retention); run this again",
+            EXIT_USAGE,
+        )
     if args.json:
         print_json(results)
     else:
         for r in results:
             print(f"step {r['step']}: {'valid' if r['valid'] else 'INVALID: ' + r['problem']}")
     return EXIT_OK if results and all(r["valid"] for r in results) else EXIT_INVALID
+
+
+_RELISTS = 3
+"""How often ``verify --latest`` looks again when its newest checkpoint is removed under it."""
+
+
+def _verify_one(storage: Storage, step: int, ckpt: str, *, quiet: bool) -> dict[str, Any] | int:
+    """The verdict on checkpoint ``step``, or the exit code of a read the storage refused."""
+    total = sum(e.size for e in _manifest_files(storage, ckpt))
+    result = {"step": step, "path": storage.describe(ckpt), "valid": True, "problem": ""}
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"verify step {step}",
+        disable=quiet or None,
+        file=sys.stderr,
+    ) as bar:
+        try:
+            verify_checkpoint(storage, ckpt, on_bytes=bar.update)
+        except (CrashproofError, OSError) as exc:
+            refused = refusal(exc)
+            if refused is not None:
+                return storage_refused(storage, ckpt, refused)
+            result |= {"valid": False, "problem": str(exc)}
+    return result
+
+
+def _still_listed(storage: Storage, root: str, ckpt: str) -> bool:
+    """Whether ``ckpt`` is still among ``root``'s checkpoints: a checkpoint a run's retention
+    removed is gone from the listing (a local removal renames it aside in one step), while a
+    damaged one is still there."""
+    try:
+        return ckpt in dict(committed_steps(storage, root)).values()
+    except OSError:
+        return True  # (cannot tell: the verdict stands)
 
 
 def _raise_refusal(storage: Storage, step: int, ckpt: str) -> None:
@@ -204,21 +243,26 @@ def _manifest_files(storage: Storage, ckpt: str) -> list[Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     path, storage, found = open_root(args.root)
-    chosen = pick(found, args.step, storage.describe(path))[:1]
+    chosen = pick(found, args.step, storage.describe(path))
     if not chosen:
         return fail(f"no checkpoints in {storage.describe(path)}", EXIT_USAGE)
-    _, ckpt = chosen[0]
-    try:
-        manifest = read_manifest(storage, ckpt)
-        held = held_part(manifest, storage.list(ckpt), storage.describe(ckpt))
-        ranks = [read_rank_index(storage, ckpt, manifest, r) for r in held]
-    except (CrashproofError, OSError) as exc:
-        refused = refusal(exc)
-        if refused is not None:
-            return storage_refused(storage, ckpt, refused)
-        if isinstance(exc, OSError):
-            raise
-        return fail(str(exc), EXIT_INVALID)
+    # Without --step, the newest checkpoint that reads: one whose manifest or index does not
+    # (a step_* entry that is a file, one never committed) is skipped, saying why, as export does.
+    for position, (step, ckpt) in enumerate(chosen):
+        try:
+            manifest = read_manifest(storage, ckpt)
+            held = held_part(manifest, storage.list(ckpt), storage.describe(ckpt))
+            ranks = [read_rank_index(storage, ckpt, manifest, r) for r in held]
+            break
+        except (CrashproofError, OSError) as exc:
+            refused = refusal(exc)
+            if refused is not None:
+                return storage_refused(storage, ckpt, refused)
+            if isinstance(exc, OSError):
+                raise
+            if args.step is not None or position == len(chosen) - 1:
+                return fail(str(exc), EXIT_INVALID)
+            say("crashproof", f"skipping step {step}: {exc}")
     rank_reports: list[dict[str, Any]] = [
         {
             "rank": idx.rank,

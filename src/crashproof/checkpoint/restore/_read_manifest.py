@@ -51,6 +51,10 @@ def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifes
     where = storage.describe(path)
     try:
         data = read_all(storage, path, limit=MAX_MANIFEST_BYTES)
+    except NotADirectoryError:
+        raise CorruptCheckpointError(
+            f"{storage.describe(ckpt_dir)}: a file, not a checkpoint directory"
+        ) from None
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{where}: missing; the checkpoint was never committed"
@@ -92,9 +96,12 @@ def refused(exc: OSError, where: str) -> OSError:
 def unreadable(exc: BaseException) -> bool:
     """``exc`` is the storage refusing a read (permissions, an I/O error, a stale handle), not a
     fault of the checkpoint: an OSError other than crashproof's own, and other than a missing
-    file (a file its manifest lists that is absent, a link or FIFO refused: the checkpoint's
-    fault, :class:`~crashproof.errors.CorruptCheckpointError` where the reader words it)."""
-    return isinstance(exc, OSError) and not isinstance(exc, (CrashproofError, FileNotFoundError))
+    file or a file where a directory belongs (a file its manifest lists that is absent, a
+    ``step_*`` that is a file, a link or FIFO refused: the checkpoint's fault,
+    :class:`~crashproof.errors.CorruptCheckpointError` where the reader words it)."""
+    return isinstance(exc, OSError) and not isinstance(
+        exc, (CrashproofError, FileNotFoundError, NotADirectoryError)
+    )
 
 
 def read_error(exc: OSError | EOFError, where: str) -> Exception:
