@@ -106,7 +106,8 @@ def parse_size(text: str, what: str = "") -> int:
     size = _scaled(text, _BYTES_PER, fold_case=True)
     if size is None or size < 1:
         raise ValueError(
-            f"{_subject(text, what)} is not a size: give a positive, finite number of {SIZE_FORMS}"
+            f"{_subject(text, what)} is not a size: give a finite number of at least 1 byte, in "
+            f"{SIZE_FORMS}"
         )
     return int(size)
 

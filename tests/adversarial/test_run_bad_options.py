@@ -69,7 +69,7 @@ BAD: dict[str, list[str]] = {
     "--preemption": ["x", ""],
     "--preemption-grace": ["0", "-1"],
     "--replication-timeout": ["nan", "0"],
-    "--memory-limit": ["0", "-1G", "lots", "nan", "", "1e999"],
+    "--memory-limit": ["0", "-1G", "lots", "nan", "", "1e999", "1", "4095", "0.5"],
     "--peer-replicas": ["-1", "9", "one", "1.5", ""],
     "--peer-parity": ["0", "-1", "17", "two", "2.0", ""],
     "--standby": ["-1", "65", "one", "1.5", ""],
@@ -188,6 +188,14 @@ def test_each_hostile_value_is_refused(
         (["--standby", "1"], "--standby"),
         (["--standalone", "--standby", "1"], "--standby"),
         (["--rdzv-backend", "static", "--nnodes", "2", "--standby", "2"], "--standby"),
+        (["--no-memory", "--memory-limit", "8GiB"], "--memory-limit"),
+        (["--no-memory", "--peer-replicas", "1"], "--peer-replicas"),
+        (["--no-memory", "--peer-parity", "2"], "--peer-parity"),
+        (["--no-memory", "--peer-bandwidth", "10MiB"], "--peer-bandwidth"),
+        (["--nnodes", "2", "--peer-replicas", "2"], "--peer-replicas"),
+        (["--nnodes", "1:3", "--peer-replicas", "3"], "--peer-replicas"),
+        (["--nnodes", "3", "--peer-parity", "4"], "--peer-parity"),
+        (["--peer-replicas", "0", "--peer-bandwidth", "500MiB"], "--peer-bandwidth"),
     ],
 )
 def test_contradictory_options_are_refused(

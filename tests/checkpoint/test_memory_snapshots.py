@@ -182,6 +182,7 @@ def test_refused_shared_memory_names_the_amount_and_the_checkpoint_still_commits
             assert ckpt.stats.memory_snapshots == 0
         assert "need 1.01 MiB" in caplog.text and "--memory-limit 64 KiB" in caplog.text
         assert "memory snapshots are off" in caplog.text
+        assert "staging_buffers" not in caplog.text  # (one buffer already: no advice to take one)
         assert host.held_bytes == 0
         assert _segments_open() <= before
     finally:

@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 )
 from torch.distributed.run import determine_local_world_size
 
-from crashproof._units import MAX_DURATION_S
+from crashproof._units import MAX_DURATION_S, format_size, parse_size
 
 __all__ = ["MAX_NNODES", "MAX_NPROC_PER_NODE", "RunOptionError", "check_run_args"]
 
@@ -59,6 +59,7 @@ def check_run_args(args: argparse.Namespace) -> None:
     min_nodes, max_nodes = _check_nodes(args)
     _check_nproc(args.nproc_per_node)
     _check_rendezvous(args, min_nodes, max_nodes)
+    _check_memory(args, max_nodes)
     _check_numbers(args)
     _check_names(args)
     _check_output_options(args)
@@ -160,6 +161,68 @@ def _check_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) 
             "hot spares wait in a rendezvous of several nodes (c10d or etcd, --nnodes 2 or "
             "more, not --standalone): give 0 here",
         )
+
+
+MIN_MEMORY_LIMIT = 4096
+"""The smallest ``--memory-limit``: one page; no snapshot fits in less."""
+
+
+def _check_memory(args: argparse.Namespace, max_nodes: int) -> None:
+    """The options of the agent's memory snapshots and their copies on peers: none beside
+    ``--no-memory``, and none that the node count makes impossible (a copy on more peers than
+    there are, a parity group larger than the run)."""
+    given = [
+        (option, value)
+        for option, value in (
+            ("--memory-limit", _size(args.memory_limit)),
+            ("--peer-replicas", args.peer_replicas),
+            ("--peer-parity", args.peer_parity),
+            ("--peer-bandwidth", _size(args.peer_bandwidth)),
+        )
+        if value is not None
+    ]
+    if not args.memory and given:
+        option, value = given[0]
+        raise RunOptionError(
+            option, value, "--no-memory keeps no snapshots: drop this option or --no-memory"
+        )
+    if args.memory_limit is not None and args.memory_limit < MIN_MEMORY_LIMIT:
+        raise RunOptionError(
+            "--memory-limit",
+            _size(args.memory_limit),
+            f"no snapshot fits in less than one page: give at least {MIN_MEMORY_LIMIT} bytes "
+            "(4KiB), or --no-memory",
+        )
+    peers = max_nodes - 1  # (each node's copies go to other nodes; spares hold none)
+    if args.peer_replicas and max_nodes > 1 and args.peer_replicas > peers:
+        raise RunOptionError(
+            "--peer-replicas",
+            args.peer_replicas,
+            f"copies go to the other nodes, and with --nnodes {args.nnodes} there are at most "
+            f"{peers}: give at most {peers}",
+        )
+    if args.peer_parity and max_nodes > 1 and args.peer_parity > peers:
+        raise RunOptionError(
+            "--peer-parity",
+            args.peer_parity,
+            f"a parity group has K+1 nodes or more, and with --nnodes {args.nnodes} there are "
+            f"at most {max_nodes}: give at most {peers}",
+        )
+    if args.peer_bandwidth is not None and args.peer_replicas == 0:
+        raise RunOptionError(
+            "--peer-bandwidth",
+            _size(args.peer_bandwidth),
+            "--peer-replicas 0 sends nothing to peers: drop one of them",
+        )
+
+
+def _size(nbytes: int | None) -> str | None:
+    """A size option's value as its refusal shows it: ``8 GiB``, not ``8589934592``, where that
+    is exact (else the bytes: ``4095``, not ``4 KiB``)."""
+    if nbytes is None:
+        return None
+    shown = format_size(nbytes)
+    return shown if parse_size(shown) == nbytes else str(nbytes)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

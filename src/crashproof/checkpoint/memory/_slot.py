@@ -113,7 +113,7 @@ class Slot:
             size = -(-nbytes // PAGE) * PAGE
             reply, fds = self._host().request({"op": "allocate", **self._ids(), "nbytes": size})
             if not fds:
-                raise _refusal(reply, self.rank, size)
+                raise _refusal(reply, self.rank, size, self.index)
             self._map(fds[0], size)
             os.close(fds[0])
         elif self._fd is not None:  # adopted, mapped read-only: writable from here on
@@ -213,7 +213,9 @@ def malformed(contents: Any, nbytes: int) -> str | None:
     return None
 
 
-def _refusal(reply: dict[str, Any], rank: int, nbytes: int) -> CrashproofError:
+def _refusal(reply: dict[str, Any], rank: int, nbytes: int, index: int) -> CrashproofError:
+    """Why the agent refused a segment, and what to do; ``index``: the staging buffer's (a
+    second one exists only with ``staging_buffers`` of 2 or more, which is then worth naming)."""
     if reply.get("error") != "insufficient":
         return CrashproofError(f"crashproof run's memory host: {reply.get('error')}")
     available, limit = reply.get("available"), reply.get("limit")
@@ -234,6 +236,7 @@ def _refusal(reply: dict[str, Any], rank: int, nbytes: int) -> CrashproofError:
         f"memory snapshots of rank {rank} need {format_size(nbytes)} of shared memory held by "
         f"crashproof run's agent, but {room} (this node's snapshots hold {held})"
         + (f": {reply['why']}" if reply.get("why") else "")
-        + f". To keep them, {fix}, or use staging_buffers=1; or run with crashproof run "
-        "--no-memory"
+        + f". To keep them, {fix}"
+        + (", or use staging_buffers=1" if index > 0 else "")
+        + "; or run with crashproof run --no-memory"
     )
