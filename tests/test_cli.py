@@ -219,9 +219,13 @@ def test_verify_latest_takes_the_newest_there_is_when_its_newest_is_removed(
     run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _removed_when_read(monkeypatch, "verify_checkpoint", run.ckpt(3))
-    monkeypatch.setattr("crashproof.cli._checkpoints._RELISTS", 3)
     assert main(["verify", "--latest", str(run.root)]) == 0
     assert capsys.readouterr().out.splitlines() == ["step 2: valid"]
+    # asked for one step, which was removed: no other step is verified in its place
+    _removed_when_read(monkeypatch, "verify_checkpoint", run.ckpt(2))
+    assert main(["verify", "--latest", "--step", "2", str(run.root)]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and "were removed while they were verified" in said.err
 
 
 def test_ls_leaves_out_a_checkpoint_removed_while_listed(

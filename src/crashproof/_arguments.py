@@ -10,7 +10,9 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["is_count", "is_positive_seconds", "is_real", "is_switch"]
+import numpy
+
+__all__ = ["is_count", "is_positive_seconds", "is_real", "is_switch", "real", "whole"]
 
 
 def is_count(value: Any, minimum: int = 1) -> bool:
@@ -37,5 +39,21 @@ def is_positive_seconds(value: Any) -> bool:
 
 
 def is_switch(value: Any) -> bool:
-    """``True`` or ``False`` itself: a string such as ``"no"`` is truthy, and is refused."""
-    return isinstance(value, bool)
+    """True or false as a ``bool``, a numpy bool, or the integer 0 or 1: a string such as
+    ``"no"`` is truthy, and is refused."""
+    if isinstance(value, bool | numpy.bool_):
+        return True
+    return isinstance(value, numbers.Integral) and int(value) in (0, 1)
+
+
+def whole(value: Any) -> Any:
+    """A whole number as an ``int`` (a numpy integer kept in a policy would not go into JSON),
+    anything else as it is (to be refused by its check)."""
+    return int(value) if is_count(value, minimum=-(2**63)) else value
+
+
+def real(value: Any) -> Any:
+    """A real number as a ``float`` or ``int`` (not a numpy scalar), anything else as it is."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return float(value) if is_real(value) else value

@@ -465,12 +465,14 @@ def test_retention_takes_a_checkpoint_out_of_the_root_at_once_and_deletes_it_off
         ("keep", 3, r"keep=3\): give a retention policy, e.g. crashproof.KeepLast\(3\)"),
         ("keep", cp.EverySteps(3), "give a retention policy"),
         ("async_save", "no", r"async_save='no'\): use True or False"),
-        ("memory", 0, "use True or False"),
+        ("memory", 2, "use True or False"),
         ("read_only", "yes", "use True or False"),
         ("check_finite", None, "use True or False"),
         ("timeout_s", "5", "positive, finite number of seconds"),
         ("timeout_s", 0, "positive, finite number of seconds"),
-        ("remote_timeout_s", float("inf"), "positive, finite number of seconds"),
+        ("remote_timeout_s", float("inf"), "finite number of seconds, or 0"),
+        ("remote_timeout_s", -1, "finite number of seconds, or 0"),
+        ("async_save", -1, "use True or False"),
     ],
 )
 def test_an_option_of_the_wrong_kind_is_refused_where_it_is_given(
@@ -482,3 +484,14 @@ def test_an_option_of_the_wrong_kind_is_refused_where_it_is_given(
     with pytest.raises(cp.ConfigError, match=said):
         cp.CheckpointManager(tmp_path / "ck", handle_signals=False, **{option: value})
     assert not (tmp_path / "ck").exists()
+
+
+def test_switches_and_numbers_of_other_kinds_that_mean_the_same_are_taken(tmp_path: Path) -> None:
+    """A switch from an environment variable (``int(os.environ[...])``: 0 or 1) or numpy, and
+    ``remote_timeout_s=0`` (do not wait for the tiers at close), mean what they say."""
+    import numpy as np
+
+    options = dict(async_save=np.bool_(False), check_finite=1, handle_signals=0, remote_timeout_s=0)
+    with cp.CheckpointManager(tmp_path / "ck", **options) as ckpt:  # type: ignore[arg-type]
+        ckpt.save(1, cp.TrainState(model=torch.nn.Linear(2, 2)))
+    assert (tmp_path / "ck" / "step_0000000001").is_dir()

@@ -162,6 +162,27 @@ def test_a_rollback_retracts_the_newer_memory_snapshots(
         assert again.restore(fresh) == 5
 
 
+def test_a_refusal_names_staging_buffers_1_only_for_a_manager_with_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = MemoryHost(EventLog(tmp_path / "events.jsonl"), limit_bytes=64 * 1024)
+    monkeypatch.setenv(ENV_MEMORY_SOCKET, host.address)
+    try:
+        big = cp.TrainState(model=nn.Linear(512, 512, bias=False))  # 1 MiB, over the limit
+        with (
+            caplog.at_level(logging.ERROR),
+            cp.CheckpointManager(
+                tmp_path / "ck", every=cp.EverySteps(1), memory_every=cp.EverySteps(1),
+                staging_buffers=2,
+            ) as ckpt,
+        ):  # fmt: skip
+            ckpt.save(1, big)
+            assert ckpt.wait() is not None
+        assert "need 1.01 MiB" in caplog.text and "or use staging_buffers=1" in caplog.text
+    finally:
+        host.close()
+
+
 def test_refused_shared_memory_names_the_amount_and_the_checkpoint_still_commits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

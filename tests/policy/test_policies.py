@@ -128,6 +128,15 @@ def test_counts_of_numpy_integers_are_whole_numbers() -> None:
 
     assert EverySteps(np.int64(5)).should_save(_ctx(10, now_s=0.0))
     assert KeepLast(np.int32(2)).keep([1, 2, 3]) == {2, 3}
+    # kept as ints and floats: a policy's spec goes into JSON (the hand-over to the agent)
+    import json
+
+    from crashproof import KeepWithin
+    from crashproof.policy import policy_from_spec, policy_to_spec
+
+    policy = KeepLast(np.int64(3)) | KeepWithin(hours=np.float32(2))
+    assert policy_from_spec(json.loads(json.dumps(policy_to_spec(policy)))) == policy
+    assert type(EverySteps(np.int64(5)).n) is int
 
 
 @pytest.mark.parametrize("value", [True, "60", float("inf"), float("nan"), None], ids=repr)

@@ -83,6 +83,25 @@ def test_an_unfinished_line_is_shown_after_a_moment_and_ended(tmp_path: Path) ->
     assert [s for _, s in console.writes] == ["[rank 0] password: \n", "[rank 0] typed\n"]
 
 
+def test_a_slow_progress_bar_shows_one_line_per_redraw_and_no_empty_ones(tmp_path: Path) -> None:
+    """tqdm redraws with a carriage return and no newline: each redraw, seconds apart, is shown
+    once it has waited its moment, and the next redraw's return (read as the line's ending)
+    adds no empty line."""
+    log, console, finished = tmp_path / "0.log", _Console(), threading.Event()
+    thread = _tail(log, console, finished)
+    for shown in (" 10%", " 20%"):
+        _append(log, "\r" + shown)
+        time.sleep(HOLD_S + 0.3)
+    _append(log, "\r100%\n")
+    time.sleep(0.1)
+    finished.set()
+    thread.join(5)
+    assert [s for _, s in console.writes] == [
+        "[rank 0] \n",  # (the first return, before anything was drawn: as torch shows it)
+        "[rank 0]  10%\n", "[rank 0]  20%\n", "[rank 0] 100%\n",
+    ]  # fmt: skip
+
+
 def test_what_is_left_when_the_rank_ends_is_shown_whole_and_filtered(tmp_path: Path) -> None:
     log, console, finished = tmp_path / "0.log", _Console(), threading.Event()
     log.write_text("kept 1\ndropped\nkept 2\nkept, no newline")

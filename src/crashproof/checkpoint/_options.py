@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from crashproof._arguments import is_count, is_positive_seconds, is_switch
+from crashproof._arguments import is_count, is_positive_seconds, is_real, is_switch
 from crashproof.checkpoint.save import Delta
 from crashproof.checkpoint.tiers import Tier
 from crashproof.errors import ConfigError
@@ -229,12 +229,16 @@ class ManagerOptions:
                 raise ConfigError(
                     f"CheckpointManager({name}={getattr(self, name)!r}): use True or False"
                 )
-        for name in ("timeout_s", "remote_timeout_s"):
-            if not is_positive_seconds(getattr(self, name)):
-                raise ConfigError(
-                    f"CheckpointManager({name}={getattr(self, name)!r}): give a positive, finite "
-                    "number of seconds"
-                )
+        if not is_positive_seconds(self.timeout_s):
+            raise ConfigError(
+                f"CheckpointManager(timeout_s={self.timeout_s!r}): give a positive, finite number "
+                "of seconds"
+            )
+        if not (is_real(self.remote_timeout_s) and self.remote_timeout_s >= 0):
+            raise ConfigError(
+                f"CheckpointManager(remote_timeout_s={self.remote_timeout_s!r}): give a finite "
+                "number of seconds, or 0 not to wait for the tiers at close"
+            )
 
 
 _SWITCHES = (

@@ -163,7 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 removed.append(step)
                 continue
             results.append(result)
-        if not (args.latest and removed and not results):
+        if not (args.latest and args.step is None and removed and not results):
             break
         chosen = committed_steps(storage, path)[:1]  # --latest: the newest there is now
     if not results and removed:

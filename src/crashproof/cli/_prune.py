@@ -149,6 +149,6 @@ def _node_part(storage: Storage, path: str) -> str:
                 ranks = sorted(held_part(manifest, storage.list(ckpt), storage.describe(ckpt)))
             except (CrashproofError, OSError):
                 ranks = []
-            held = f"ranks {', '.join(map(str, ranks))}" if ranks else "one node's ranks"
+            held = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "one node's ranks"  # (as ls)
             return f"step {step}: {held} of {manifest.world_size}"
     return ""

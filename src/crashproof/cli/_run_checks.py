@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -163,7 +164,7 @@ def _check_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) 
         )
 
 
-MIN_MEMORY_LIMIT = 4096
+MIN_MEMORY_LIMIT = mmap.PAGESIZE
 """The smallest ``--memory-limit``: one page; no snapshot fits in less."""
 
 
@@ -179,7 +180,7 @@ def _check_memory(args: argparse.Namespace, max_nodes: int) -> None:
             ("--peer-parity", args.peer_parity),
             ("--peer-bandwidth", _size(args.peer_bandwidth)),
         )
-        if value is not None
+        if value is not None and not (option == "--peer-replicas" and value == 0)
     ]
     if not args.memory and given:
         option, value = given[0]
@@ -190,8 +191,8 @@ def _check_memory(args: argparse.Namespace, max_nodes: int) -> None:
         raise RunOptionError(
             "--memory-limit",
             _size(args.memory_limit),
-            f"no snapshot fits in less than one page: give at least {MIN_MEMORY_LIMIT} bytes "
-            "(4KiB), or --no-memory",
+            f"no snapshot fits in less than one page: give at least {MIN_MEMORY_LIMIT} bytes, "
+            "or --no-memory",
         )
     peers = max_nodes - 1  # (each node's copies go to other nodes; spares hold none)
     if args.peer_replicas and max_nodes > 1 and args.peer_replicas > peers:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from crashproof._arguments import is_count, is_real
+from crashproof._arguments import is_count, is_real, real, whole
 from crashproof.errors import ConfigError
 
 __all__ = [
@@ -81,6 +81,7 @@ class KeepLast(_Combinable):
     n: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "n", whole(self.n))  # (a numpy integer: an int, for JSON)
         if not is_count(self.n):
             raise ConfigError(f"KeepLast({self.n!r}): keep a whole number of checkpoints, >= 1")
 
@@ -95,6 +96,7 @@ class KeepEvery(_Combinable):
     steps: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", whole(self.steps))
         if not is_count(self.steps):
             raise ConfigError(
                 f"KeepEvery(steps={self.steps!r}): steps must be a whole number, >= 1"
@@ -142,6 +144,8 @@ class KeepWithin(_ByFacts):
         return self.seconds + 60 * self.minutes + 3600 * self.hours + 86400 * self.days
 
     def __post_init__(self) -> None:
+        for name in ("seconds", "minutes", "hours", "days"):
+            object.__setattr__(self, name, real(getattr(self, name)))
         parts = (self.seconds, self.minutes, self.hours, self.days)
         if not all(is_real(part) and part >= 0 for part in parts) or not is_real(self.span_s):
             raise ConfigError(f"{self!r}: give finite numbers >= 0 (seconds, minutes, ...)")
@@ -169,6 +173,7 @@ class _KeepOnePer(_ByFacts):
     """Shifts the periods' boundaries (weeks start on Monday, not on the epoch's Thursday)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "n", whole(self.n))
         if not is_count(self.n):
             raise ConfigError(
                 f"{type(self).__name__}({self.n!r}): keep a whole number of periods, >= 1"
@@ -221,6 +226,7 @@ class KeepBest(_ByFacts):
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "n", whole(self.n))
         if not isinstance(self.metric, str) or not self.metric:
             raise ConfigError(
                 f"KeepBest({self.metric!r}): name the metric, a key of save(metadata=...)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from crashproof._arguments import is_count, is_positive_seconds
+from crashproof._arguments import is_count, is_positive_seconds, real, whole
 from crashproof.errors import ConfigError
 
 __all__ = ["AnyOf", "EverySeconds", "EverySteps", "SavePolicy", "is_save_policy"]
@@ -57,6 +57,7 @@ class EverySteps(_Combinable):
     def __post_init__(self) -> None:
         if not is_count(self.n):
             raise ConfigError(f"EverySteps(n={self.n!r}): n must be a whole number of steps >= 1")
+        object.__setattr__(self, "n", whole(self.n))  # (a numpy integer: an int, for JSON)
 
     @property
     def same_on_every_rank(self) -> bool:
@@ -78,6 +79,7 @@ class EverySeconds(_Combinable):
                 f"EverySeconds({self.seconds!r}): the interval must be a positive, finite number "
                 "of seconds"
             )
+        object.__setattr__(self, "seconds", real(self.seconds))
 
     @property
     def same_on_every_rank(self) -> bool:

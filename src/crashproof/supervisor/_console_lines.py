@@ -9,7 +9,9 @@ lands on its end (``...}[rank 1] ...``): lines a script or a person reads back a
 :func:`tail_whole_lines` takes the place of torch's copier (same arguments) and holds a piece
 without its newline until the rest of the line comes. A line that stays unfinished for
 :data:`HOLD_S` (a prompt, dots printed one at a time) is shown as it is, ended on the console, so
-that nothing waits long; the rank's log file in the run directory is never touched.
+that nothing waits long (its ending, when it comes, adds no empty line: a progress bar that
+redraws itself with ``\r`` every few seconds shows one line per redraw); the rank's log file in
+the run directory is never touched.
 """
 
 from __future__ import annotations
@@ -50,10 +52,15 @@ def tail_whole_lines(
 
     pending = ""
     since = 0.0
+    ended = False  # the last line was shown unfinished, ended here
     with open(file, errors="replace") as fp:
         while True:
             piece = fp.readline()
             if piece:
+                if ended and piece == "\n":  # its own ending, come late: shown already
+                    ended = False
+                    continue
+                ended = False
                 if not pending:
                     since = time.monotonic()
                 pending += piece
@@ -68,7 +75,7 @@ def tail_whole_lines(
                 return
             if pending and time.monotonic() - since >= HOLD_S:
                 show(pending + "\n")
-                pending = ""
+                pending, ended = "", True
             time.sleep(interval_sec)
 
 

@@ -43,10 +43,20 @@ class Slot:
     """Segment ``index`` of rank ``rank``'s snapshots for the root named by ``key``."""
 
     def __init__(
-        self, client: MemoryClient | None, key: str, rank: int, world_size: int, index: int
+        self,
+        client: MemoryClient | None,
+        key: str,
+        rank: int,
+        world_size: int,
+        index: int,
+        *,
+        buffers: int = 1,
     ) -> None:
         self._client = client  # (None: the agent's own look at a segment it holds)
         self.key, self.rank, self.world_size, self.index = key, rank, world_size, index
+        self.buffers = buffers
+        """How many staging buffers its manager has (a refusal names ``staging_buffers=1``
+        only where there are more)."""
         self._mm: mmap.mmap | None = None
         self._fd: int | None = None  # kept while mapped read-only, to map it writable later
         self._registered: int | None = None  # the address given to cudaHostRegister
@@ -113,7 +123,7 @@ class Slot:
             size = -(-nbytes // PAGE) * PAGE
             reply, fds = self._host().request({"op": "allocate", **self._ids(), "nbytes": size})
             if not fds:
-                raise _refusal(reply, self.rank, size, self.index)
+                raise _refusal(reply, self.rank, size, several=self.buffers > 1)
             self._map(fds[0], size)
             os.close(fds[0])
         elif self._fd is not None:  # adopted, mapped read-only: writable from here on
@@ -213,9 +223,9 @@ def malformed(contents: Any, nbytes: int) -> str | None:
     return None
 
 
-def _refusal(reply: dict[str, Any], rank: int, nbytes: int, index: int) -> CrashproofError:
-    """Why the agent refused a segment, and what to do; ``index``: the staging buffer's (a
-    second one exists only with ``staging_buffers`` of 2 or more, which is then worth naming)."""
+def _refusal(reply: dict[str, Any], rank: int, nbytes: int, *, several: bool) -> CrashproofError:
+    """Why the agent refused a segment, and what to do (``several``: the manager has more than
+    one staging buffer, and one fewer would need less)."""
     if reply.get("error") != "insufficient":
         return CrashproofError(f"crashproof run's memory host: {reply.get('error')}")
     available, limit = reply.get("available"), reply.get("limit")
@@ -237,6 +247,6 @@ def _refusal(reply: dict[str, Any], rank: int, nbytes: int, index: int) -> Crash
         f"crashproof run's agent, but {room} (this node's snapshots hold {held})"
         + (f": {reply['why']}" if reply.get("why") else "")
         + f". To keep them, {fix}"
-        + (", or use staging_buffers=1" if index > 0 else "")
+        + (", or use staging_buffers=1" if several else "")
         + "; or run with crashproof run --no-memory"
     )

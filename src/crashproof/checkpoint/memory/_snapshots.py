@@ -42,7 +42,7 @@ class MemorySnapshots:
         self.rank, self.world_size = rank, world_size
         key = digest(root.encode())[:16]  # two managers in one trainer (model, EMA) never mix
         self._key = key
-        self.slots = [Slot(client, key, rank, world_size, i) for i in range(slots)]
+        self.slots = [Slot(client, key, rank, world_size, i, buffers=slots) for i in range(slots)]
         reply, fds = client.request(
             {"op": "hello", "key": key, "rank": rank, "world_size": world_size}
         )
@@ -51,7 +51,9 @@ class MemorySnapshots:
         for info, fd in zip(reply.get("slots", []), fds, strict=False):
             index = int(info["slot"])
             while len(self.slots) <= index:
-                self.slots.append(Slot(client, key, rank, world_size, len(self.slots)))
+                self.slots.append(
+                    Slot(client, key, rank, world_size, len(self.slots), buffers=slots)
+                )
             origin, verified = str(info.get("origin", "local")), info.get("verified") is True
             self.slots[index].adopt(
                 fd, int(info["nbytes"]), info["step"], info["files"], origin, verified=verified
