@@ -184,3 +184,25 @@ def test_what_chooses_the_state_exported_the_ema_the_optimizer_everything_or_a_k
     assert "(ema, step)" in proc.stdout
     keys = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     assert {f"ema.shadow.{k}" for k in shadow} <= set(keys), sorted(keys)
+
+
+def test_the_newest_export_takes_the_newest_whole_checkpoint(
+    ddp_checkpoint: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """An export reads the files of one rank's state; a newest checkpoint with another file
+    damaged (``ls`` calls it invalid) is skipped as ``ls`` would. Asked for by ``--step``, it is
+    exported only if what the export reads verifies: here rank 1's file holds part of the model
+    for every rank, so it is refused, naming the file."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(ddp_checkpoint[0], root)
+    shard = root / "step_0000000010" / "rank_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    newest = _cli("export", str(root), "-o", str(tmp_path / "newest.safetensors"))
+    assert newest.returncode == 0, newest.stderr
+    assert "skipping step 10" in newest.stderr and "rank_00001.safetensors" in newest.stderr
+    assert "of step 5" in newest.stdout
+    asked = _cli("export", str(root), "--step", "10", "-o", str(tmp_path / "ten.safetensors"))
+    assert asked.returncode == 1 and "rank_00001.safetensors" in asked.stderr, asked.stderr
+    assert not (tmp_path / "ten.safetensors").exists()

@@ -30,7 +30,7 @@ from crashproof.errors import CrashproofError
 from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from crashproof.storage import Storage
 
-__all__ = ["add_checkpoint_parsers", "human", "iso"]
+__all__ = ["add_checkpoint_parsers", "human", "iso", "raise_refusal"]
 
 
 def add_checkpoint_parsers(
@@ -111,7 +111,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 # --verify gives a verdict: none on what the storage would not let be read
                 # (plain ls lists such a row, its problem naming the file: test_ls_honest)
                 if args.verify and not row.info.valid:
-                    _raise_refusal(storage, step, ckpt)
+                    raise_refusal(storage, step, ckpt)
                 rows.append(row)
         except OSError as exc:  # unreadable (not corrupt), named in full by list_checkpoints
             if not unreadable(exc):
@@ -216,7 +216,7 @@ def _still_listed(storage: Storage, root: str, ckpt: str) -> bool:
         return True  # (cannot tell: the verdict stands)
 
 
-def _raise_refusal(storage: Storage, step: int, ckpt: str) -> None:
+def raise_refusal(storage: Storage, step: int, ckpt: str) -> None:
     """Raise the OSError of a file of ``ckpt`` (an invalid row of ``ls``) that the storage
     refused to read, named in full; return when the checkpoint is invalid on its own."""
     try:

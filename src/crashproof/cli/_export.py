@@ -9,13 +9,14 @@ import argparse
 
 from crashproof._console import output_unwritable, say
 from crashproof._units import SIZE_FORMS
-from crashproof.checkpoint import check_target, export_dcp, export_safetensors
+from crashproof.checkpoint import check_target, export_dcp, export_safetensors, list_checkpoints
 from crashproof.checkpoint.export import HF_CONFIG, HfExport, export_hf
-from crashproof.cli._checkpoints import human
+from crashproof.cli._checkpoints import human, raise_refusal
 from crashproof.cli._conventions import fail, size
 from crashproof.cli._roots import open_root, pick, refusal, storage_refused
-from crashproof.errors import ConfigError, CrashproofError
+from crashproof.errors import ConfigError, CorruptCheckpointError, CrashproofError
 from crashproof.exitcodes import EXIT_INVALID, EXIT_OK, EXIT_STORAGE, EXIT_USAGE
+from crashproof.storage import Storage
 
 __all__ = ["add_export_parser"]
 
@@ -74,6 +75,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     chosen = pick(found, args.step, storage.describe(path))
     for step, ckpt in chosen:  # newest first: the first that exports wins
         try:
+            if args.step is None:
+                _check_whole(storage, step, ckpt)
             if args.format == "dcp":
                 state = export_dcp(storage, ckpt, args.output, force=args.force, what=args.what)
                 print(
@@ -114,6 +117,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"exported {len(tensors)} tensors ({human(size_bytes)}) of step {step} to {where}")
         return EXIT_OK
     return fail(f"no valid checkpoint to export in {storage.describe(path)}", EXIT_INVALID)
+
+
+def _check_whole(storage: Storage, step: int, ckpt: str) -> None:
+    """An export reads the files that hold one rank's state (verified as it reads them); the
+    others are checked here by their sizes, as ``ls`` checks them, so that the export of the
+    newest checkpoint takes the newest that ``ls`` calls valid. (A step asked for by ``--step``
+    is exported if what the export reads verifies.)"""
+    row = list_checkpoints(storage, [(step, ckpt)])[0]
+    if not row.info.valid:
+        raise_refusal(storage, step, ckpt)  # (a file the storage refuses: exit 74, as ls)
+        raise CorruptCheckpointError(row.info.problem)
 
 
 def _say_hf(done: HfExport, out: str) -> None:
