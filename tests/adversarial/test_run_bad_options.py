@@ -245,3 +245,31 @@ def test_good_options_pass_the_checks(
     argv = [arg for option in GOOD for arg in option]
     assert main(["run", *argv, "--nnodes", "1:1", "--rdzv-endpoint", "[::1]:29400", SCRIPT_OK]) == 0
     assert len(reached) == 1, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "noted"),
+    [
+        (["--peer-replicas", "2"], "--peer-replicas 2 on one node"),
+        (
+            ["--peer-parity", "3", "--peer-bandwidth", "8MiB"],
+            "--peer-parity 3, --peer-bandwidth 8 MiB",
+        ),
+        (["--peer-replicas", "0"], None),
+        (["--nnodes", "1:2", "--peer-replicas", "1"], None),
+        ([], None),
+    ],
+)
+def test_peer_options_on_one_node_are_taken_with_a_note(
+    options: list[str], noted: str | None, paths: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command shared by one-node and multi-node jobs is not refused for its peer options on
+    one node, where no copies can be made: the run is told once, on stderr."""
+    from crashproof.cli._run import parse_run_args
+
+    parse_run_args([*options, SCRIPT_OK])
+    err = capsys.readouterr().err
+    if noted is None:
+        assert "on one node" not in err, err
+    else:
+        assert noted in err and "no other node to hold copies" in err and err.count("\n") == 1

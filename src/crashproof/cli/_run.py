@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from torch.distributed.run import get_args_parser
 
+from crashproof._console import say
 from crashproof._units import DURATION_FORMS
 from crashproof.cli._conventions import (
     OneLineParser,
@@ -26,7 +27,7 @@ from crashproof.cli._conventions import (
     size,
     whole_number,
 )
-from crashproof.cli._run_checks import RunOptionError, check_run_args
+from crashproof.cli._run_checks import RunOptionError, check_run_args, options_without_effect
 from crashproof.supervisor.launch import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_METRICS_PORT,
@@ -258,4 +259,6 @@ def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
         check_run_args(args)
     except RunOptionError as exc:
         parser.error(str(exc))
+    for note in options_without_effect(args):
+        say("crashproof run", note)
     return args

@@ -32,7 +32,13 @@ from torch.distributed.run import determine_local_world_size
 
 from crashproof._units import MAX_DURATION_S, format_size, parse_size
 
-__all__ = ["MAX_NNODES", "MAX_NPROC_PER_NODE", "RunOptionError", "check_run_args"]
+__all__ = [
+    "MAX_NNODES",
+    "MAX_NPROC_PER_NODE",
+    "RunOptionError",
+    "check_run_args",
+    "options_without_effect",
+]
 
 MAX_NPROC_PER_NODE = 1024
 """The most trainers ``--nproc-per-node`` starts on one machine: above the cores and devices of
@@ -162,6 +168,29 @@ def _check_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) 
             "hot spares wait in a rendezvous of several nodes (c10d or etcd, --nnodes 2 or "
             "more, not --standalone): give 0 here",
         )
+
+
+def options_without_effect(args: argparse.Namespace) -> list[str]:
+    """Notes on options ``args`` (checked already) gives that this run cannot act on, though
+    another run of the same command could: peer options on one node (a command shared by
+    one-node and multi-node jobs is not refused for them)."""
+    if _check_nodes(args)[1] > 1:
+        return []
+    given = [
+        f"{option} {value}"
+        for option, value in (
+            ("--peer-replicas", args.peer_replicas or None),
+            ("--peer-parity", args.peer_parity),
+            ("--peer-bandwidth", _size(args.peer_bandwidth)),
+        )
+        if value is not None
+    ]
+    if not given:
+        return []
+    return [
+        f"note: {', '.join(given)} on one node: there is no other node to hold copies of its "
+        "memory snapshots; a node loss falls back to the checkpoints on disk or in a tier"
+    ]
 
 
 MIN_MEMORY_LIMIT = mmap.PAGESIZE
