@@ -208,3 +208,52 @@ def test_prune_of_one_nodes_root_is_refused_and_removes_nothing(
         assert "CheckpointManager.prune after a restore" in said
         assert "Traceback" not in said and done.stdout == ""
         assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+_KEEP_TWO = """
+import os, sys, torch, torch.distributed as dist
+import crashproof as cp
+
+base, steps = sys.argv[1], [int(s) for s in sys.argv[2].split(",") if s]
+rank = int(os.environ["RANK"])
+os.environ["CRASHPROOF_NODE"] = f"n{rank}"
+dist.init_process_group("gloo")
+torch.manual_seed(rank)
+state = cp.TrainState(model=torch.nn.Linear(4, 4))
+manager = cp.CheckpointManager(
+    os.path.join(base, f"node{rank}"), async_save=False, handle_signals=False,
+    root_scope="node", keep=cp.KeepLast(2),
+)
+with manager:
+    sys.stdout.write(f"\\\\nrank {rank}: resumed {manager.restore(state)}\\\\n")
+    sys.stdout.flush()
+    for step in steps:
+        manager.save(step, state)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_steps_no_rank_can_restore_do_not_crowd_out_the_runs_own(
+    tmp_path: Path, warm_ranks: Any
+) -> None:
+    """The ranks moved between nodes (the two nodes' roots swapped): their steps 6 and 7 are
+    whole on no node for this layout, and the run starts over. Retention with KeepLast(2) then
+    keeps the two newest steps this run saved, not the stranded 6 and 7 beside only one of its
+    own; the stranded ones are kept too, uncounted (the node holding the rest may come back)."""
+    script = tmp_path / "keep_two.py"
+    script.write_text(_KEEP_TWO)
+    run = tmp_path / "run"
+    first = warm_ranks.run(script, [str(run), "5,6,7"], nproc=2, timeout=120)
+    assert first.exit_codes == [0, 0], first.output
+    (run / "node0").rename(run / "swap")
+    (run / "node1").rename(run / "node0")
+    (run / "swap").rename(run / "node1")
+    again = warm_ranks.run(script, [str(run), "1,2"], nproc=2, timeout=120)
+    assert again.exit_codes == [0, 0], again.output
+    assert "rank 0: resumed 0" in again.output and "not whole on every node" in again.output
+    for node in ("node0", "node1"):
+        held = sorted(p.name for p in (run / node).glob("step_*"))
+        assert held == [f"step_{s:010d}" for s in (1, 2, 6, 7)], (node, held)
+    resumed = warm_ranks.run(script, [str(run), ""], nproc=2, timeout=120)
+    assert "rank 0: resumed 2" in resumed.output and "rank 1: resumed 2" in resumed.output

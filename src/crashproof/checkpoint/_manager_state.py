@@ -60,6 +60,11 @@ class ManagerState:
     """Steps whose local copy a restore of this run found corrupt (and skipped): retention does
     not count them among what it keeps and removes them first when the disk is full. A step
     leaves the set when this run commits or downloads a good copy of it."""
+    stranded: set[int] = field(default_factory=set)
+    """On node-local roots, steps this node's root holds that a restore of this run found not
+    whole on every node (a node lost its disk, the ranks moved between nodes): no rank of this
+    run can restore them, so retention does not count them among what it keeps (they would
+    crowd out the steps this run saves), and removes them only when the disk is full."""
     second_writer: str | None = None
     """Why the next call into the manager fails: a second writer was seen."""
     retention_off: bool = False

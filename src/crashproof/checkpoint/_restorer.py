@@ -296,6 +296,9 @@ class Restorer:
                 "they are not candidates",
                 lacking[:5],
             )
+        # Held here but restorable by no rank of this run: not counted by retention (see
+        # ManagerState.stranded).
+        self._shared.stranded = set(local) - on_disk - in_tiers
         if self._read_only:  # (it never writes into the root: a part stays where it is)
             in_tiers = set()
         self._node_tier_digests = {s: wanted[s] for s in in_tiers}

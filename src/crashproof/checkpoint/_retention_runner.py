@@ -91,9 +91,11 @@ class RetentionRunner:
         return keep | self._tiers.protected()  # not yet copied to a durable tier
 
     def unusable(self) -> frozenset[int]:
-        """The steps whose local copy this run found corrupt: never counted as kept, removed
-        first (never the newest valid checkpoint, which verified)."""
-        return frozenset(self._shared.corrupt - {self._shared.newest_valid})
+        """The steps whose local copy this run found corrupt, or not whole on every node: never
+        counted as kept, removed first when the disk is full (never the newest valid
+        checkpoint, which verified)."""
+        shared = self._shared
+        return frozenset((shared.corrupt | shared.stranded) - {shared.newest_valid})
 
     def apply(self, *, keep_always: int) -> None:
         """Remove what the retention policy does not keep (never the newest valid checkpoint).
@@ -115,14 +117,16 @@ class RetentionRunner:
             plan = retention_plan(
                 shared.storage, found, self._keep, keep_always=keep, facts=facts, unusable=unusable
             )
-            # A copy this run found corrupt is not counted among the kept, but only a full disk
-            # removes it (remove_early): until then it stays, for whoever looks into why.
+            # A copy this run found corrupt (or not whole on every node) is not counted among
+            # the kept, but only a full disk removes it (remove_early): until then it stays, for
+            # whoever looks into why (or for the node that holds the rest of it).
             plan = [(step, path) for step, path in plan if step not in unusable]
             with deferring_removals(self._reaper.submit):
                 for step, path in plan:
                     log.info("retention: removing checkpoint step %d", step)
                     shared.storage.remove(path)
                     shared.corrupt.discard(step)
+                    shared.stranded.discard(step)
         except Exception as exc:  # a failed clean-up must not fail the save that just committed
             log.warning(
                 "retention in %s failed: %s; will retry after the next save", shared.root, exc
@@ -220,13 +224,23 @@ class RetentionRunner:
             log.warning(
                 "disk full: retention removes checkpoint step %d%s before step %d commits",
                 step,
-                " (found corrupt by this run's restore)" if step in unusable else "",
+                _why_unusable(shared, step),
                 snapshot.step,
             )
             shared.storage.remove(path)
             shared.corrupt.discard(step)
+            shared.stranded.discard(step)
         if shared.lock is not None:  # the lock holder's own leftovers: trash of removals
             for leftover in leftover_dirs(shared.storage, shared.root):
                 if os.path.basename(leftover).startswith(".trash-"):
                     shared.storage.remove(leftover)
         return [step for step, _ in plan]
+
+
+def _why_unusable(shared: ManagerState, step: int) -> str:
+    """What the log says of a step removed early that this run could not restore."""
+    if step in shared.corrupt:
+        return " (found corrupt by this run's restore)"
+    if step in shared.stranded:
+        return " (not whole on every node's root)"
+    return ""
