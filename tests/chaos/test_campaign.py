@@ -237,3 +237,42 @@ def test_a_duration_that_is_not_a_finite_time_is_refused(
             _chaos(["--mtbf", "5", option, value, "--", "t.py"])
         assert exit_.value.code == 2
         assert "finite number of seconds" in capsys.readouterr().err
+
+
+_FAILS_ONCE_IN_THE_BASELINE = """
+import os, runpy, sys
+run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
+marker = os.path.join(os.path.dirname(run_dir), "baseline-failed-once")
+if os.path.basename(run_dir) == "baseline" and os.environ.get("RANK") == "1" and not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.exit(3)  # (a trainer of the baseline fails, once: not a fault of the campaign's)
+sys.argv[0] = TRAIN_TINY
+runpy.run_path(TRAIN_TINY, run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_baseline_that_restarted_is_run_again_and_the_clean_one_is_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A baseline whose trainer failed and was restarted is no run without faults (a NaN armed
+    once would not come again): it is run again from scratch, and the one that ran through is
+    compared, bit for bit."""
+    script = tmp_path / "fails_once.py"
+    script.write_text(
+        _FAILS_ONCE_IN_THE_BASELINE.replace("TRAIN_TINY", repr(str(EXAMPLES / "train_tiny.py")))
+    )
+    trainer = [str(script) if a == str(EXAMPLES / "train_tiny.py") else a for a in _trainer(30)]
+    report_path = tmp_path / "report.json"
+    argv = ["--dir", str(tmp_path / "c"), "--compare-baseline", "--fault",
+            "at=step:10,rank=0,kind=kill", "--resolve-timeout", "60", "--timeout", "120",
+            "--report", str(report_path)]  # fmt: skip
+    code = _chaos([*argv, "--", *trainer])
+    report: dict[str, Any] = json.loads(report_path.read_text())
+    assert code == 0 and report["passed"], json.dumps(report, indent=1)[-3000:]
+    assert report["baseline"]["identical"] and report["baseline"]["exitcode"] == 0
+    assert (tmp_path / "c" / "baseline-failed-once").exists()  # (it did fail, the first time)
+    said = capsys.readouterr().out
+    assert "[chaos] the baseline restarted (exit code 3): it is no run without faults" in said
+    baseline_events = list(read_events(tmp_path / "c" / "baseline" / "events.jsonl"))
+    assert not [e for e in baseline_events if e["event"] == "restart"]  # the clean one, compared

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,10 @@ from crashproof.errors import ConfigError
 from crashproof.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["RUN_PLACEHOLDER", "CampaignOptions", "RunOptions", "run_campaign"]
+
+_BASELINE_TRIES = 3
+"""How often the baseline is run when it restarts (a trainer of it failed): it must run through
+without a failure to stand for the job without faults."""
 
 
 RUN_PLACEHOLDER = "{run}"
@@ -303,26 +308,38 @@ def _campaign(
             for i in result.injections
             if i.fault.kind == "nan" and i.fired_ts is not None
         ]
-        if nans:
-            control = RunDir(baseline_dir).chaos_control("nan")
-            os.makedirs(os.path.dirname(control), exist_ok=True)
-            write_control(control, nans)
-            env[ENV_CHAOS_NAN] = control
         if echo:
             print(
                 f"[chaos] baseline run without faults{' (same NaN steps)' if nans else ''}: {baseline_dir}"
             )
-        with open_console(directory, "baseline.log") as console:
-            proc = run_crashproof(baseline.args, env, console)
-            try:
-                baseline_code = proc.wait(timeout=options.timeout_s)
-            except subprocess.TimeoutExpired:
-                baseline_code = None  # reported as a failed baseline
-            finally:
-                stop_run(proc, grace_s=10)
+        for tries_left in reversed(range(_BASELINE_TRIES)):
+            if nans:
+                control = RunDir(baseline_dir).chaos_control("nan")
+                os.makedirs(os.path.dirname(control), exist_ok=True)
+                write_control(control, nans)
+                env[ENV_CHAOS_NAN] = control
+            with open_console(directory, "baseline.log") as console:
+                proc = run_crashproof(baseline.args, env, console)
+                try:
+                    baseline_code = proc.wait(timeout=options.timeout_s)
+                except subprocess.TimeoutExpired:
+                    baseline_code = None  # reported as a failed baseline
+                finally:
+                    stop_run(proc, grace_s=10)
+            base_view = RunView(baseline_dir)
+            base_view.refresh()
+            restarts = base_view.of("restart")
+            if not restarts or not tries_left:
+                break
+            # A baseline that failed and restarted is no run without faults: its NaNs, armed
+            # once, did not come again after the restart (nor would any other one-time event).
+            if echo:
+                print(
+                    f"[chaos] the baseline restarted ({restarts[0].get('reason', '?')}): it is "
+                    "no run without faults; running it again"
+                )
+            shutil.rmtree(baseline_dir)
         faulted_root = campaign.view.checkpoint_root()
-        base_view = RunView(baseline_dir)
-        base_view.refresh()
         baseline_root = base_view.checkpoint_root()
         if faulted_root is None or baseline_root is None:
             comparison = Comparison(
