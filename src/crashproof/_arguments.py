@@ -17,11 +17,7 @@ __all__ = ["is_count", "is_positive_seconds", "is_real", "is_switch", "real", "w
 
 def is_count(value: Any, minimum: int = 1) -> bool:
     """A whole number (an ``int``, a numpy integer; not a ``bool``) of at least ``minimum``."""
-    return (
-        isinstance(value, numbers.Integral)
-        and not isinstance(value, bool)
-        and int(value) >= minimum
-    )
+    return _integral(value) and int(value) >= minimum
 
 
 def is_real(value: Any) -> bool:
@@ -41,19 +37,22 @@ def is_positive_seconds(value: Any) -> bool:
 def is_switch(value: Any) -> bool:
     """True or false as a ``bool``, a numpy bool, or the integer 0 or 1: a string such as
     ``"no"`` is truthy, and is refused."""
-    if isinstance(value, bool | numpy.bool_):
-        return True
-    return isinstance(value, numbers.Integral) and int(value) in (0, 1)
+    return isinstance(value, bool | numpy.bool_) or (_integral(value) and int(value) in (0, 1))
 
 
 def whole(value: Any) -> Any:
     """A whole number as an ``int`` (a numpy integer kept in a policy would not go into JSON),
     anything else as it is (to be refused by its check)."""
-    return int(value) if is_count(value, minimum=-(2**63)) else value
+    return int(value) if _integral(value) else value
 
 
 def real(value: Any) -> Any:
-    """A real number as a ``float`` or ``int`` (not a numpy scalar), anything else as it is."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    """A real number as an ``int`` or a ``float`` (not a numpy scalar), anything else as it is."""
+    if _integral(value):
         return int(value)
     return float(value) if is_real(value) else value
+
+
+def _integral(value: Any) -> bool:
+    """An ``int`` or a numpy integer; a ``bool`` (an ``int`` in Python) is not a number here."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -178,12 +178,8 @@ def options_without_effect(args: argparse.Namespace) -> list[str]:
         return []
     given = [
         f"{option} {value}"
-        for option, value in (
-            ("--peer-replicas", args.peer_replicas or None),
-            ("--peer-parity", args.peer_parity),
-            ("--peer-bandwidth", _size(args.peer_bandwidth)),
-        )
-        if value is not None
+        for option, value in _memory_options(args)
+        if option.startswith("--peer-") and value is not None
     ]
     if not given:
         return []
@@ -201,16 +197,7 @@ def _check_memory(args: argparse.Namespace, max_nodes: int) -> None:
     """The options of the agent's memory snapshots and their copies on peers: none beside
     ``--no-memory``, and none that the node count makes impossible (a copy on more peers than
     there are, a parity group larger than the run)."""
-    given = [
-        (option, value)
-        for option, value in (
-            ("--memory-limit", _size(args.memory_limit)),
-            ("--peer-replicas", args.peer_replicas),
-            ("--peer-parity", args.peer_parity),
-            ("--peer-bandwidth", _size(args.peer_bandwidth)),
-        )
-        if value is not None and not (option == "--peer-replicas" and value == 0)
-    ]
+    given = [(option, value) for option, value in _memory_options(args) if value is not None]
     if not args.memory and given:
         option, value = given[0]
         raise RunOptionError(
@@ -244,6 +231,17 @@ def _check_memory(args: argparse.Namespace, max_nodes: int) -> None:
             _size(args.peer_bandwidth),
             "--peer-replicas 0 sends nothing to peers: drop one of them",
         )
+
+
+def _memory_options(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The memory and peer options, each as its refusal or note shows it (None where not given;
+    ``--peer-replicas 0``, which asks for nothing, as not given)."""
+    return [
+        ("--memory-limit", _size(args.memory_limit)),
+        ("--peer-replicas", args.peer_replicas or None),
+        ("--peer-parity", args.peer_parity),
+        ("--peer-bandwidth", _size(args.peer_bandwidth)),
+    ]
 
 
 def _size(nbytes: int | None) -> str | None:

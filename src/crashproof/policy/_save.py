@@ -55,9 +55,9 @@ class EverySteps(_Combinable):
     n: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "n", whole(self.n))  # (a numpy integer: an int, for JSON)
         if not is_count(self.n):
             raise ConfigError(f"EverySteps(n={self.n!r}): n must be a whole number of steps >= 1")
-        object.__setattr__(self, "n", whole(self.n))  # (a numpy integer: an int, for JSON)
 
     @property
     def same_on_every_rank(self) -> bool:
@@ -74,12 +74,12 @@ class EverySeconds(_Combinable):
     seconds: float
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "seconds", real(self.seconds))
         if not is_positive_seconds(self.seconds):
             raise ConfigError(
                 f"EverySeconds({self.seconds!r}): the interval must be a positive, finite number "
                 "of seconds"
             )
-        object.__setattr__(self, "seconds", real(self.seconds))
 
     @property
     def same_on_every_rank(self) -> bool:

@@ -51,10 +51,6 @@ def read_manifest_bytes(storage: Storage, ckpt_dir: str) -> tuple[bytes, Manifes
     where = storage.describe(path)
     try:
         data = read_all(storage, path, limit=MAX_MANIFEST_BYTES)
-    except NotADirectoryError:
-        raise CorruptCheckpointError(
-            f"{storage.describe(ckpt_dir)}: a file, not a checkpoint directory"
-        ) from None
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{where}: missing; the checkpoint was never committed"
